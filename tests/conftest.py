@@ -1,0 +1,20 @@
+"""Session-wide test settings shared by every tier.
+
+Two shared cores: torch ops get 10-20x slower when two processes fight over intra-op
+threads, so every test process uses one thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+try:
+    import torch
+except ImportError:  # the cache-service tiers run without torch
+    torch = None
+
+if torch is not None:
+    torch.set_num_threads(1)
