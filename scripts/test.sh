@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The project's test command (README, CI): installs everything, then runs every test tier.
+#   bash scripts/test.sh [pytest args...]
+# - torch is pinned to the CPU build 2.13.0 first: an unpinned torch would pull a multi-GB CUDA build.
+# - scripts/docker_env.sh starts a Docker engine and builds the local base image when it can, so the
+#   docker tier (tests/docker) runs for real; when no engine can be had it prints one line and the
+#   tier skips. Every other tier needs no Docker.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install -q torch==2.13.0
+python3 -m pip install -q -e '.[executor,test]'
+
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
+if [ -f scripts/docker_env.sh ]; then
+    # shellcheck source=scripts/docker_env.sh
+    source scripts/docker_env.sh || echo "docker tier: engine setup failed; tests/docker will skip"
+fi
+
+exec python3 -m pytest "$@"
