@@ -5,6 +5,12 @@ A spec says how one layer uses the block pool: how many tokens a block holds
 and the worst-case bytes one request can need (``max_memory_usage_bytes``).
 Equality and hashing are by fields, so layers with equal specs can share a group.
 
+Two relations drive grouping (``grouping.py``, kv-cache-semantics.md §1.1/§1.3):
+``merge`` (layers that can share one block table *and* one spec: equal specs, or full
+attention differing only in a promoted window) and ``is_uniform_with`` (layers of one
+type that need the same token slots but may have different page sizes; they form one
+group with a :class:`UniformTypeKVCacheSpecs`).
+
 Dtypes are named by strings (``"bfloat16"``, ``"float32"``, ...) so that the core
 needs no torch.
 """
@@ -12,7 +18,8 @@ needs no torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar, Literal
 
 from cache_service.core.errors import ConfigError
@@ -44,6 +51,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _check_int(value: object, name: str, *, minimum: int) -> None:
+    # bool is an int subclass; True as a block size is a caller bug, not 1.
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}", field=name)
+
+
+class SpecMergeError(ConfigError):
+    """These layer specs cannot share one KV-cache group (vLLM raises AssertionError).
+    Grouping treats it as "not mergeable"; other ConfigErrors (conflicting windows) are
+    real errors."""
+
+
 @dataclass(frozen=True)
 class SizingLimits:
     """What bounds a request's worst-case memory: the model length, the tokens one request
@@ -52,6 +71,12 @@ class SizingLimits:
     max_model_len: int
     max_in_flight_tokens: int | None = None  # None -> max_model_len
     max_num_encoder_input_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int(self.max_model_len, "max_model_len", minimum=1)
+        if self.max_in_flight_tokens is not None:
+            _check_int(self.max_in_flight_tokens, "max_in_flight_tokens", minimum=1)
+        _check_int(self.max_num_encoder_input_tokens, "max_num_encoder_input_tokens", minimum=0)
 
     @property
     def in_flight(self) -> int:
@@ -66,9 +91,7 @@ class KVCacheSpec:
     block_size: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {self.block_size!r}",
-                              field="block_size")
+        _check_int(self.block_size, "block_size", minimum=1)
 
     @property
     def page_size_bytes(self) -> int:
@@ -78,9 +101,22 @@ class KVCacheSpec:
         raise NotImplementedError
 
     def with_block_size(self, block_size: int) -> "KVCacheSpec":
-        from dataclasses import replace
-
         return replace(self, block_size=block_size)
+
+    @classmethod
+    def merge(cls, specs: Sequence["KVCacheSpec"]) -> "KVCacheSpec":
+        """The spec of one group holding layers with ``specs``: they must all be equal
+        (:class:`SpecMergeError` otherwise)."""
+        if not all(spec == specs[0] for spec in specs[1:]):
+            raise SpecMergeError("All layers in the same KV cache group must be the same.",
+                                 field="layer_specs")
+        return specs[0]
+
+    def is_uniform_with(self, specs: Sequence["KVCacheSpec"]) -> bool:
+        """Whether every spec in ``specs`` is of this spec's type and needs the same token
+        slots per request (so they can share one block table with different pages).
+        Block sizes are compared by the caller."""
+        return all(isinstance(spec, type(self)) for spec in specs)
 
 
 @dataclass(frozen=True)
@@ -96,9 +132,10 @@ class AttentionSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("num_kv_heads", "head_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive", field=name)
+        _check_int(self.num_kv_heads, "num_kv_heads", minimum=1)
+        _check_int(self.head_size, "head_size", minimum=1)
+        if self.head_size_v is not None:
+            _check_int(self.head_size_v, "head_size_v", minimum=0)  # 0: MLA-style K only
         dtype_bytes(self.dtype)
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ConfigError("page_size_padded is smaller than the unpadded page",
@@ -126,6 +163,34 @@ class FullAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         return cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
 
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> "FullAttentionSpec":
+        """Full-attention layers merge when they differ at most in a promoted
+        ``sliding_window`` / ``attention_chunk_size``; the group keeps the one non-None
+        value. Two different windows -> ConfigError; a window and a chunk size, or any
+        other difference -> SpecMergeError."""
+        if not all(type(spec) is FullAttentionSpec for spec in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be "
+                                 "FullAttentionSpec.", field="layer_specs")
+        windows = {s.sliding_window for s in specs if s.sliding_window is not None}
+        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}
+        for name, values in (("sliding_window", windows), ("attention_chunk_size", chunks)):
+            if len(values) > 1:
+                raise ConfigError("All attention layers in the same KV cache group must have "
+                                  f"the same window size; got {name} {sorted(values)}",
+                                  field=name)
+        merged = replace(specs[0], sliding_window=next(iter(windows), None),
+                         attention_chunk_size=next(iter(chunks), None))
+        base = [f.name for f in fields(AttentionSpec)]
+        for spec in specs:
+            if any(getattr(spec, n) != getattr(merged, n) for n in base):
+                raise SpecMergeError("All attention layers in the same KV cache group must "
+                                     "have the same attention spec.", field="layer_specs")
+        if merged.sliding_window is not None and merged.attention_chunk_size is not None:
+            raise SpecMergeError("Model with both sliding window layers and chunked local "
+                                 "attention layers is not supported.", field="layer_specs")
+        return merged
+
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(AttentionSpec):
@@ -147,6 +212,10 @@ class SlidingWindowSpec(AttentionSpec):
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         return self.max_admission_blocks(limits) * self.page_size_bytes
 
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        return all(isinstance(s, SlidingWindowSpec) and s.sliding_window == self.sliding_window
+                   for s in specs)
+
 
 @dataclass(frozen=True)
 class ChunkedLocalAttentionSpec(AttentionSpec):
@@ -166,6 +235,10 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         return self.max_admission_blocks(limits) * self.page_size_bytes
+
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        return all(isinstance(s, ChunkedLocalAttentionSpec)
+                   and s.attention_chunk_size == self.attention_chunk_size for s in specs)
 
 
 @dataclass(frozen=True)
@@ -200,6 +273,7 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check_int(self.num_speculative_blocks, "num_speculative_blocks", minimum=0)
         if len(self.shapes) != len(self.dtypes):
             raise ConfigError("shapes and dtypes must have the same length", field="dtypes")
         for d in self.dtypes:
@@ -222,6 +296,115 @@ class MambaSpec(KVCacheSpec):
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_blocks
         return self.page_size_bytes * blocks
+
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        # A Mamba block is one whole state: pages must match exactly, not just the type.
+        return all(isinstance(s, MambaSpec) and s.page_size_bytes == self.page_size_bytes
+                   and s.num_speculative_blocks == self.num_speculative_blocks
+                   for s in specs)
+
+
+# Attributes a manager reads from its group spec; a uniform-type group answers them from
+# its layers (which agree on them by construction).
+_DELEGATED = frozenset({"sliding_window", "attention_chunk_size", "mamba_cache_mode",
+                        "num_speculative_blocks", "max_admission_blocks"})
+
+
+@dataclass(frozen=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """One group of layers of the same type and block size but different page sizes
+    (e.g. different head sizes): one block id stands for a page of *every* layer.
+
+    ``kind``, ``sliding_window``, ``attention_chunk_size``, ``mamba_cache_mode``,
+    ``num_speculative_blocks`` and ``max_admission_blocks`` are those of the layers.
+    """
+
+    layer_specs: tuple[tuple[str, KVCacheSpec], ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.layer_specs:
+            raise ConfigError("a uniform-type spec needs at least one layer", field="layer_specs")
+        specs = [spec for _, spec in self.layer_specs]
+        if not self.is_uniform_type(dict(self.layer_specs)) or specs[0].block_size != self.block_size:
+            raise ConfigError("layers of a uniform-type spec must have one type and block size",
+                              field="layer_specs")
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.first_spec.kind
+
+    @property
+    def first_spec(self) -> KVCacheSpec:
+        return self.layer_specs[0][1]
+
+    @property
+    def specs_by_layer(self) -> dict[str, KVCacheSpec]:
+        return dict(self.layer_specs)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for _, spec in self.layer_specs)
+
+    def max_num_pages(self, limits: SizingLimits) -> int:
+        """Blocks one request may need: the most any layer needs."""
+        return max(cdiv(spec.max_memory_usage_bytes(limits), spec.page_size_bytes)
+                   for _, spec in self.layer_specs)
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        return self.max_num_pages(limits) * self.page_size_bytes
+
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        return all(spec == self for spec in specs)
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails; read layer_specs via __dict__ so that a
+        # half-built instance (copy, unpickle) raises AttributeError instead of recursing.
+        layer_specs = self.__dict__.get("layer_specs")
+        if name not in _DELEGATED or not layer_specs:
+            raise AttributeError(f"{type(self).__name__!s} has no attribute {name!r}")
+        if name == "max_admission_blocks":
+            # Uniform layers share block size and window, hence the cap in blocks.
+            return layer_specs[0][1].max_admission_blocks
+        # A value the layers disagree on (promoted full-attention windows) is not the
+        # group's: answer None, as for a layer without one.
+        values = {getattr(spec, name, None) for _, spec in layer_specs}
+        return values.pop() if len(values) == 1 else None
+
+    @staticmethod
+    def is_uniform_type(layer_specs: Mapping[str, KVCacheSpec]) -> bool:
+        """Whether all layers have one block size and one type needing the same token
+        slots (same window for sliding window, same chunk for chunked local, same page and
+        speculative blocks for Mamba)."""
+        specs = list(layer_specs.values())
+        if not specs or len({s.block_size for s in specs}) > 1:
+            return False
+        return specs[0].is_uniform_with(specs)
+
+    @classmethod
+    def from_specs(cls, layer_specs: Mapping[str, KVCacheSpec]) -> "UniformTypeKVCacheSpecs | None":
+        """The uniform-type spec of these layers (in their order), or None if they are not
+        of one uniform type."""
+        if not cls.is_uniform_type(layer_specs):
+            return None
+        first = next(iter(layer_specs.values()))
+        return cls(block_size=first.block_size, layer_specs=tuple(layer_specs.items()))
+
+
+def manager_spec(group_spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec a single-type manager runs a group with: for a uniform-type group, its
+    first layer's (all its layers agree on type, block size and window), else the group
+    spec itself. Page sizes differ between the two; managers do not use them."""
+    if isinstance(group_spec, UniformTypeKVCacheSpecs):
+        return group_spec.first_spec
+    return group_spec
+
+
+def layer_spec(group_spec: KVCacheSpec, layer_name: str) -> KVCacheSpec:
+    """The spec of one layer of a group (its own spec in a uniform-type group)."""
+    if isinstance(group_spec, UniformTypeKVCacheSpecs):
+        return group_spec.specs_by_layer[layer_name]
+    return group_spec
 
 
 SPEC_KINDS: dict[str, type[KVCacheSpec]] = {
@@ -246,6 +429,9 @@ class KVCacheConfig:
 
     num_blocks: int
     groups: tuple[KVCacheGroupSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _check_int(self.num_blocks, "num_blocks", minimum=1)
 
     @property
     def block_sizes(self) -> list[int]:

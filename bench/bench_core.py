@@ -1,0 +1,711 @@
+#!/usr/bin/env python3
+"""Core allocator benchmark: our KV-cache manager vs vLLM 0.33's own vs a naive baseline.
+
+The workload and the scheduling loop mirror ``run_bench`` of the vLLM oracle
+(/work/shared/tools/vllm-oracle/vllm_oracle.py) call for call, with the same random
+stream, so the two sides see identical requests and decode tokens and, if our core is
+vLLM-exact, make identical decisions (steps, hits, preemptions are compared). Workload:
+10,000 requests (seed 0); 64 shared system prompts of 512-3,072 tokens, Zipf-like
+popularity, used by 75% of requests; prompts 256-4,096 tokens; decode 32-256 tokens; at
+most 64 running; an 8,192-token step budget with chunked prefill; block size 16; 6,144
+blocks; the newest running request is preempted when an allocation fails; admission
+requires the full sequence to fit.
+
+Accounting (as the oracle): manager ops = lookups + allocations + frees (preemptions are
+frees); ops/s = manager ops / time spent inside those calls. ``add`` (request creation
+with prompt hashing) and ``append`` (decode token + incremental hashing) are reported
+separately. Configs: ``full`` (one full-attention group) and ``full_swa`` (+ one
+sliding-window group, window 128).
+
+Sides: ``core`` = cache_service.core.KVCacheManager (the vLLM-shaped manager); ``pool`` =
+the Pool facade the gRPC service runs (validation, id lists); ``naive`` = a deliberately
+simple manager in this file (Python-list free queue with O(n) removal, sliding window
+treated as full attention); ``vllm`` = the oracle run as a subprocess with ``--bench
+--json`` when its venv exists. Plus: construction time and tracemalloc peak of a
+1,000,000-block pool.
+
+    python3 bench/bench_core.py                          # the full run (minutes)
+    python3 bench/bench_core.py --num-requests 500       # a quick run
+    python3 bench/bench_core.py --profile                # + cProfile hot spots of our core
+
+Prints tables and writes bench/results/core.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import os
+import pstats
+import random
+import subprocess
+import sys
+import time
+import tracemalloc
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
+
+from cache_service.core.hashing import get_hash_fn  # noqa: E402
+from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes  # noqa: E402
+from cache_service.core.pool import Pool, PoolOptions  # noqa: E402
+from cache_service.core.request import Request, RequestStatus  # noqa: E402
+from cache_service.core.specs import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+ORACLE_DIR = Path("/work/shared/tools/vllm-oracle")
+ORACLE_PY = Path.home() / ".cache" / "vllm-oracle-venv" / "bin" / "python"
+VOCAB = 32000
+CONFIGS = ("full", "full_swa")
+LAT_KEYS = ("add", "lookup", "allocate_prefill", "allocate_decode", "append", "free")
+MANAGER_KEYS = ("lookup", "allocate_prefill", "allocate_decode", "free")
+
+
+# --- workload (same generator and random stream as the oracle) ------------------------------
+
+@dataclass
+class BenchReq:
+    rid: str
+    prompt: list[int]
+    decode_len: int
+    handle: Any = None
+    decoded: int = 0
+
+
+def make_workload(args: argparse.Namespace, rng: random.Random) -> list[BenchReq]:
+    """Shared system prompts (block multiples, so they can be hit whole) with Zipf-like
+    popularity (Pareto(1.2) rank), then per-request unique suffixes."""
+    prefixes = []
+    for _ in range(args.num_prefixes):
+        n = rng.randrange(args.prefix_min, args.prefix_max + 1)
+        n -= n % args.block_size
+        prefixes.append([rng.randrange(VOCAB) for _ in range(n)])
+    reqs = []
+    for i in range(args.num_requests):
+        total = rng.randrange(args.prompt_min, args.prompt_max + 1)
+        pre: list[int] = []
+        if rng.random() < args.shared_frac:
+            idx = min(int(rng.paretovariate(1.2)) - 1, len(prefixes) - 1)
+            pre = prefixes[idx][: min(len(prefixes[idx]), total - args.block_size)]
+        suffix = [rng.randrange(VOCAB) for _ in range(total - len(pre))]
+        reqs.append(BenchReq(f"r{i}", pre + suffix, rng.randrange(args.decode_min,
+                                                                   args.decode_max + 1)))
+    return reqs
+
+
+def make_config(kind: str, args: argparse.Namespace, num_blocks: int | None = None) -> KVCacheConfig:
+    """The oracle's scenario: one single-layer group per kind, 1 head of size 1, fp32."""
+    common = dict(block_size=args.block_size, num_kv_heads=1, head_size=1, dtype="float32")
+    groups = [KVCacheGroupSpec(("layer0_full",), FullAttentionSpec(**common))]
+    if kind == "full_swa":
+        groups.append(KVCacheGroupSpec(("layer1_swa",), SlidingWindowSpec(
+            sliding_window=args.sliding_window, **common)))
+    return KVCacheConfig(num_blocks=num_blocks or args.num_blocks, groups=tuple(groups))
+
+
+# --- sides ----------------------------------------------------------------------------------
+
+class ManagerDriver:
+    """Drives a vLLM-shaped manager (ours or the naive one) over core Request objects,
+    exactly as the oracle drives vLLM's."""
+
+    def __init__(self, manager: Any, hash_fn: Callable[[object], bytes] | None,
+                 hash_block_size: int) -> None:
+        self.mgr = manager
+        self.hash_fn = hash_fn
+        self.hbs = hash_block_size
+
+    def add(self, br: BenchReq) -> Request:
+        return Request(br.rid, br.prompt, hash_fn=self.hash_fn, hash_block_size=self.hbs)
+
+    def lookup(self, req: Request) -> tuple[Any, int]:
+        blocks, hit, _ = self.mgr.get_computed_blocks(req)
+        return blocks, hit
+
+    def admit(self, req: Request, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        return self.mgr.allocate_slots(req, n, num_new_computed_tokens=hit,
+                                       new_computed_blocks=blocks, full_sequence_must_fit=True,
+                                       has_scheduled_reqs=has_running) is not None
+
+    def after_admit(self, req: Request, n: int, hit: int) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = hit + n
+
+    def allocate(self, req: Request, n: int) -> bool:
+        return self.mgr.allocate_slots(req, n) is not None
+
+    def after_allocate(self, req: Request, n: int) -> None:
+        req.num_computed_tokens += n
+
+    def free(self, req: Request) -> None:
+        self.mgr.free(req)
+
+    def after_preempt(self, req: Request) -> None:
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+
+    def append(self, req: Request, token: int) -> None:
+        req.append_tokens((token,))
+
+    def new_step(self) -> None:
+        self.mgr.new_step_starts()
+
+    def usage(self) -> float:
+        return self.mgr.usage
+
+    @staticmethod
+    def computed(req: Request) -> int:
+        return req.num_computed_tokens
+
+    @staticmethod
+    def num_tokens(req: Request) -> int:
+        return req.num_tokens
+
+    @staticmethod
+    def num_preemptions(req: Request) -> int:
+        return req.num_preemptions
+
+
+class PoolDriver:
+    """Drives the Pool facade (what the gRPC servicer calls) by request id; its allocate
+    also advances the computed tokens, so that is inside the timed call."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.computed_tokens: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.preemptions: dict[str, int] = {}
+
+    def add(self, br: BenchReq) -> str:
+        info = self.pool.add_request(br.rid, br.prompt)
+        self.tokens[br.rid] = info.num_tokens
+        self.computed_tokens[br.rid] = 0
+        self.preemptions[br.rid] = 0
+        return br.rid
+
+    def lookup(self, rid: str) -> tuple[Any, int]:
+        return None, self.pool.lookup(rid).hit_tokens
+
+    def admit(self, rid: str, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        return self.pool.allocate(rid, n, full_sequence_must_fit=True).ok
+
+    def after_admit(self, rid: str, n: int, hit: int) -> None:
+        self.computed_tokens[rid] = hit + n
+
+    def allocate(self, rid: str, n: int) -> bool:
+        return self.pool.allocate(rid, n, use_lookup=False).ok
+
+    def after_allocate(self, rid: str, n: int) -> None:
+        self.computed_tokens[rid] += n
+
+    def free(self, rid: str) -> None:
+        self.pool.free(rid)
+
+    def preempt(self, rid: str) -> None:
+        self.pool.preempt(rid)
+
+    def after_preempt(self, rid: str) -> None:
+        self.computed_tokens[rid] = 0
+        self.preemptions[rid] += 1
+
+    def append(self, rid: str, token: int) -> None:
+        self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
+
+    def new_step(self) -> None:
+        self.pool.new_step()
+
+    def usage(self) -> float:
+        return self.pool.stats().usage
+
+    def computed(self, rid: str) -> int:
+        return self.computed_tokens[rid]
+
+    def num_tokens(self, rid: str) -> int:
+        return self.tokens[rid]
+
+    def num_preemptions(self, rid: str) -> int:
+        return self.preemptions[rid]
+
+
+class NaiveManager:
+    """A deliberately simple manager for a ratio without vLLM: every group is managed as
+    full attention (a sliding window is never released), free blocks are a Python list
+    (O(n) ``pop(0)``, ``remove`` and ``insert(0)``), one dict maps hashes to blocks and
+    keeps only the first block cached under a hash. Same API shape as KVCacheManager."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_groups: int,
+                 max_model_len: int) -> None:
+        self.num_blocks = num_blocks
+        self.bs = block_size
+        self.groups = range(num_groups)
+        self.max_model_len = max_model_len
+        self.ref = [0] * num_blocks
+        self.key: list[bytes | None] = [None] * num_blocks
+        self.free_list = list(range(1, num_blocks))  # block 0 is the null block
+        self.cached: dict[bytes, int] = {}
+        self.tables: dict[str, list[list[int]]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[int]], int, int]:
+        hits: list[list[int]] = [[] for _ in self.groups]
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.bs]:
+            found = [self.cached.get(h + bytes((g,))) for g in self.groups]
+            if None in found:
+                break
+            for g, b in enumerate(found):
+                hits[g].append(b)  # type: ignore[arg-type]
+        return hits, len(hits[0]) * self.bs, 0
+
+    def _needed(self, tables: list[list[int]], hits: list[list[int]] | None, tokens: int) -> int:
+        n = 0
+        for g in self.groups:
+            have = len(tables[g]) + (len(hits[g]) if hits else 0)
+            n += max(0, cdiv(tokens, self.bs) - have)
+            if hits:
+                n += sum(1 for b in hits[g] if self.ref[b] == 0)  # evictable hits are "free"
+        return n
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[list[int]] | None = None,
+                       full_sequence_must_fit: bool = False,
+                       has_scheduled_reqs: bool = True) -> list[list[int]] | None:
+        rid = req.request_id
+        tables = self.tables.get(rid) or [[] for _ in self.groups]
+        computed = req.num_computed_tokens + num_new_computed_tokens
+        free = self.free_list
+        if full_sequence_must_fit and self._needed(
+                tables, new_computed_blocks, min(req.num_tokens, self.max_model_len)) > len(free):
+            return None
+        slots = min(computed + num_new_tokens, self.max_model_len)
+        if self._needed(tables, new_computed_blocks, slots) > len(free):
+            return None
+        self.tables[rid] = tables
+        new: list[list[int]] = []
+        for g in self.groups:
+            table = tables[g]
+            for b in (new_computed_blocks[g] if new_computed_blocks else ()):
+                if self.ref[b] == 0:
+                    free.remove(b)
+                self.ref[b] += 1
+                table.append(b)
+            added = []
+            for _ in range(cdiv(slots, self.bs) - len(table)):
+                b = free.pop(0)
+                k = self.key[b]
+                if k is not None:  # evict the cached block we are reusing
+                    if self.cached.get(k) == b:
+                        del self.cached[k]
+                    self.key[b] = None
+                self.ref[b] = 1
+                table.append(b)
+                added.append(b)
+            new.append(added)
+        full = min(computed + num_new_tokens, req.num_tokens) // self.bs
+        start = self.num_cached.get(rid, 0)
+        for i in range(start, full):
+            for g in self.groups:
+                b = tables[g][i]
+                if self.key[b] is None:
+                    k = req.block_hashes[i] + bytes((g,))
+                    self.key[b] = k
+                    self.cached.setdefault(k, b)
+        self.num_cached[rid] = max(start, full)
+        return new
+
+    def free(self, req: Request) -> None:
+        for table in self.tables.pop(req.request_id, []):
+            for b in reversed(table):
+                self.ref[b] -= 1
+                if self.ref[b] == 0:
+                    if self.key[b] is None:
+                        self.free_list.insert(0, b)
+                    else:
+                        self.free_list.append(b)
+        self.num_cached.pop(req.request_id, None)
+
+    def new_step_starts(self) -> None:
+        pass
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_list) / (self.num_blocks - 1)
+
+
+def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
+    config = make_config(kind, args)
+    hash_fn = get_hash_fn(args.hash_fn)
+    sched, hbs = resolve_block_sizes(config, True)
+    if side == "core":
+        mgr = KVCacheManager(config, max_model_len=args.max_model_len,
+                             scheduler_block_size=sched, hash_block_size=hbs)
+        return ManagerDriver(mgr, hash_fn, hbs)
+    if side == "pool":
+        return PoolDriver(Pool(config, PoolOptions(max_model_len=args.max_model_len,
+                                                   hash_algo=args.hash_fn,
+                                                   enable_events=False)))
+    if side == "naive":
+        mgr = NaiveManager(args.num_blocks, args.block_size, len(config.groups),
+                           args.max_model_len)
+        return ManagerDriver(mgr, hash_fn, hbs)
+    raise ValueError(side)
+
+
+# --- the scheduling loop (oracle run_bench, minus the Mamba chunking) -------------------------
+
+def run_bench(side: str, kind: str, args: argparse.Namespace,
+              profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    drv = make_side(side, kind, args)
+    t_gen = time.perf_counter()
+    workload = make_workload(args, rng)
+    t_gen = time.perf_counter() - t_gen
+    gc.collect()
+    gc.freeze()  # like the oracle (and vLLM's engine): the workload is not GC churn
+
+    lat: dict[str, list[int]] = {k: [] for k in LAT_KEYS}
+    pc = time.perf_counter_ns
+    waiting = list(reversed(workload))  # pop() from the end
+    running: list[BenchReq] = []
+    n_alloc_fail = n_preempt = prompt_tokens = hit_tokens = n_steps = finished = 0
+    usage_samples: list[float] = []
+    preempt = getattr(drv, "preempt", drv.free)
+    if profiler is not None:
+        profiler.enable()
+    t_wall = time.perf_counter()
+
+    def do_preempt(victim: BenchReq) -> None:
+        nonlocal n_preempt
+        t0 = pc()
+        preempt(victim.handle)
+        lat["free"].append(pc() - t0)
+        drv.after_preempt(victim.handle)
+        waiting.append(victim)
+        n_preempt += 1
+
+    def after_compute(br: BenchReq) -> bool:
+        nonlocal finished
+        h = br.handle
+        if drv.computed(h) < drv.num_tokens(h):
+            return False  # partial prefill chunk
+        br.decoded += 1
+        if br.decoded >= br.decode_len:
+            t0 = pc()
+            drv.free(h)
+            lat["free"].append(pc() - t0)
+            br.handle = None
+            finished += 1
+            return True
+        tok = rng.randrange(VOCAB)
+        t0 = pc()
+        drv.append(h, tok)
+        lat["append"].append(pc() - t0)
+        return False
+
+    while waiting or running:
+        n_steps += 1
+        drv.new_step()
+        budget = args.max_batched_tokens
+        scheduled: list[BenchReq] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            br = running[i]
+            h = br.handle
+            remaining = drv.num_tokens(h) - drv.computed(h)
+            n = min(remaining, budget)
+            key = "allocate_decode" if remaining == 1 else "allocate_prefill"
+            t0 = pc()
+            ok = drv.allocate(h, n)
+            lat[key].append(pc() - t0)
+            if not ok:
+                n_alloc_fail += 1
+                victim = running.pop()
+                do_preempt(victim)
+                if victim is br:
+                    break
+                continue
+            drv.after_allocate(h, n)
+            budget -= n
+            scheduled.append(br)
+            i += 1
+        while waiting and len(running) < args.max_concurrency and budget > 0:
+            br = waiting[-1]
+            if br.handle is None:
+                t0 = pc()
+                br.handle = drv.add(br)
+                lat["add"].append(pc() - t0)
+            h = br.handle
+            t0 = pc()
+            blocks, num_hit = drv.lookup(h)
+            lat["lookup"].append(pc() - t0)
+            n = min(drv.num_tokens(h) - num_hit, budget)
+            t0 = pc()
+            ok = drv.admit(h, n, blocks, num_hit, bool(running))
+            lat["allocate_prefill"].append(pc() - t0)
+            if not ok:
+                n_alloc_fail += 1
+                break
+            waiting.pop()
+            if drv.num_preemptions(h) == 0:
+                prompt_tokens += drv.num_tokens(h)
+                hit_tokens += num_hit
+            drv.after_admit(h, n, num_hit)
+            budget -= n
+            running.append(br)
+            scheduled.append(br)
+        done = {id(br) for br in scheduled if after_compute(br)}
+        if done:
+            running = [br for br in running if id(br) not in done]
+        if n_steps % 256 == 0:
+            usage_samples.append(drv.usage())
+        if not scheduled and waiting:
+            raise RuntimeError("request can never be admitted; raise --num-blocks")
+    t_wall = time.perf_counter() - t_wall
+    if profiler is not None:
+        profiler.disable()
+    gc.unfreeze()
+
+    mgr_ns = sum(sum(lat[k]) for k in MANAGER_KEYS)
+    mgr_ops = sum(len(lat[k]) for k in MANAGER_KEYS)
+    all_ns = sum(sum(v) for v in lat.values())
+    all_ops = sum(len(v) for v in lat.values())
+    return {
+        "side": side,
+        "config": kind,
+        "workload": {"gen_s": round(t_gen, 2)},
+        "results": {
+            "finished": finished,
+            "steps": n_steps,
+            "prefix_hit_rate": round(hit_tokens / max(1, prompt_tokens), 4),
+            "hit_tokens_first_admission": hit_tokens,
+            "alloc_failures": n_alloc_fail,
+            "preemptions": n_preempt,
+            "mean_usage": round(sum(usage_samples) / max(1, len(usage_samples)), 3),
+            "wall_s": round(t_wall, 2),
+            "manager_ops": mgr_ops,
+            "manager_s": round(mgr_ns / 1e9, 3),
+            "manager_ops_per_s": round(mgr_ops / (mgr_ns / 1e9), 1) if mgr_ns else None,
+            "all_ops_incl_hashing": all_ops,
+            "all_ops_per_s": round(all_ops / (all_ns / 1e9), 1) if all_ns else None,
+        },
+        "latency": {k: summarize_ns(v) for k, v in lat.items()},
+    }
+
+
+# --- vLLM through the oracle ----------------------------------------------------------------
+
+def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
+    return ["--bench", "--json", "--scenario", kind, "--num-blocks", str(args.num_blocks),
+            "--block-size", str(args.block_size), "--sliding-window", str(args.sliding_window),
+            "--max-model-len", str(args.max_model_len), "--hash-fn", args.hash_fn,
+            "--num-requests", str(args.num_requests), "--prompt-min", str(args.prompt_min),
+            "--prompt-max", str(args.prompt_max), "--decode-min", str(args.decode_min),
+            "--decode-max", str(args.decode_max), "--num-prefixes", str(args.num_prefixes),
+            "--prefix-min", str(args.prefix_min), "--prefix-max", str(args.prefix_max),
+            "--shared-frac", str(args.shared_frac), "--max-concurrency",
+            str(args.max_concurrency), "--max-batched-tokens", str(args.max_batched_tokens),
+            "--seed", str(args.seed)]
+
+
+def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
+    py = Path(args.oracle_python)
+    if args.no_oracle or not py.exists():
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    proc = subprocess.run([str(py), str(ORACLE_DIR / "vllm_oracle.py"), *oracle_args(args, kind)],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        print(f"oracle failed ({kind}): {proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["side"], out["config"] = "vllm", kind
+    return out
+
+
+_VLLM_CONSTRUCT = """
+import gc, json, sys, time, tracemalloc
+sys.path.insert(0, {dir!r})
+import vllm_oracle as vo
+cfg = vo.OracleConfig(scenario="full", num_blocks={n}, block_size={bs}, max_model_len={mml})
+kv, sbs, hbs = vo.build_kv_cache_config(cfg)
+make = lambda: vo.KVCacheManager(kv_cache_config=kv, max_model_len={mml},
+                                 scheduler_block_size=sbs, hash_block_size=hbs,
+                                 enable_caching=True)
+t = time.perf_counter(); m = make(); t = time.perf_counter() - t
+del m; gc.collect()
+tracemalloc.start(); m = make(); peak = tracemalloc.get_traced_memory()[1]; tracemalloc.stop()
+print(json.dumps({{"construct_s": t, "tracemalloc_peak_bytes": peak}}))
+"""
+
+
+def measure_construction(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time (untraced) and tracemalloc peak of building a pool of ``--pool-blocks`` blocks."""
+    n = args.pool_blocks
+    config = make_config("full", args, num_blocks=n)
+    options = PoolOptions(max_model_len=args.max_model_len, enable_events=False)
+    builders: dict[str, Callable[[], Any]] = {
+        "pool": lambda: Pool(config, options),
+        "naive": lambda: NaiveManager(n, args.block_size, 1, args.max_model_len),
+    }
+    rows = []
+    for side, build in builders.items():
+        gc.collect()
+        t = time.perf_counter()
+        obj = build()
+        t = time.perf_counter() - t
+        del obj
+        gc.collect()
+        tracemalloc.start()
+        obj = build()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        del obj
+        rows.append({"side": side, "num_blocks": n, "construct_s": round(t, 4),
+                     "tracemalloc_peak_bytes": peak})
+    py = Path(args.oracle_python)
+    if not args.no_oracle and py.exists():
+        code = _VLLM_CONSTRUCT.format(dir=str(ORACLE_DIR), n=n, bs=args.block_size,
+                                      mml=args.max_model_len)
+        proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True,
+                              timeout=1200)
+        if proc.returncode == 0:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"side": "vllm", "num_blocks": n,
+                         "construct_s": round(res["construct_s"], 4),
+                         "tracemalloc_peak_bytes": res["tracemalloc_peak_bytes"]})
+        else:
+            print(f"vLLM construction failed: {proc.stderr[-2000:]}", file=sys.stderr)
+    return rows
+
+
+# --- reporting ------------------------------------------------------------------------------
+
+def decisions(r: dict[str, Any]) -> tuple:
+    res = r["results"]
+    return (res["steps"], res["hit_tokens_first_admission"], res["alloc_failures"],
+            res["preemptions"], res["finished"])
+
+
+def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = {}
+    for kind in CONFIGS:
+        by_side = {r["side"]: r for r in runs if r["config"] == kind}
+        if not by_side:
+            continue
+        core = by_side.get("core")
+        rows, lat_rows = [], []
+        for side in ("core", "pool", "naive", "vllm"):
+            r = by_side.get(side)
+            if r is None:
+                continue
+            res, lat = r["results"], r["latency"]
+            same = "-" if core is None or side == "core" else (
+                "yes" if decisions(r) == decisions(core) else "NO")
+            rows.append([side, res["manager_ops_per_s"],
+                         ratio(core and core["results"]["manager_ops_per_s"],
+                               res["manager_ops_per_s"]) if side != "core" else "1.00x",
+                         res["manager_ops"], res["manager_s"], res["all_ops_per_s"],
+                         res["prefix_hit_rate"], res["preemptions"], res["alloc_failures"],
+                         res["steps"], same])
+            lat_rows.append([side] + [lat[k].get(q) for k in LAT_KEYS for q in ("p50_us", "p99_us")])
+        print_table(f"config {kind}: manager ops (lookups + allocations + frees)",
+                    ["side", "mgr ops/s", "core / side", "mgr ops", "mgr s", "ops/s incl. hashing",
+                     "hit rate", "preemptions", "alloc failures", "steps", "same decisions"], rows)
+        print_table(f"config {kind}: per-op latency p50 / p99 (us)",
+                    ["side"] + [f"{k} {q}" for k in LAT_KEYS for q in ("p50", "p99")], lat_rows)
+        summary[kind] = {side: r["results"]["manager_ops_per_s"] for side, r in by_side.items()}
+        if "vllm" in by_side and core is not None:
+            summary[kind]["core_vs_vllm"] = round(core["results"]["manager_ops_per_s"]
+                                                  / by_side["vllm"]["results"]["manager_ops_per_s"],
+                                                  3)
+            summary[kind]["same_decisions_as_vllm"] = decisions(core) == decisions(by_side["vllm"])
+    if construction:
+        print_table(f"construction of a {construction[0]['num_blocks']:,}-block pool",
+                    ["side", "seconds", "tracemalloc peak MiB"],
+                    [[c["side"], c["construct_s"], round(c["tracemalloc_peak_bytes"] / 2**20, 1)]
+                     for c in construction])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of full,full_swa")
+    p.add_argument("--sides", default="core,pool,naive,vllm",
+                   help="comma list of core,pool,naive,vllm")
+    p.add_argument("--num-requests", type=int, default=10000)
+    p.add_argument("--num-blocks", type=int, default=6144)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--sliding-window", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--hash-fn", default="sha256", choices=("sha256", "sha256_cbor"))
+    p.add_argument("--prompt-min", type=int, default=256)
+    p.add_argument("--prompt-max", type=int, default=4096)
+    p.add_argument("--decode-min", type=int, default=32)
+    p.add_argument("--decode-max", type=int, default=256)
+    p.add_argument("--num-prefixes", type=int, default=64)
+    p.add_argument("--prefix-min", type=int, default=512)
+    p.add_argument("--prefix-max", type=int, default=3072)
+    p.add_argument("--shared-frac", type=float, default=0.75)
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pool-blocks", type=int, default=1_000_000,
+                   help="blocks of the construction measurement (0 = skip)")
+    p.add_argument("--no-oracle", action="store_true", help="do not run vLLM")
+    p.add_argument("--oracle-python", default=str(ORACLE_PY))
+    p.add_argument("--profile", action="store_true",
+                   help="also run our core under cProfile and print the hot spots")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/core.json)")
+    args = p.parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    sides = [s for s in args.sides.split(",") if s]
+    for c in configs:
+        if c not in CONFIGS:
+            p.error(f"unknown config {c!r}")
+    if "vllm" in sides and (args.no_oracle or not Path(args.oracle_python).exists()):
+        print(f"vLLM oracle venv not found at {args.oracle_python} (or --no-oracle): "
+              "comparing with the naive baseline only", file=sys.stderr)
+    runs = []
+    for kind in configs:
+        for side in sides:
+            t = time.perf_counter()
+            r = run_oracle(args, kind) if side == "vllm" else run_bench(side, kind, args)
+            if r is not None:
+                runs.append(r)
+                print(f"  {kind}/{side}: {r['results']['manager_ops_per_s']:,.0f} manager ops/s "
+                      f"({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+    profile = {}
+    if args.profile:
+        for kind in configs:
+            prof = cProfile.Profile()
+            run_bench("core", kind, args, profiler=prof)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            profile[kind] = buf.getvalue()
+            print(f"\ncProfile of our core, config {kind} (top 25 by own time):")
+            print("\n".join(buf.getvalue().splitlines()[:45]))
+    construction = measure_construction(args) if args.pool_blocks else []
+    summary = report(runs, construction)
+    path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
+                                  "summary": summary, "runs": runs,
+                                  "construction": construction, "profile": profile},
+                         args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

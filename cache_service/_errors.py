@@ -1,0 +1,76 @@
+"""The one place where errors become gRPC statuses.
+
+Core errors (:mod:`cache_service.core.errors`) carry a ``field``; the servicer adds the
+path of the message they came from (``ops[3].allocate.``), and :func:`to_status` turns
+them into a status with a message that names the field plus a ``google.rpc.BadRequest``
+detail (grpcio-status rich error model) that machines can read.
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from cache_service.core import errors as core
+from cache_service.event_feed import SequenceOutOfRange
+
+# Most specific first: ConfigError is an InvalidArgument, UnknownRequest a NotFound...
+_CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (core.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (core.NotFound, grpc.StatusCode.NOT_FOUND),
+    (core.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (core.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (SequenceOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
+    (core.KVCacheError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+class ResourceExhausted(core.KVCacheError):
+    """A single call asked for more than the service allows (-> RESOURCE_EXHAUSTED)."""
+
+
+def status_code_of(exc: Exception) -> grpc.StatusCode:
+    """The status code an error maps to (INTERNAL for anything unexpected)."""
+    if isinstance(exc, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def qualify(exc: core.KVCacheError, prefix: str) -> core.KVCacheError:
+    """Prefixes the error's field with the path of its message (``ops[3].allocate``)."""
+    if prefix:
+        exc.field = f"{prefix}.{exc.field}" if exc.field else prefix
+    return exc
+
+
+def to_status(exc: Exception) -> grpc.Status:
+    """A status for ``exc``: message ``"<field>: <what>"`` and a BadRequest detail."""
+    code = status_code_of(exc)
+    field = getattr(exc, "field", "") or ""
+    text = str(exc)
+    message = f"{field}: {text}" if field and not text.startswith(field) else text
+    details = []
+    if field:
+        bad = error_details_pb2.BadRequest(field_violations=[
+            error_details_pb2.BadRequest.FieldViolation(field=field, description=text)])
+        any_detail = any_pb2.Any()
+        any_detail.Pack(bad)
+        details.append(any_detail)
+    return rpc_status.to_status(status_pb2.Status(
+        code=getattr(code_pb2, code.name), message=message, details=details))
+
+
+def field_violations(status: status_pb2.Status) -> list[tuple[str, str]]:
+    """(field, description) pairs of a status's BadRequest details (for clients/tests)."""
+    out = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out.extend((v.field, v.description) for v in bad.field_violations)
+    return out

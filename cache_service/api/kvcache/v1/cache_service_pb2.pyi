@@ -1,0 +1,553 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LAYER_KIND_UNSPECIFIED: _ClassVar[LayerKind]
+    LAYER_KIND_FULL_ATTENTION: _ClassVar[LayerKind]
+    LAYER_KIND_SLIDING_WINDOW: _ClassVar[LayerKind]
+    LAYER_KIND_CHUNKED_LOCAL_ATTENTION: _ClassVar[LayerKind]
+    LAYER_KIND_MAMBA: _ClassVar[LayerKind]
+    LAYER_KIND_CROSS_ATTENTION: _ClassVar[LayerKind]
+
+class MambaCacheMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MAMBA_CACHE_MODE_UNSPECIFIED: _ClassVar[MambaCacheMode]
+    MAMBA_CACHE_MODE_NONE: _ClassVar[MambaCacheMode]
+    MAMBA_CACHE_MODE_ALIGN: _ClassVar[MambaCacheMode]
+
+class HashAlgo(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HASH_ALGO_UNSPECIFIED: _ClassVar[HashAlgo]
+    HASH_ALGO_SHA256: _ClassVar[HashAlgo]
+    HASH_ALGO_SHA256_CBOR: _ClassVar[HashAlgo]
+LAYER_KIND_UNSPECIFIED: LayerKind
+LAYER_KIND_FULL_ATTENTION: LayerKind
+LAYER_KIND_SLIDING_WINDOW: LayerKind
+LAYER_KIND_CHUNKED_LOCAL_ATTENTION: LayerKind
+LAYER_KIND_MAMBA: LayerKind
+LAYER_KIND_CROSS_ATTENTION: LayerKind
+MAMBA_CACHE_MODE_UNSPECIFIED: MambaCacheMode
+MAMBA_CACHE_MODE_NONE: MambaCacheMode
+MAMBA_CACHE_MODE_ALIGN: MambaCacheMode
+HASH_ALGO_UNSPECIFIED: HashAlgo
+HASH_ALGO_SHA256: HashAlgo
+HASH_ALGO_SHA256_CBOR: HashAlgo
+
+class MambaState(_message.Message):
+    __slots__ = ("shape", "dtype")
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class LayerSpec(_message.Message):
+    __slots__ = ("name", "kind", "block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "attention_chunk_size", "mamba_states", "mamba_cache_mode", "mamba_type", "page_size_padded")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_V_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_STATES_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_PADDED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: LayerKind
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int
+    dtype: str
+    sliding_window: int
+    attention_chunk_size: int
+    mamba_states: _containers.RepeatedCompositeFieldContainer[MambaState]
+    mamba_cache_mode: MambaCacheMode
+    mamba_type: str
+    page_size_padded: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
+
+class PoolOptions(_message.Message):
+    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check")
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HYBRID_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CAPACITY_CHECK_FIELD_NUMBER: _ClassVar[int]
+    max_model_len: int
+    enable_caching: bool
+    hash_algo: HashAlgo
+    scheduler_block_size: int
+    hash_block_size: int
+    watermark: float
+    max_in_flight_tokens: int
+    enable_events: bool
+    vocab_size: int
+    hybrid: bool
+    skip_capacity_check: bool
+    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ...) -> None: ...
+
+class RegisterPoolRequest(_message.Message):
+    __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    available_memory_bytes: int
+    num_blocks: int
+    options: PoolOptions
+    def __init__(self, pool_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., available_memory_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ...) -> None: ...
+
+class KVCacheGroup(_message.Message):
+    __slots__ = ("index", "layer_names", "kind", "block_size", "sliding_window", "attention_chunk_size", "page_size_bytes", "mamba_cache_mode")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    layer_names: _containers.RepeatedScalarFieldContainer[str]
+    kind: LayerKind
+    block_size: int
+    sliding_window: int
+    attention_chunk_size: int
+    page_size_bytes: int
+    mamba_cache_mode: MambaCacheMode
+    def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
+
+class PoolConfig(_message.Message):
+    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_blocks: int
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    page_size_bytes: int
+    scheduler_block_size: int
+    hash_block_size: int
+    options: PoolOptions
+    layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+
+class RegisterPoolResponse(_message.Message):
+    __slots__ = ("config", "created")
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    config: PoolConfig
+    created: bool
+    def __init__(self, config: _Optional[_Union[PoolConfig, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetPoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GetPoolResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: PoolConfig
+    def __init__(self, config: _Optional[_Union[PoolConfig, _Mapping]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolConfig]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolConfig, _Mapping]]] = ...) -> None: ...
+
+class DeletePoolRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class DeletePoolResponse(_message.Message):
+    __slots__ = ("num_requests_dropped",)
+    NUM_REQUESTS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_requests_dropped: int
+    def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
+
+class AddRequestOp(_message.Message):
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salt: str
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class LookupOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AllocateOp(_message.Message):
+    __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_new_tokens: int
+    num_lookahead_tokens: int
+    full_sequence_must_fit: bool
+    skip_lookup: bool
+    delay_cache_blocks: bool
+    skip_block_table: bool
+    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., skip_lookup: _Optional[bool] = ..., delay_cache_blocks: _Optional[bool] = ..., skip_block_table: _Optional[bool] = ...) -> None: ...
+
+class AppendTokensOp(_message.Message):
+    __slots__ = ("request_id", "token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class PreemptOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class NewStepOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Op(_message.Message):
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+    ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    NEW_STEP_FIELD_NUMBER: _ClassVar[int]
+    add_request: AddRequestOp
+    lookup: LookupOp
+    allocate: AllocateOp
+    append_tokens: AppendTokensOp
+    free: FreeOp
+    preempt: PreemptOp
+    new_step: NewStepOp
+    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool_id", "begin_step", "ops")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_STEP_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    begin_step: bool
+    ops: _containers.RepeatedCompositeFieldContainer[Op]
+    def __init__(self, pool_id: _Optional[str] = ..., begin_step: _Optional[bool] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+
+class BlockTable(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AddRequestResult(_message.Message):
+    __slots__ = ("num_tokens", "num_block_hashes")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_block_hashes: int
+    def __init__(self, num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ...) -> None: ...
+
+class LookupResult(_message.Message):
+    __slots__ = ("hit_tokens", "block_ids", "shared_prefix_boundary")
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    hit_tokens: int
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    shared_prefix_boundary: int
+    def __init__(self, hit_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
+
+class AllocateResult(_message.Message):
+    __slots__ = ("ok", "new_block_ids", "block_ids", "num_computed_tokens", "hit_tokens_used")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    num_computed_tokens: int
+    hit_tokens_used: int
+    def __init__(self, ok: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., hit_tokens_used: _Optional[int] = ...) -> None: ...
+
+class AppendTokensResult(_message.Message):
+    __slots__ = ("num_tokens", "num_block_hashes")
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    num_block_hashes: int
+    def __init__(self, num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ...) -> None: ...
+
+class FreeResult(_message.Message):
+    __slots__ = ("num_free_blocks",)
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class PreemptResult(_message.Message):
+    __slots__ = ("num_free_blocks",)
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class NewStepResult(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpResult(_message.Message):
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+    ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    NEW_STEP_FIELD_NUMBER: _ClassVar[int]
+    add_request: AddRequestResult
+    lookup: LookupResult
+    allocate: AllocateResult
+    append_tokens: AppendTokensResult
+    free: FreeResult
+    preempt: PreemptResult
+    new_step: NewStepResult
+    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results", "num_free_blocks")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[OpResult]
+    num_free_blocks: int
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class PeekPrefixRequest(_message.Message):
+    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name")
+    POOL_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    pool_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salt: str
+    lora_name: str
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class PoolHit(_message.Message):
+    __slots__ = ("pool_id", "hit_tokens")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    hit_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+
+class PeekPrefixResponse(_message.Message):
+    __slots__ = ("hits",)
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.RepeatedCompositeFieldContainer[PoolHit]
+    def __init__(self, hits: _Optional[_Iterable[_Union[PoolHit, _Mapping]]] = ...) -> None: ...
+
+class GetRequestRequest(_message.Message):
+    __slots__ = ("pool_id", "request_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    request_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class GetRequestResponse(_message.Message):
+    __slots__ = ("block_ids", "num_computed_tokens", "num_tokens", "num_block_hashes", "status", "num_preemptions")
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
+    num_computed_tokens: int
+    num_tokens: int
+    num_block_hashes: int
+    status: str
+    num_preemptions: int
+    def __init__(self, block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ..., status: _Optional[str] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class GetPoolStatsRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GroupStats(_message.Message):
+    __slots__ = ("index", "num_cached_blocks")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    num_cached_blocks: int
+    def __init__(self, index: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+
+class PoolStats(_message.Message):
+    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+    allocation_failures: int
+    preemptions: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    last_event_sequence: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...
+
+class GetPoolStatsResponse(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: PoolStats
+    def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset",)
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    def __init__(self, reset: _Optional[bool] = ...) -> None: ...
+
+class SubscribeEventsRequest(_message.Message):
+    __slots__ = ("pool_id", "from_sequence")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    from_sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    parent_block_hash: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_name: str
+    group_idx: int
+    kind: LayerKind
+    sliding_window: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "group_idx", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    group_idx: int
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., group_idx: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "block_stored", "block_removed", "all_blocks_cleared")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, sequence: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class SubscribeEventsResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

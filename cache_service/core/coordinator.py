@@ -1,0 +1,314 @@
+"""Coordinators: one block pool, one manager per group, and the prefix-hit search (§5).
+
+* :class:`NoPrefixCacheCoordinator` — caching off; any number of groups (even 0).
+* :class:`UnitaryCoordinator` — exactly one group with caching.
+* :class:`HybridCoordinator` — two or more groups with caching: groups with equal
+  specs are looked up jointly ("spec groups"), full attention first, and the hit
+  length is shrunk until every spec group agrees (a fixed point). Hits are
+  multiples of the scheduler block size (lcm of the group block sizes).
+
+:func:`make_coordinator` picks one as §5.5 does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cache_service.core.block import KVCacheBlock
+from cache_service.core.block_pool import BlockPool
+from cache_service.core.errors import ConfigError
+from cache_service.core.single_type_managers import (
+    ChunkedLocalAttentionManager,
+    CrossAttentionManager,
+    HitBlocks,
+    MambaManager,
+    SingleTypeKVCacheManager,
+    manager_class_for,
+)
+from cache_service.core.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SizingLimits,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from cache_service.core.request import Request
+
+
+class KVCacheCoordinator:
+    """Fans group operations out to the managers; subclasses define the hit search."""
+
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int,
+                 max_in_flight_tokens: int | None, enable_caching: bool, enable_events: bool,
+                 scheduler_block_size: int, hash_block_size: int) -> None:
+        if scheduler_block_size % hash_block_size or any(
+                scheduler_block_size % g.spec.block_size for g in config.groups):
+            raise ConfigError(
+                f"scheduler_block_size {scheduler_block_size} must be a multiple of "
+                f"hash_block_size {hash_block_size} and of every group block size "
+                f"{config.block_sizes}", field="scheduler_block_size")
+        self.config = config
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.hash_block_size = hash_block_size
+        self.pool = BlockPool(config.num_blocks, enable_caching, hash_block_size,
+                              num_groups=len(config.groups), enable_events=enable_events)
+        limits = SizingLimits(max_model_len=max_model_len,
+                              max_in_flight_tokens=max_in_flight_tokens)
+        managers: list[SingleTypeKVCacheManager] = []
+        for gid, group in enumerate(config.groups):
+            spec = group.spec
+            cap = None
+            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                cap = spec.max_admission_blocks(limits)
+            if isinstance(spec, MambaSpec) and enable_caching and spec.mamba_cache_mode != "align":
+                raise ConfigError("Mamba prefix caching requires mamba_cache_mode='align'",
+                                  field="mamba_cache_mode")
+            cls = manager_class_for(spec)
+            manager = cls(spec, self.pool, gid, enable_caching=enable_caching, admission_cap=cap)
+            manager.cache_hit_alignment_tokens = scheduler_block_size
+            managers.append(manager)
+        self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(managers)
+        self._skipping = tuple(m for m in managers if m.frees_skipped_blocks)
+        self.has_skipping_groups = bool(self._skipping)
+        self._stepping = tuple(m for m in managers if isinstance(m, MambaManager))
+        self._has_cross = any(type(m) is CrossAttentionManager for m in managers)
+        self._caching_managers = tuple(m for m in managers if m.enable_caching)
+        # Cacheable token counts are rounded down to this (the hybrid hit alignment).
+        self._cache_alignment = 1
+        self.empty_blocks: HitBlocks = tuple(() for _ in managers)  # type: ignore[misc]
+
+    # -- hits --------------------------------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        """(hit blocks per group, hit tokens, uncached common-prefix tokens)."""
+        raise NotImplementedError
+
+    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens whose full blocks may be hashed (hybrid: only aligned prefixes can hit)."""
+        return num_computed_tokens - num_computed_tokens % self._cache_alignment
+
+    # -- fan-out -----------------------------------------------------------------------
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: HitBlocks, num_encoder_tokens: int,
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        if not self._has_cross:
+            total = 0
+            for manager, hit in zip(self.managers, new_computed_blocks):
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, hit, total_computed_tokens,
+                    num_local_computed_tokens, num_tokens_main_model, apply_admission_cap)
+            return total
+        total = 0
+        for manager, hit in zip(self.managers, new_computed_blocks):
+            if type(manager) is CrossAttentionManager:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, (), 0, 0, num_encoder_tokens,
+                    apply_admission_cap)
+            else:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, hit, total_computed_tokens,
+                    num_local_computed_tokens, num_tokens_main_model, apply_admission_cap)
+        return total
+
+    def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
+                                     num_local_computed_tokens: int,
+                                     num_external_computed_tokens: int) -> None:
+        """Pin hits (all groups first), then allocate external-token blocks (§5.1)."""
+        if any(request_id in m.num_cached_block for m in self.managers):
+            assert all(len(b) == 0 for b in new_computed_blocks)
+            return
+        for manager, hit in zip(self.managers, new_computed_blocks):
+            manager.add_local_computed_blocks(request_id, hit, num_local_computed_tokens,
+                                              num_external_computed_tokens)
+        if num_external_computed_tokens > 0:
+            for manager in self.managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                            num_encoder_tokens: int = 0) -> list[list[KVCacheBlock]]:
+        if not self._has_cross:
+            return [m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+                    for m in self.managers]
+        return [m.allocate_new_blocks(request_id, num_encoder_tokens, num_tokens_main_model)
+                if type(m) is CrossAttentionManager
+                else m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+                for m in self.managers]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        n = num_computed_tokens - num_computed_tokens % self._cache_alignment
+        for manager in self._caching_managers:
+            manager.cache_blocks(request, n)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        for manager in self._skipping:
+            manager.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.managers:
+            manager.free(request_id)
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(m.req_to_blocks.get(request_id) or [] for m in self.managers)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Copies of the request's tables as ids (null = 0); [] for unknown requests."""
+        return [ids.copy() if (ids := m.req_to_ids.get(request_id)) else []
+                for m in self.managers]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def new_step_starts(self) -> None:
+        for manager in self._stepping:
+            manager.new_step_starts()
+
+
+class NoPrefixCacheCoordinator(KVCacheCoordinator):
+    """Caching disabled: never a hit, nothing hashed; works for 0..n groups."""
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        return tuple([] for _ in self.managers), 0, 0
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """Exactly one group with caching (hash block size == block size)."""
+
+    def __init__(self, config: KVCacheConfig, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        if len(config.groups) != 1:
+            raise ConfigError("the unitary coordinator needs exactly one group", field="groups")
+        manager = self.managers[0]
+        if self.hash_block_size != manager.block_size:
+            raise ConfigError(
+                f"with one group, hash_block_size ({self.hash_block_size}) must equal the "
+                f"block size ({manager.block_size})", field="hash_block_size")
+        self._manager = manager
+        self._find = type(manager).find_longest_cache_hit
+        self._group_ids = [0]
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        manager = self._manager
+        blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids, self.pool,
+                                 manager.spec, manager.block_size)
+        return blocks, hit, 0
+
+
+@dataclass
+class SpecGroup:
+    """Groups with one equal spec (and manager type), looked up jointly."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+
+    @property
+    def is_full(self) -> bool:
+        return isinstance(self.spec, FullAttentionSpec)
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Two or more groups with caching: the fixed-point hit search of §5.4."""
+
+    def __init__(self, config: KVCacheConfig, **kwargs) -> None:
+        super().__init__(config, **kwargs)
+        for m in self.managers:
+            if m.block_size % self.hash_block_size:
+                raise ConfigError(
+                    f"group block size {m.block_size} is not a multiple of hash_block_size "
+                    f"{self.hash_block_size}", field="hash_block_size")
+        spec_groups: list[SpecGroup] = []
+        for gid, manager in enumerate(self.managers):
+            cls = type(manager)
+            for sg in spec_groups:
+                if sg.spec == manager.spec and sg.manager_cls is cls:
+                    sg.group_ids.append(gid)
+                    break
+            else:
+                spec_groups.append(SpecGroup(manager.spec, [gid], cls))
+        # Full attention first (stable): its hit bounds every later search and,
+        # being downward closed, never needs a second lookup.
+        spec_groups.sort(key=lambda sg: not sg.is_full)
+        self.spec_groups = spec_groups
+        self.full_attention_group_id = spec_groups[0].group_ids[0] if spec_groups[0].is_full else None
+        self._simple = len(spec_groups) == 2 and spec_groups[0].is_full
+        # Only scheduler-block-aligned prefixes can ever be hit, so only those are hashed.
+        self._cache_alignment = self.scheduler_block_size
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
+                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        num_groups = len(self.managers)
+        alignment = self.scheduler_block_size
+        hit_length = max_cache_hit_length
+        longest = 0
+        blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
+        length_by_group = [0] * num_groups
+        while True:
+            curr = hit_length
+            for sg in self.spec_groups:
+                first = sg.group_ids[0]
+                if sg.is_full and blocks_by_group[first] is not None:
+                    # Downward closed: a shorter candidate is still a hit; just clamp.
+                    if length_by_group[first] < curr:
+                        curr = length_by_group[first]
+                    continue
+                found, new_len = sg.manager_cls.find_longest_cache_hit(
+                    block_hashes, curr, sg.group_ids, self.pool, sg.spec, alignment)
+                curr = new_len
+                for gid, blocks in zip(sg.group_ids, found):
+                    blocks_by_group[gid] = blocks
+                    length_by_group[gid] = new_len
+                if curr > longest:
+                    longest = curr
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self._simple:
+                break
+        for sg in self.spec_groups:
+            if not sg.is_full:
+                continue
+            keep = cdiv(hit_length, sg.spec.block_size)
+            for gid in sg.group_ids:
+                blocks = blocks_by_group[gid]
+                if blocks is not None:
+                    del blocks[keep:]
+        result = tuple(b if b is not None else [] for b in blocks_by_group)
+        return result, hit_length, longest - hit_length
+
+
+def make_coordinator(config: KVCacheConfig, *, max_model_len: int,
+                     max_in_flight_tokens: int | None, enable_caching: bool,
+                     enable_events: bool, scheduler_block_size: int,
+                     hash_block_size: int) -> KVCacheCoordinator:
+    """NoPrefixCache when caching is off, Unitary for one group, else Hybrid (§5.5)."""
+    kwargs = dict(max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
+                  enable_caching=enable_caching, enable_events=enable_events,
+                  scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+    if not enable_caching:
+        return NoPrefixCacheCoordinator(config, **kwargs)
+    if not config.groups:
+        raise ConfigError("prefix caching needs at least one KV-cache group", field="groups")
+    for g in config.groups:
+        cls = manager_class_for(g.spec)
+        if cls is CrossAttentionManager:
+            raise ConfigError("cross attention cannot be prefix cached; disable caching",
+                              field="enable_caching")
+        if cls is ChunkedLocalAttentionManager and g.spec.block_size != scheduler_block_size:
+            raise ConfigError("chunked local attention with prefix caching needs its block "
+                              "size to equal the scheduler block size", field="groups")
+    if len(config.groups) == 1:
+        return UnitaryCoordinator(config, **kwargs)
+    return HybridCoordinator(config, **kwargs)

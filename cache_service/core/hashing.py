@@ -1,0 +1,171 @@
+"""Chained block hashes for prefix caching, bit-exact with vLLM 0.33.
+
+The hash of block ``i`` of a request is
+``hash_fn((parent, tuple(block_tokens), extra_keys))`` where ``parent`` is the hash of
+block ``i-1`` (``NONE_HASH`` for block 0). Every hash therefore fingerprints the whole
+prefix up to the end of its block plus every extra key seen so far. Only *full* blocks
+are hashed. The byte-level recipe of ``sha256_cbor`` (the cross-language one) is in
+``docs/hashing.md``; ``hash_vectors.json`` holds golden vectors produced by vLLM itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+
+import cbor2
+
+from cache_service.core.errors import InvalidArgument
+
+HashFn = Callable[[object], bytes]
+
+#: Seed of every chain when ``PYTHONHASHSEED`` is unset (vLLM 0.33, cryptographic hashes).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+_sha256 = hashlib.sha256
+_pickle_dumps = pickle.dumps
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+_cbor_dumps = cbor2.dumps
+
+
+def sha256_pickle(obj: object) -> bytes:
+    """vLLM's ``sha256``: SHA-256 of the highest-protocol pickle. Reproducible only with
+    the same pickle format (CPython 3.8+ protocol 5), so not across languages."""
+    return _sha256(_pickle_dumps(obj, protocol=_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: object) -> bytes:
+    """vLLM's ``sha256_cbor``: SHA-256 of canonical CBOR (tuples become arrays, bytes
+    byte strings, None null); reproducible in any language."""
+    return _sha256(_cbor_dumps(obj, canonical=True)).digest()
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": sha256_pickle,
+    "sha256_cbor": sha256_cbor,
+}
+
+
+def get_hash_fn(algo: str) -> HashFn:
+    """The hash function named ``algo`` (``"sha256"`` or ``"sha256_cbor"``)."""
+    try:
+        return HASH_FUNCTIONS[algo]
+    except (KeyError, TypeError):
+        raise InvalidArgument(
+            f"unknown hash algorithm {algo!r}; expected one of {sorted(HASH_FUNCTIONS)}",
+            field="hash_algo",
+        ) from None
+
+
+_none_hashes: dict[tuple[HashFn, str], bytes] = {}
+
+
+def none_hash(hash_fn: HashFn) -> bytes:
+    """The parent hash of every chain's first block: ``hash_fn(seed)``, seed =
+    ``$PYTHONHASHSEED`` if set, else ``"vllm-none-hash"`` (so that independent processes
+    agree). Cached per (hash function, seed): the seed is re-read so that a changed
+    environment is never answered from a stale cache."""
+    seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    key = (hash_fn, seed)
+    h = _none_hashes.get(key)
+    if h is None:
+        h = _none_hashes[key] = hash_fn(seed)
+    return h
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple | None,
+) -> bytes:
+    """The hash of one full block whose predecessor hashed to ``parent`` (None = first block)."""
+    if parent is None:
+        parent = none_hash(hash_fn)
+    return hash_fn((parent, tuple(token_ids), extra_keys))
+
+
+def block_extra_keys(
+    start: int,
+    end: int,
+    *,
+    lora_name: str | None,
+    lora_path: str | None,
+    cache_salt: str | None,
+) -> tuple | None:
+    """Extra keys of the block covering tokens ``[start, end)`` in vLLM 0.33's tagged form:
+    ``("lora", name, path)`` on every block of a LoRA request, then ``("cache_salt", salt)``
+    on the block that starts at token 0 only. None when there are none (not an empty tuple:
+    the two hash differently). vLLM always has a LoRA path; ``None`` is hashed as given.
+    Multimodal and prompt-embedding keys are not supported."""
+    keys: list[tuple] = []
+    if lora_name is not None:
+        keys.append(("lora", lora_name, lora_path))
+    if cache_salt and start == 0:  # vLLM tests truthiness: an empty salt is no salt
+        keys.append(("cache_salt", cache_salt))
+    return tuple(keys) if keys else None
+
+
+def hash_request_tokens(
+    hash_fn: HashFn,
+    token_ids: Sequence[int],
+    hash_block_size: int,
+    *,
+    parent: bytes | None = None,
+    start_block: int = 0,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """Hashes of the full ``hash_block_size``-token blocks of ``token_ids`` from block
+    ``start_block`` on; a trailing partial block is not hashed.
+
+    Incremental use: pass the request's last existing hash as ``parent`` and the number of
+    hashes it already has as ``start_block``; the result equals the tail of a one-shot
+    call. ``parent`` must be None exactly when ``start_block`` is 0.
+    """
+    if not isinstance(hash_block_size, int) or hash_block_size <= 0:
+        raise InvalidArgument(f"hash_block_size must be a positive integer, got "
+                              f"{hash_block_size!r}", field="hash_block_size")
+    if not isinstance(start_block, int) or start_block < 0:
+        raise InvalidArgument(f"start_block must be a non-negative integer, got "
+                              f"{start_block!r}", field="start_block")
+    if (parent is None) != (start_block == 0):
+        raise InvalidArgument("parent must be given exactly when start_block > 0 "
+                              "(block 0 always chains from NONE_HASH)", field="parent")
+    bs = hash_block_size
+    num_full = len(token_ids) // bs
+    if num_full <= start_block:
+        return []
+    # One tuple conversion of just the needed range; tuple slices are tuples already.
+    toks = tuple(token_ids[start_block * bs: num_full * bs])
+    if parent is None:
+        parent = none_hash(hash_fn)
+    lora_key = None if lora_name is None else ("lora", lora_name, lora_path)
+    # The extra keys are the same for every block except block 0 (which alone carries
+    # the salt), so they are built once.
+    rest_keys = None if lora_key is None else (lora_key,)
+    hashes: list[bytes] = []
+    append = hashes.append
+    offset = 0
+    block = start_block
+    if block == 0:
+        first_keys = block_extra_keys(0, bs, lora_name=lora_name, lora_path=lora_path,
+                                      cache_salt=cache_salt)
+        parent = hash_fn((parent, toks[:bs], first_keys))
+        append(parent)
+        offset = bs
+    end = len(toks)
+    while offset < end:
+        parent = hash_fn((parent, toks[offset: offset + bs], rest_keys))
+        append(parent)
+        offset += bs
+    return hashes
+
+
+def external_block_hash(h: bytes) -> int:
+    """The 64-bit integer published for a block hash in KV events (vLLM 0.33 default):
+    the last 8 bytes of the hash as an unsigned big-endian integer."""
+    return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF

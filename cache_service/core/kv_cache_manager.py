@@ -1,0 +1,231 @@
+"""The scheduler-facing manager (vLLM ``KVCacheManager``, §6) over :class:`Request` objects.
+
+Call order per scheduler step: ``new_step_starts()``; ``allocate_slots`` for running
+requests; for waiting ones ``get_computed_blocks`` immediately followed by
+``allocate_slots`` with the hit; the caller then advances ``num_computed_tokens``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from cache_service.core.block import KVCacheBlock
+from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
+from cache_service.core.errors import ConfigError, InvalidArgument
+from cache_service.core.events import BlockStored, KVEvent
+from cache_service.core.request import Request, RequestStatus
+from cache_service.core.single_type_managers import HitBlocks
+from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec
+
+
+def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
+                        scheduler_block_size: int | None = None,
+                        hash_block_size: int | None = None) -> tuple[int, int]:
+    """(scheduler, hash) block sizes per §6.1, unless given explicitly.
+
+    One group: both are its block size. Several: scheduler = lcm of the block sizes;
+    hash = gcd with caching on and every Mamba group in "align" mode, else = scheduler.
+    """
+    for name, value in (("scheduler_block_size", scheduler_block_size),
+                        ("hash_block_size", hash_block_size)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value <= 0):
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
+    sizes = config.block_sizes
+    sched = scheduler_block_size or (math.lcm(*sizes) if sizes else 1)
+    non_align_mamba = any(isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode != "align"
+                          for g in config.groups)
+    if len(sizes) == 1:
+        default_hash = sizes[0]
+    elif len(sizes) > 1 and enable_caching and not non_align_mamba:
+        default_hash = math.gcd(*sizes)
+    else:
+        default_hash = sched
+    return sched, hash_block_size if hash_block_size is not None else default_hash
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters recorded at admission; ``preempted_*`` for re-admissions."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+_ADMISSION_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class KVCacheManager:
+    """vLLM 0.33's KVCacheManager semantics over one coordinator."""
+
+    def __init__(self, config: KVCacheConfig, *, max_model_len: int, scheduler_block_size: int,
+                 hash_block_size: int, max_in_flight_tokens: int | None = None,
+                 enable_caching: bool = True, enable_events: bool = False,
+                 watermark: float = 0.0) -> None:
+        if watermark < 0:
+            raise ConfigError("watermark must be non-negative", field="watermark")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.coordinator: KVCacheCoordinator = make_coordinator(
+            config, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
+            enable_caching=enable_caching, enable_events=enable_events,
+            scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+        self.pool = self.coordinator.pool
+        self.watermark_blocks = int(watermark * config.num_blocks)
+        self.empty_blocks: HitBlocks = self.coordinator.empty_blocks
+        self.num_groups = len(config.groups)
+        self.stats = PrefixCacheStats()
+        self._event_metadata = [
+            (g.spec.kind, g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None)
+            for g in config.groups]
+
+    # -- lookup ------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
+                            ) -> tuple[HitBlocks, int, int]:
+        """(hit blocks per group, hit tokens, shared-prefix boundary). Takes no
+        references. The hit is capped at ``num_tokens - 1``: the last token is always
+        recomputed to produce logits."""
+        if not self.enable_caching:
+            return self.empty_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        blocks, hit, uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length)
+        boundary = hit + uncached if uncached else 0
+        if not any(blocks):
+            blocks = self.empty_blocks
+        return blocks, hit, boundary
+
+    def record_prefix_cache_stats(self, request: Request, num_hits: int) -> None:
+        if self.enable_caching:
+            self.stats.record(request.num_tokens, num_hits, request.num_preemptions > 0)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """The accumulated stats, resetting them."""
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats
+
+    # -- allocation --------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       num_new_computed_tokens: int = 0,
+                       new_computed_blocks: HitBlocks | None = None,
+                       num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
+                       delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                       full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
+                       has_scheduled_reqs: bool = True
+                       ) -> list[list[KVCacheBlock]] | None:
+        """Slots for ``num_new_tokens`` (+ lookahead) after the computed and hit tokens.
+        Returns the newly allocated blocks per group, or None when they do not fit
+        (then nothing was pinned or allocated, though out-of-window blocks may have been
+        released)."""
+        if num_new_tokens == 0 and num_external_computed_tokens == 0 \
+                and num_new_computed_tokens == 0:
+            raise InvalidArgument("num_new_tokens must be greater than 0 when there are no "
+                                  "computed tokens to adopt", field="num_new_tokens")
+        coordinator = self.coordinator
+        hits = self.empty_blocks if new_computed_blocks is None else new_computed_blocks
+        rid = request.request_id
+        num_local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = num_local + num_external_computed_tokens
+        if total_computed > self.max_model_len:
+            total_computed = self.max_model_len
+        watermark = self.watermark_blocks if (
+            has_scheduled_reqs and request.status in _ADMISSION_STATES) else 0
+        free = self.pool.free_block_queue
+        if full_sequence_must_fit:
+            full = min(request.num_tokens, self.max_model_len)
+            needed = coordinator.get_num_blocks_to_allocate(
+                rid, full, hits, num_encoder_tokens, total_computed, num_local, full,
+                apply_admission_cap=True)
+            if needed + watermark > free.num_free_blocks:
+                return None
+        main = total_computed + num_new_tokens
+        need_slots = main + num_lookahead_tokens
+        if need_slots > self.max_model_len:
+            need_slots = self.max_model_len
+        if coordinator.has_skipping_groups:
+            coordinator.remove_skipped_blocks(
+                rid, max(0, total_computed - request.num_in_flight_tokens))
+        needed = coordinator.get_num_blocks_to_allocate(
+            rid, need_slots, hits, num_encoder_tokens,
+            num_local + num_external_computed_tokens, num_local, main)
+        if needed + watermark > free.num_free_blocks - reserved_blocks:
+            return None
+        if hits is not self.empty_blocks or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(rid, hits, num_local,
+                                                     num_external_computed_tokens)
+        new_blocks = coordinator.allocate_new_blocks(rid, need_slots, main, num_encoder_tokens)
+        if delay_cache_blocks or not self.enable_caching:
+            return new_blocks
+        n_cache = total_computed + num_new_tokens
+        if n_cache > request.num_tokens:
+            n_cache = request.num_tokens
+        coordinator.cache_blocks(request, n_cache)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Explicit caching (after a delayed allocation's data arrived)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: Request) -> None:
+        """Free every group's blocks, tail first; cached ones stay hittable."""
+        self.coordinator.free(request.request_id)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        self.coordinator.new_step_starts()
+
+    # -- queries -----------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return self.coordinator.get_blocks(request_id)
+
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        return self.coordinator.get_block_ids(request_id)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33 (cascade attention removed): zeros."""
+        return [0] * self.num_groups
+
+    @property
+    def usage(self) -> float:
+        return self.pool.get_usage()
+
+    # -- cache maintenance -------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        if not self.coordinator.reset_prefix_cache():
+            return False
+        self.stats.reset = True
+        return True
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self.pool.evict_blocks(block_ids)
+
+    def take_events(self) -> list[KVEvent]:
+        """Queued events, with each BlockStored annotated by its group's spec."""
+        events = self.pool.take_events()
+        meta = self._event_metadata
+        for event in events:
+            if type(event) is BlockStored and 0 <= event.group_idx < len(meta):
+                event.spec_kind, event.sliding_window = meta[event.group_idx]
+        return events

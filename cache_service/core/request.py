@@ -1,0 +1,76 @@
+"""The per-request state the service holds (vLLM ``v1.request.Request``, trimmed).
+
+``block_hashes`` covers every *full* ``hash_block_size`` block of ``all_token_ids``
+and is extended incrementally when tokens are appended. When prefix caching is off
+no hashes are computed (as in vLLM, whose requests then get no block hasher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cache_service.core.hashing import HashFn, hash_request_tokens
+
+
+class RequestStatus:
+    """Request states that matter to the allocator (plain strings: enum attribute
+    access is measurably slow on the hot path)."""
+
+    WAITING = "WAITING"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+
+
+class Request:
+    """A request registered in a pool. ``num_computed_tokens`` is advanced by the
+    pool after each successful allocation (hit + new tokens)."""
+
+    __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "status", "num_preemptions", "cache_salt", "lora_name", "block_hashes",
+                 "_hash_fn", "_hash_block_size", "num_in_flight_tokens")
+
+    def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
+                 hash_block_size: int, cache_salt: str | None = None,
+                 lora_name: str | None = None,
+                 block_hashes: Sequence[bytes] | None = None) -> None:
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.num_computed_tokens = 0
+        # Tokens scheduled but not yet processed; always 0 for synchronous callers.
+        self.num_in_flight_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self._hash_fn = hash_fn
+        self._hash_block_size = hash_block_size
+        self.block_hashes: list[bytes] = []
+        if hash_fn is not None:
+            if block_hashes is not None:
+                # Client-computed hashes (validated by the caller); later blocks
+                # chain from the last of them.
+                self.block_hashes = list(block_hashes)
+            self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append output tokens and hash any block they complete."""
+        self.all_token_ids.extend(token_ids)
+        if self._hash_fn is not None:
+            self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        hashes = self.block_hashes
+        bs = self._hash_block_size
+        start = len(hashes)
+        if (start + 1) * bs > len(self.all_token_ids):
+            return
+        assert self._hash_fn is not None
+        hashes.extend(hash_request_tokens(
+            self._hash_fn, self.all_token_ids, bs,
+            parent=hashes[-1] if hashes else None, start_block=start,
+            lora_name=self.lora_name, cache_salt=self.cache_salt))

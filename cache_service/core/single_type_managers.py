@@ -1,0 +1,626 @@
+"""One manager per layer type: the block table of every request in one KV-cache group.
+
+Each manager keeps, per request, the table of blocks (``req_to_blocks``) and, in
+parallel, their ids (``req_to_ids``, null = 0) so whole tables can be returned
+without a per-block walk. ``num_cached_block[req]`` counts the leading table entries
+already hashed; *its presence marks a request that has been allocated before*
+(vLLM's "running" fast path in ``get_num_blocks_to_allocate``).
+
+``find_longest_cache_hit`` is a classmethod: it is stateless and runs jointly for all
+groups sharing one spec (a position only counts as a hit if every group has it).
+``block_hashes`` passed to it are the request's hashes at the pool's hash block
+size; each manager views them at its own block size (§3.6: the coarse hash of
+block ``i`` is the fine hash at ``(i+1)*k - 1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from cache_service.core.block import KVCacheBlock
+from cache_service.core.block_pool import BlockPool
+from cache_service.core.specs import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from cache_service.core.request import Request
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+class CoarseHashView(Sequence[bytes]):
+    """The fine hash list seen at ``k`` times the hash block size (no copying)."""
+
+    __slots__ = ("_fine", "_k")
+
+    def __init__(self, fine: Sequence[bytes], k: int) -> None:
+        self._fine = fine
+        self._k = k
+
+    def __len__(self) -> int:
+        return len(self._fine) // self._k
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        return self._fine[(i + 1) * self._k - 1]
+
+
+def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
+    k = block_size // hash_block_size
+    return fine if k == 1 else CoarseHashView(fine, k)
+
+
+def _lookup(pool: BlockPool, block_hash: bytes, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+    if len(group_ids) == 1:
+        block = pool.get_one_cached_block(block_hash, group_ids[0])
+        return None if block is None else [block]
+    return pool.get_cached_block(block_hash, group_ids)
+
+
+class SingleTypeKVCacheManager:
+    """Base behaviour (§4.1-4.7); subclasses change skipping, hits and allocation."""
+
+    #: False when ``get_num_skipped_tokens`` is always 0 (lets callers skip the call).
+    frees_skipped_blocks: ClassVar[bool] = False
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.null_block = pool.null_block
+        self.max_admission_blocks = admission_cap
+        # Set by the coordinator: hit lengths must be multiples of this.
+        self.cache_hit_alignment_tokens = spec.block_size
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_ids: dict[str, list[int]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    # -- skipping ----------------------------------------------------------------------
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens whose KV is no longer needed once ``num_computed_tokens`` are done."""
+        return 0
+
+    # -- capacity prediction (pure) ----------------------------------------------------
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        """Free-pool blocks the next allocation would consume (§4.2). No mutation."""
+        required = -(-num_tokens // self.block_size)
+        if apply_admission_cap:
+            cap = self.max_admission_blocks
+            if cap is not None and required > cap:
+                required = cap
+        table = self.req_to_blocks.get(request_id)
+        have = 0 if table is None else len(table)
+        if request_id in self.num_cached_block:
+            assert not new_computed_blocks, "a running request cannot adopt new hits"
+            return required - have if required > have else 0
+        skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        local_blocks = len(new_computed_blocks) + have
+        new = max(required - max(skipped_blocks, local_blocks), 0)
+        evictable = 0
+        for block in new_computed_blocks[max(0, skipped_blocks - have):]:
+            if block.ref_cnt == 0 and not block.is_null:
+                evictable += 1
+        return new + evictable
+
+    # -- adopting hits -----------------------------------------------------------------
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """First allocation with a prefix hit: pin the hit blocks (§4.3)."""
+        table = self.req_to_blocks.get(request_id)
+        assert not table, "hits are only adopted by a request without blocks"
+        skipped = self.get_num_skipped_tokens(
+            num_local_computed_tokens + num_external_computed_tokens) // self.block_size
+        kept = list(new_computed_blocks[skipped:]) if skipped > 0 else list(new_computed_blocks)
+        if self.enable_caching:
+            self.pool.touch(kept)
+        else:
+            assert not kept, "no hits can exist with prefix caching disabled"
+        blocks = [self.null_block] * skipped + kept
+        self.req_to_blocks[request_id] = blocks
+        self.req_to_ids[request_id] = [0] * skipped + [b.block_id for b in kept]
+        self.num_cached_block[request_id] = len(blocks)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """Fresh blocks for connector-provided tokens inside the window (§4.3)."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped = self.get_num_skipped_tokens(total)
+        if skipped > 0:
+            num_external_computed_tokens = min(total - skipped, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return
+        self._append_new(request_id, max(0, cdiv(total, self.block_size)
+                                         - len(self.req_to_blocks.get(request_id, ()))))
+
+    # -- allocation --------------------------------------------------------------------
+    def _append_new(self, request_id: str, n: int) -> list[KVCacheBlock]:
+        new = self.pool.get_new_blocks(n)
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            self.req_to_blocks[request_id] = list(new)
+            self.req_to_ids[request_id] = [b.block_id for b in new]
+        else:
+            table.extend(new)
+            self.req_to_ids[request_id].extend([b.block_id for b in new])
+        return new
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """Grow the table to cover ``num_tokens`` slots; returns the new blocks."""
+        table = self.req_to_blocks.get(request_id)
+        n = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
+        if n <= 0:
+            if table is None:
+                self.req_to_blocks[request_id] = []
+                self.req_to_ids[request_id] = []
+            return []
+        return self._append_new(request_id, n)
+
+    # -- caching -----------------------------------------------------------------------
+    def block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` are worth hashing; None = all (§5.4)."""
+        return None
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash the table's full blocks among the first ``num_tokens`` tokens (§4.5)."""
+        hashes = request.block_hashes
+        hbs = self.pool.hash_block_size
+        num_hashed = len(hashes) * hbs
+        num_full = (num_tokens if num_tokens < num_hashed else num_hashed) // self.block_size
+        rid = request.request_id
+        cached = self.num_cached_block.get(rid, 0)
+        if cached >= num_full:
+            return
+        self.pool.cache_full_blocks(request, self.req_to_blocks[rid],
+                                    hash_view(hashes, hbs, self.block_size), cached, num_full,
+                                    self.block_size, self.group_id,
+                                    self.block_mask(cached, num_full))
+        self.num_cached_block[rid] = num_full
+
+    # -- freeing -----------------------------------------------------------------------
+    def free(self, request_id: str) -> None:
+        """Return the request's blocks, tail first; unknown requests are a no-op."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        ids = self.req_to_ids.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            if ids[0]:
+                self.pool.free_blocks(reversed(blocks))
+                return
+            # Skip the leading nulls at C speed: the first non-zero id, then its index
+            # (real ids are unique within a table).
+            first = next(filter(None, ids), 0)
+            if first:
+                self.pool.free_blocks(reversed(blocks[ids.index(first):]))
+
+    def _null_out_range(self, request_id: str, first: int, last: int, *,
+                        stop_at_null: bool) -> None:
+        """Replace blocks ``[first, last)`` by the null block, freeing them last-first.
+        ``stop_at_null``: stop at the first entry already null (everything before it
+        was released earlier)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return
+        ids = self.req_to_ids[request_id]
+        last = min(last, len(blocks))
+        null = self.null_block
+        freed: list[KVCacheBlock] = []
+        for i in range(last - 1, first - 1, -1):
+            block = blocks[i]
+            if block.is_null:
+                if stop_at_null:
+                    break
+                continue
+            freed.append(block)
+            blocks[i] = null
+            ids[i] = 0
+        if freed:
+            self.pool.free_blocks(freed)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release blocks that left the attention window (§4.7)."""
+        skipped = self.get_num_skipped_tokens(num_computed_tokens)
+        if skipped <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        n = min(skipped // self.block_size, len(blocks))
+        if n > 0:
+            self._null_out_range(request_id, 0, n, stop_at_null=True)
+
+    def new_step_starts(self) -> None:
+        return None
+
+    # -- hits ----------------------------------------------------------------------------
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full attention: a hit is the longest run of cached blocks from the start."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        bs = spec.block_size
+        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
+        n = min(max_length // bs, len(hashes))
+        if len(group_ids) == 1:
+            # Hot path: one group, the map probed directly.
+            get = pool.group_map(group_ids[0]).get
+            hit: list[KVCacheBlock] = []
+            for i in range(n):
+                block = get(hashes[i])
+                if block is None:
+                    break
+                if type(block) is dict:
+                    block = next(iter(block.values()))
+                hit.append(block)
+            result: HitBlocks = (hit,)
+        else:
+            result = tuple([] for _ in group_ids)
+            for i in range(n):
+                cached = pool.get_cached_block(hashes[i], group_ids)
+                if cached is None:
+                    break
+                for lst, block in zip(result, cached):
+                    lst.append(block)
+        hit_length = len(result[0]) * bs
+        if hit_length % alignment_tokens:
+            hit_length -= hit_length % alignment_tokens
+            keep = cdiv(hit_length, bs)
+            for lst in result:
+                del lst[keep:]
+        return result, hit_length
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding window W: only the last ``cdiv(W-1, bs)`` blocks before a hit matter."""
+
+    frees_skipped_blocks = True
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
+        super().__init__(spec, pool, group_id, **kwargs)
+        assert isinstance(spec, SlidingWindowSpec)
+        self.sliding_window = spec.sliding_window
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        n = num_computed_tokens - self.sliding_window + 1
+        return n if n > 0 else 0
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        # Called on every allocation: return early when the last block that left the
+        # window is already null (the common decode case).
+        n = (num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if n <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        if n > len(blocks):
+            n = len(blocks)
+        if not blocks[n - 1].is_null:
+            self._null_out_range(request_id, 0, n, stop_at_null=True)
+
+    def block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+        # Under hybrid alignment only the last `need` blocks of each aligned segment can
+        # ever end a hit; the others are not worth a cache entry.
+        bs = self.block_size
+        alignment = self.cache_hit_alignment_tokens
+        if alignment % bs:
+            return None
+        need = cdiv(self.sliding_window - 1, bs)
+        per_segment = alignment // bs
+        if need >= per_segment:
+            return None
+        return [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        assert isinstance(spec, SlidingWindowSpec)
+        bs = spec.block_size
+        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
+        need = cdiv(spec.sliding_window - 1, bs)
+        n = max_length // bs
+        null = pool.null_block
+        result: HitBlocks = tuple([null] * n for _ in group_ids)
+        run = 0
+        found = False
+        # Right to left: the first run of `need` cached blocks (ending on an aligned
+        # boundary) is the longest usable hit.
+        probe = pool.group_map(group_ids[0]).__contains__
+        for i in range(n - 1, -1, -1):
+            if not probe(hashes[i]):
+                run = 0
+                continue
+            cached = _lookup(pool, hashes[i], group_ids)
+            if cached is None:
+                run = 0
+                continue
+            if run == 0 and bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
+                continue
+            for lst, block in zip(result, cached):
+                lst[i] = block
+            run += 1
+            if run >= need:
+                for lst in result:
+                    del lst[i + run:]
+                found = True
+                break
+        if not found:
+            # A run touching block 0 is a hit even if shorter than the window.
+            for lst in result:
+                del lst[run:]
+            while bs != alignment_tokens and (len(result[0]) * bs) % alignment_tokens:
+                for lst in result:
+                    lst.pop()
+        return result, len(result[0]) * bs
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention: tokens of earlier chunks are never attended again."""
+
+    frees_skipped_blocks = True
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
+        super().__init__(spec, pool, group_id, **kwargs)
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        self.attention_chunk_size = spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        bs = spec.block_size
+        if bs != alignment_tokens:
+            raise ValueError("chunked local attention needs every group to have its block size")
+        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
+        chunk = spec.attention_chunk_size
+        start_block = (max_length // chunk * chunk if max_length > 0 else 0) // bs
+        null = pool.null_block
+        # Blocks before the current chunk count as computed without a lookup (null).
+        result: HitBlocks = tuple([null] * start_block for _ in group_ids)
+        for i in range(start_block, max_length // bs):
+            cached = _lookup(pool, hashes[i], group_ids)
+            if cached is None:
+                break
+            for lst, block in zip(result, cached):
+                lst.append(block)
+        return result, len(result[0]) * bs
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba state. ``"none"``: one state block per request (block size is the model
+    length). ``"align"``: positions on the block grid, only the running state is real;
+    a state is cached where a chunk ends on a block boundary, and a state cached in
+    the current step cannot be adopted until ``new_step_starts``."""
+
+    frees_skipped_blocks = True
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
+        super().__init__(spec, pool, group_id, **kwargs)
+        assert isinstance(spec, MambaSpec)
+        self.align = spec.mamba_cache_mode == "align"
+        self.num_speculative_blocks = spec.num_speculative_blocks
+        self.cached_this_step: set[bytes] = set()
+        self.last_state_block_idx: dict[str, int] = {}
+        self.num_retired_blocks: dict[str, int] = {}
+        self.allocated_reqs: set[str] = set()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens - 1
+
+    def _cached_this_step(self, block: KVCacheBlock) -> bool:
+        return (block.block_hash is not None and block.group_id == self.group_id
+                and block.block_hash in self.cached_this_step)
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        if new_computed_blocks and self._cached_this_step(new_computed_blocks[-1]):
+            # Forces "does not fit" so the request waits for the next step.
+            return self.pool.num_blocks + 1
+        if not self.align:
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                new_computed_blocks, total_computed_tokens, num_local_computed_tokens,
+                num_tokens_main_model, apply_admission_cap)
+        # Lookahead tokens are ignored: draft models have no Mamba layers.
+        required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        table = self.req_to_blocks.get(request_id)
+        new = required - len(new_computed_blocks) - (0 if table is None else len(table))
+        if new > 0:
+            cap = 1 if request_id in self.allocated_reqs else 1 + self.num_speculative_blocks
+            new = min(new, cap)
+        evictable = 0
+        for block in new_computed_blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                evictable += 1
+        # `new` may be negative (an over-allocated table); vLLM sums it as is.
+        return new + evictable
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        if not self.align:
+            return super().allocate_new_blocks(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                num_tokens_main_model)
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            table = self.req_to_blocks[request_id] = []
+            self.req_to_ids[request_id] = []
+        ids = self.req_to_ids[request_id]
+        spec_blocks = self.num_speculative_blocks
+        required = cdiv(num_tokens_main_model, self.block_size) + spec_blocks
+        if required <= len(table):
+            self.allocated_reqs.add(request_id)
+            return []
+        prev_len = len(table)
+        was_allocated = request_id in self.allocated_reqs
+        if was_allocated:
+            self.last_state_block_idx[request_id] = prev_len - 1 - spec_blocks
+        elif prev_len > 0:
+            # A new request that hit the cache: its last block holds the hit state.
+            self.last_state_block_idx[request_id] = prev_len - 1
+        num_skipped = required - spec_blocks - 1
+        if prev_len < num_skipped:
+            pad = num_skipped - prev_len
+            table.extend([self.null_block] * pad)
+            ids.extend([0] * pad)
+        if was_allocated:
+            for idx in range(prev_len - spec_blocks, prev_len):
+                if idx >= num_skipped:
+                    break
+                # Move a speculative scratch block to the end, leaving a null behind.
+                block = table[idx]
+                table.append(block)
+                ids.append(block.block_id)
+                table[idx] = self.null_block
+                ids[idx] = 0
+        n = max(required - len(table), 0)
+        new = self.pool.get_new_blocks(n)
+        returned = table[prev_len:]
+        table.extend(new)
+        ids.extend([b.block_id for b in new])
+        self.allocated_reqs.add(request_id)
+        returned.extend(new)
+        return returned
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        rid = request.request_id
+        before = self.num_cached_block.get(rid, 0)
+        super().cache_blocks(request, num_tokens)
+        after = self.num_cached_block.get(rid, 0)
+        if after > before:
+            table = self.req_to_blocks[rid]
+            for idx in range(before, after):
+                block = table[idx]
+                if not block.is_null and block.block_hash is not None:
+                    self.cached_this_step.add(block.block_hash)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        if not self.align:
+            super().remove_skipped_blocks(request_id, num_computed_tokens)
+            return
+        skipped = num_computed_tokens - 1
+        blocks = self.req_to_blocks.get(request_id)
+        if skipped > 0 and blocks:
+            last = min(skipped // self.block_size, len(blocks))
+            first = self.num_retired_blocks.get(request_id, 0)
+            if first < last:
+                # Prefill leaves null gaps between states: skip nulls, do not stop.
+                self._null_out_range(request_id, first, last, stop_at_null=False)
+                self.num_retired_blocks[request_id] = last
+        # The state block of two allocations ago was only needed as the copy source
+        # of the previous step's state; release it.
+        idx = self.last_state_block_idx.get(request_id)
+        if idx is not None and idx < cdiv(num_computed_tokens, self.block_size) - 1:
+            blocks = self.req_to_blocks[request_id]
+            block = blocks[idx]
+            if not block.is_null:
+                self.pool.free_blocks([block])
+                blocks[idx] = self.null_block
+                self.req_to_ids[request_id][idx] = 0
+
+    def free(self, request_id: str) -> None:
+        self.allocated_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self.num_retired_blocks.pop(request_id, None)
+        super().free(request_id)
+
+    def new_step_starts(self) -> None:
+        self.cached_this_step.clear()
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        assert isinstance(spec, MambaSpec)
+        bs = spec.block_size
+        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
+        null = pool.null_block
+        # Right to left: only the state at the hit boundary is needed.
+        n = min(max_length // bs, len(hashes))
+        probe = pool.group_map(group_ids[0]).__contains__
+        for i in range(n - 1, -1, -1):
+            if not probe(hashes[i]):
+                continue  # a miss in the first group is a miss
+            cached = _lookup(pool, hashes[i], group_ids)
+            if cached is None:
+                continue
+            if bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
+                continue
+            return tuple([null] * i + [block] for block in cached), (i + 1) * bs
+        return tuple([] for _ in group_ids), 0
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Encoder-decoder cross attention: a static allocation sized by encoder tokens;
+    never prefix cached (encoder-decoder models run with caching off)."""
+
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        assert not new_computed_blocks, "cross attention has no prefix hits"
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        return None
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        raise ValueError("cross-attention blocks are never cached")
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
+                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+        raise NotImplementedError("cross attention does not support prefix caching")
+
+
+def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager type of a group spec (vLLM's registry, §5.1)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalAttentionManager
+    if isinstance(spec, MambaSpec):
+        return MambaManager
+    if isinstance(spec, CrossAttentionSpec):
+        return CrossAttentionManager
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager
+    raise TypeError(f"no manager for spec type {type(spec).__name__}")

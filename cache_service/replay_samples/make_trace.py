@@ -1,0 +1,130 @@
+"""Dev tool: random replay traces for differential tests against the vLLM oracle.
+
+    python cache_service/replay_samples/make_trace.py CONFIG.json --ops 3000 --seed 1 > t.jsonl
+
+A loose scheduler: requests share prefixes (so there are hits), prefill in chunks
+(block-aligned where a Mamba group needs it), decode one token at a time, and are
+freed or preempted at random; ``step``, ``usage``, ``reset``, ``blocks`` and a few
+invalid operations are mixed in. A ``lookup`` is always followed by the same
+request's ``allocate`` (the pool re-runs stale lookups, vLLM does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from typing import Any
+
+
+def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    mml = config["max_model_len"]
+    bs = max(g["block_size"] for g in config["groups"] if g["type"] != "mamba") \
+        if any(g["type"] != "mamba" for g in config["groups"]) else 16
+    align = any(g["type"] == "mamba" for g in config["groups"]) and config.get("enable_caching", True)
+    capacity = config["num_blocks"] * bs
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([1, 2, 3, 4, 6]) * bs)]
+                for _ in range(4)]
+    ops: list[dict[str, Any]] = []
+    # id -> [num_tokens, computed, running]
+    reqs: dict[str, list[int]] = {}
+    next_id = 0
+    explicit_steps = False
+    while len(ops) < num_ops:
+        if len(reqs) > 6 and rng.random() < 0.3:
+            ops.append({"op": "free", "req": rng.choice(list(reqs))})
+            del reqs[ops[-1]["req"]]
+            continue
+        if rng.random() < 0.005:
+            # Drain: free everything, then a reset can succeed.
+            for rid in list(reqs):
+                ops.append({"op": "free", "req": rid})
+            reqs.clear()
+            ops.append({"op": "reset"})
+            ops.append({"op": "usage"})
+            continue
+        r = rng.random()
+        if r < 0.12 or not reqs:
+            rid = f"r{next_id}"
+            next_id += 1
+            n = rng.randrange(1, max(2, min(mml, capacity // 3)))
+            prefix = rng.choice(prefixes) if rng.random() < 0.7 else []
+            tokens = (prefix + [rng.randrange(1000) for _ in range(n)])[:max(1, min(mml - 64, n))]
+            op: dict[str, Any] = {"op": "add", "req": rid, "tokens": tokens}
+            if rng.random() < 0.05:
+                op["cache_salt"] = "s"
+            ops.append(op)
+            reqs[rid] = [len(tokens), 0, 0]
+            continue
+        rid = rng.choice(list(reqs))
+        num_tokens, computed, running = reqs[rid]
+        if r < 0.55:
+            if computed == 0 and rng.random() < 0.9:
+                ops.append({"op": "lookup", "req": rid})
+            remaining = num_tokens - computed
+            if remaining <= 0:
+                n = 1
+            else:
+                n = rng.randrange(1, remaining + 1)
+                if align and computed + n < num_tokens and (computed + n) % bs:
+                    n = max(1, (computed + n) // bs * bs - computed)
+            op = {"op": "allocate", "req": rid, "num_new_tokens": n}
+            if rng.random() < 0.15:
+                op["full_sequence_must_fit"] = True
+            if rng.random() < 0.05:
+                op["num_lookahead_tokens"] = rng.randrange(1, 8)
+            if rng.random() < 0.03:
+                op["use_lookup"] = False
+            ops.append(op)
+            # The replay computes the outcome; the generator only needs a guess of
+            # progress, so it assumes success and corrects on "blocks" below.
+            reqs[rid][1] = computed + n
+            reqs[rid][2] = 1
+        elif r < 0.75:
+            if computed >= num_tokens and num_tokens < mml - 8:
+                k = 1 if rng.random() < 0.9 else rng.randrange(2, 6)
+                ops.append({"op": "append", "req": rid,
+                            "tokens": [rng.randrange(1000) for _ in range(k)]})
+                reqs[rid][0] += k
+        elif r < 0.82:
+            ops.append({"op": "free", "req": rid})
+            del reqs[rid]
+        elif r < 0.86:
+            ops.append({"op": "preempt", "req": rid})
+            reqs[rid][1] = 0
+        elif r < 0.91:
+            explicit_steps = explicit_steps or rng.random() < 0.3
+            if explicit_steps:
+                ops.append({"op": "step"})
+        elif r < 0.94:
+            ops.append({"op": "usage"})
+        elif r < 0.95:
+            ops.append({"op": "reset"})
+        elif r < 0.98:
+            ops.append({"op": "blocks", "req": rid})
+        else:
+            bad = rng.choice([{"op": "free", "req": "nope"}, {"op": "lookup", "req": "nope"},
+                              {"op": "allocate", "req": rid, "num_new_tokens": 0,
+                               "use_lookup": False} if computed == 0 else {"op": "usage"},
+                              {"op": "frobnicate"}])
+            ops.append(bad)
+    return ops
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("--ops", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    with open(a.config) as f:
+        config = json.load(f)
+    for op in make_trace(config, a.ops, a.seed):
+        sys.stdout.write(json.dumps(op, separators=(",", ":")) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Dev tool: diff ``cache_service.replay`` against the vLLM oracle (never run in CI).
+
+    python cache_service/replay_samples/oracle_diff.py CONFIG.json TRACE.jsonl [--expected F]
+
+Without ``--expected`` it runs shared/tools/vllm-oracle (venv in
+~/.cache/vllm-oracle-venv) on the trace with the scenario matching CONFIG, and with
+``--write`` stores its output as TRACE.expected.jsonl. Results are compared with
+:func:`same_result` (tests/core/test_replay.py uses the same rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ORACLE = Path(os.environ.get("VLLM_ORACLE", "/work/shared/tools/vllm-oracle/vllm_oracle.py"))
+ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
+                                Path.home() / ".cache/vllm-oracle-venv/bin/python"))
+
+
+def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Every key the oracle printed must match, except that error texts differ by
+    design (only the presence of "error" must agree). Extra keys of ours are allowed."""
+    if ("error" in ours) != ("error" in theirs):
+        return False
+    return all(k == "error" or ours.get(k) == v for k, v in theirs.items())
+
+
+def oracle_args(config: dict[str, Any]) -> list[str]:
+    kinds = [g["type"] for g in config["groups"]]
+    names = {"full_attention": "full", "sliding_window": "swa", "mamba": "mamba"}
+    scenario = "_".join(names[k] for k in kinds)
+    args = ["--scenario", scenario, "--num-blocks", str(config["num_blocks"]),
+            "--max-model-len", str(config["max_model_len"]),
+            "--block-size", str(config["groups"][0]["block_size"]),
+            "--hash-fn", config.get("hash_algo", "sha256"),
+            "--enable-caching" if config.get("enable_caching", True) else "--no-caching"]
+    for g in config["groups"]:
+        if g["type"] == "sliding_window":
+            args += ["--sliding-window", str(g["sliding_window"])]
+        if g["type"] == "mamba":
+            args += ["--mamba-block-size", str(g["block_size"])]
+    return args
+
+
+def run_oracle(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
+    proc = subprocess.run([str(ORACLE_PY), str(ORACLE), *oracle_args(config)], input=trace,
+                          capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def run_ours(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
+    from cache_service.replay import make_pool, replay
+
+    out = io.StringIO()
+    replay(make_pool(config), io.StringIO(trace), out)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("config")
+    p.add_argument("trace")
+    p.add_argument("--expected", help="compare with this file instead of running the oracle")
+    p.add_argument("--write", action="store_true", help="write TRACE.expected.jsonl")
+    a = p.parse_args()
+    config = json.loads(Path(a.config).read_text())
+    trace = Path(a.trace).read_text()
+    if a.expected:
+        theirs = [json.loads(x) for x in Path(a.expected).read_text().splitlines() if x.strip()]
+    else:
+        theirs = run_oracle(config, trace)
+        if a.write:
+            expected = Path(a.trace).with_suffix("").with_suffix(".expected.jsonl")
+            expected.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                        for r in theirs))
+    ours = run_ours(config, trace)
+    if len(ours) != len(theirs):
+        print(f"length differs: ours {len(ours)} vs oracle {len(theirs)}")
+        return 1
+    bad = [i for i, (o, t) in enumerate(zip(ours, theirs)) if not same_result(o, t)]
+    for i in bad[:5]:
+        print(f"op {i}:\n  ours   {json.dumps(ours[i])[:600]}\n  oracle {json.dumps(theirs[i])[:600]}")
+    print(f"{len(ours)} ops compared, {len(bad)} differ")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,411 @@
+"""``kvcache.v1.CacheService`` on top of the pool registry.
+
+Every handler runs on the server's one event loop and calls the allocator synchronously
+(no awaits between reading and writing allocator state), so calls never interleave inside
+a pool. Step batches are validated whole before any op is applied: field checks, plus a
+simulation of which request ids exist as the batch's adds / frees take effect. A batch
+that passes is applied op by op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from cache_service import convert
+from cache_service._errors import ResourceExhausted, qualify, to_status
+from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from cache_service.core.errors import (
+    DuplicateRequest,
+    FailedPrecondition,
+    InvalidArgument,
+    KVCacheError,
+    UnknownRequest,
+)
+from cache_service.event_feed import SequenceOutOfRange
+from cache_service.pools import PoolEntry, PoolRegistry, check_pool_id
+
+MAX_REQUEST_ID_LEN = 256
+HASH_LEN = 32  # sha256 digests
+TOKEN_LIMIT = 2**31  # the core's bound on token ids when the pool has no vocab_size
+
+_ADD, _LOOKUP, _ALLOCATE, _APPEND, _FREE, _PREEMPT, _NEW_STEP = (
+    "add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+
+
+class Draining(KVCacheError):
+    """The server is shutting down; retry elsewhere or later (-> UNAVAILABLE)."""
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    if isinstance(exc, Draining):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    await context.abort_with_status(to_status(exc))
+
+
+def _check_tokens(tokens: Any, limit: int, field: str) -> None:
+    """Token ids must lie in [0, limit) (limit = vocab_size, else 2**31 as in the core)."""
+    if not tokens:
+        raise InvalidArgument("at least one token id is required", field=field)
+    if min(tokens) < 0 or max(tokens) >= limit:
+        bad = next(i for i, t in enumerate(tokens) if not 0 <= t < limit)
+        raise InvalidArgument(f"token id {tokens[bad]} out of range [0, {limit})",
+                              field=f"{field}[{bad}]")
+
+
+def _check_request_id(rid: str, field: str) -> None:
+    if not rid or len(rid) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgument(f"request_id must be 1-{MAX_REQUEST_ID_LEN} characters",
+                              field=field)
+
+
+def check_block_hashes(entry: PoolEntry, hashes: Any, num_tokens: int, field: str) -> None:
+    """Client-computed hashes: sha256_cbor pools only, one 32-byte hash per full block."""
+    if not hashes:
+        return
+    opts = entry.pool.options
+    if opts.hash_algo != "sha256_cbor":
+        raise InvalidArgument("client block hashes need a pool with hash_algo "
+                              "HASH_ALGO_SHA256_CBOR (the cross-language recipe)", field=field)
+    if not opts.enable_caching:
+        raise InvalidArgument("the pool has prefix caching off; send no block hashes",
+                              field=field)
+    expected = num_tokens // entry.pool.hash_block_size
+    if len(hashes) != expected:
+        raise InvalidArgument(f"expected {expected} hashes (one per full "
+                              f"{entry.pool.hash_block_size}-token block), got {len(hashes)}",
+                              field=field)
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_LEN:
+            raise InvalidArgument(f"a block hash is {HASH_LEN} bytes, got {len(h)}",
+                                  field=f"{field}[{i}]")
+
+
+class StepValidator:
+    """Checks a whole batch against the pool without changing it.
+
+    The pool validates each call before it mutates, but a batch must be all or nothing, so
+    this mirrors the pool's checks over a simulation of the batch: which request ids exist
+    as adds and frees take effect, each request's token count as appends arrive, and
+    whether it may have computed tokens. Two protocol rules keep the simulation exact:
+    ``allocate.num_new_tokens`` must be >= 1 (a prefix hit never covers the last prompt
+    token, so a real step always has one), and a ``lookup`` may not follow an ``allocate``
+    of the same request in one batch (its outcome decides whether the lookup is legal).
+    """
+
+    def __init__(self, entry: PoolEntry) -> None:
+        self.entry = entry
+        self.pool = entry.pool
+        self.max_model_len = self.pool.options.max_model_len
+        vocab = self.pool.options.vocab_size
+        self.token_limit = vocab if vocab is not None else TOKEN_LIMIT
+        # request id -> [exists, num_tokens, may_have_computed_tokens]
+        self.state: dict[str, list] = {}
+
+    def _state(self, rid: str) -> list:
+        st = self.state.get(rid)
+        if st is None:
+            try:
+                info = self.pool.request_info(rid)
+                st = [True, info.num_tokens, info.num_computed_tokens > 0]
+            except UnknownRequest:
+                st = [False, 0, False]
+            self.state[rid] = st
+        return st
+
+    def _require(self, rid: str, field: str) -> list:
+        if not rid or len(rid) > MAX_REQUEST_ID_LEN:
+            _check_request_id(rid, field)
+        st = self._state(rid)
+        if not st[0]:
+            raise UnknownRequest(f"unknown request {rid!r}", field=field)
+        return st
+
+    def _count(self, value: int, field: str) -> None:
+        if value < 0 or value > self.max_model_len:
+            raise InvalidArgument(f"must be in [0, max_model_len={self.max_model_len}], "
+                                  f"got {value}", field=field)
+
+    def check(self, i: int, op: pb.Op) -> None:
+        kind = op.WhichOneof("op")
+        if kind == _ALLOCATE:
+            m = op.allocate
+            st = self._require(m.request_id, f"ops[{i}].allocate.request_id")
+            n = m.num_new_tokens
+            if n < 1 or n > self.max_model_len:
+                raise InvalidArgument(f"must be in [1, max_model_len={self.max_model_len}], "
+                                      f"got {n}", field=f"ops[{i}].allocate.num_new_tokens")
+            if m.num_lookahead_tokens:
+                self._count(m.num_lookahead_tokens, f"ops[{i}].allocate.num_lookahead_tokens")
+            st[2] = True
+        elif kind == _APPEND:
+            m = op.append_tokens
+            path = f"ops[{i}].append_tokens"
+            st = self._require(m.request_id, f"{path}.request_id")
+            _check_tokens(m.token_ids, self.token_limit, f"{path}.token_ids")
+            st[1] += len(m.token_ids)
+            if st[1] > self.max_model_len:
+                raise InvalidArgument(f"request {m.request_id!r} would grow to {st[1]} tokens, "
+                                      f"beyond max_model_len {self.max_model_len}",
+                                      field=f"{path}.token_ids")
+        elif kind == _ADD:
+            m = op.add_request
+            path = f"ops[{i}].add_request"
+            _check_request_id(m.request_id, f"{path}.request_id")
+            st = self._state(m.request_id)
+            if st[0]:
+                raise DuplicateRequest(f"request {m.request_id!r} already exists",
+                                       field=f"{path}.request_id")
+            _check_tokens(m.token_ids, self.token_limit, f"{path}.token_ids")
+            if len(m.token_ids) > self.max_model_len:
+                raise InvalidArgument(f"{len(m.token_ids)} tokens exceed max_model_len="
+                                      f"{self.max_model_len}", field=f"{path}.token_ids")
+            check_block_hashes(self.entry, m.block_hashes, len(m.token_ids),
+                               f"{path}.block_hashes")
+            st[:] = [True, len(m.token_ids), False]
+        elif kind == _LOOKUP:
+            st = self._require(op.lookup.request_id, f"ops[{i}].lookup.request_id")
+            if st[2]:
+                raise FailedPrecondition(
+                    f"request {op.lookup.request_id!r} has (or may have, after an allocate "
+                    "earlier in this batch) computed tokens; only requests with nothing "
+                    "computed can look up", field=f"ops[{i}].lookup.request_id")
+        elif kind == _PREEMPT:
+            st = self._require(op.preempt.request_id, f"ops[{i}].preempt.request_id")
+            st[2] = False
+        elif kind == _FREE:
+            st = self._require(op.free.request_id, f"ops[{i}].free.request_id")
+            st[:] = [False, 0, False]
+        elif kind is None:
+            raise InvalidArgument("an op must set one of add_request, lookup, allocate, "
+                                  "append_tokens, free, preempt, new_step", field=f"ops[{i}]")
+
+
+class CacheServicer(pb_grpc.CacheServiceServicer):
+    """The gRPC handlers. ``draining`` (set on SIGTERM) turns new stream messages away."""
+
+    def __init__(self, registry: PoolRegistry, *, max_ops_per_step: int = 65536) -> None:
+        self.registry = registry
+        self.max_ops_per_step = max_ops_per_step
+        self.draining = False
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (KVCacheError, SequenceOutOfRange) as exc:
+            await _abort(context, exc)
+
+    # -- pools -------------------------------------------------------------------------
+
+    async def RegisterPool(self, request: pb.RegisterPoolRequest,
+                           context: grpc.aio.ServicerContext) -> pb.RegisterPoolResponse:
+        def run() -> pb.RegisterPoolResponse:
+            check_pool_id(request.pool_id)
+            desc = convert.description_from_proto(request)
+            entry, created = self.registry.register(request.pool_id, desc)
+            return pb.RegisterPoolResponse(config=convert.pool_config_to_proto(entry),
+                                           created=created)
+        return await self._unary(context, run)
+
+    async def GetPool(self, request: pb.GetPoolRequest,
+                      context: grpc.aio.ServicerContext) -> pb.GetPoolResponse:
+        return await self._unary(context, lambda: pb.GetPoolResponse(
+            config=convert.pool_config_to_proto(self.registry.get(request.pool_id))))
+
+    async def ListPools(self, request: pb.ListPoolsRequest,
+                        context: grpc.aio.ServicerContext) -> pb.ListPoolsResponse:
+        return pb.ListPoolsResponse(pools=[convert.pool_config_to_proto(e)
+                                           for e in self.registry])
+
+    async def DeletePool(self, request: pb.DeletePoolRequest,
+                         context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
+        return await self._unary(context, lambda: pb.DeletePoolResponse(
+            num_requests_dropped=self.registry.delete(request.pool_id)))
+
+    # -- steps -------------------------------------------------------------------------
+
+    def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Validates then applies one batch (raises a core error and changes nothing if
+        any op is invalid)."""
+        entry = self.registry.get(request.pool_id)
+        ops = request.ops
+        if len(ops) > self.max_ops_per_step:
+            raise ResourceExhausted(f"{len(ops)} ops exceed the limit of "
+                                    f"{self.max_ops_per_step} per Step", field="ops")
+        validator = StepValidator(entry)
+        check = validator.check
+        for i, op in enumerate(ops):
+            check(i, op)
+        pool = entry.pool
+        if request.begin_step:
+            pool.new_step()
+        # Results are filled in place (add() + field writes): building submessages with
+        # constructors copies them and costs ~2x on a 256-request decode step.
+        response = pb.StepResponse()
+        add_result = response.results.add
+        for i, op in enumerate(ops):
+            kind = op.WhichOneof("op")
+            try:
+                if kind == _ALLOCATE:
+                    m = op.allocate
+                    r = pool.allocate(m.request_id, m.num_new_tokens,
+                                      num_lookahead_tokens=m.num_lookahead_tokens,
+                                      full_sequence_must_fit=m.full_sequence_must_fit,
+                                      use_lookup=not m.skip_lookup,
+                                      delay_cache_blocks=m.delay_cache_blocks)
+                    out = add_result().allocate
+                    out.num_computed_tokens = r.num_computed_tokens
+                    if r.ok:
+                        out.ok = True
+                        out.hit_tokens_used = r.hit_tokens_used
+                        tables = out.new_block_ids
+                        for ids in r.new_block_ids:
+                            tables.add().block_ids.extend(ids)
+                    if not m.skip_block_table:
+                        tables = out.block_ids
+                        for ids in r.block_ids:
+                            tables.add().block_ids.extend(ids)
+                elif kind == _APPEND:
+                    m = op.append_tokens
+                    info = pool.append_tokens(m.request_id, m.token_ids)
+                    out = add_result().append_tokens
+                    out.num_tokens = info.num_tokens
+                    out.num_block_hashes = info.num_block_hashes
+                elif kind == _ADD:
+                    m = op.add_request
+                    info = pool.add_request(
+                        m.request_id, m.token_ids, cache_salt=m.cache_salt or None,
+                        lora_name=m.lora_name or None,
+                        block_hashes=list(m.block_hashes) if m.block_hashes else None)
+                    out = add_result().add_request
+                    out.num_tokens = info.num_tokens
+                    out.num_block_hashes = info.num_block_hashes
+                elif kind == _LOOKUP:
+                    lk = pool.lookup(op.lookup.request_id)
+                    out = add_result().lookup
+                    out.hit_tokens = lk.hit_tokens
+                    out.shared_prefix_boundary = lk.shared_prefix_boundary
+                    tables = out.block_ids
+                    for ids in lk.block_ids:
+                        tables.add().block_ids.extend(ids)
+                elif kind == _FREE:
+                    add_result().free.num_free_blocks = pool.free(op.free.request_id)
+                elif kind == _PREEMPT:
+                    add_result().preempt.num_free_blocks = pool.preempt(op.preempt.request_id)
+                else:
+                    pool.new_step()
+                    add_result().new_step.SetInParent()
+            except KVCacheError as exc:
+                # The validator let through an op the core rejects: ops before it are
+                # applied. Report it precisely; this is a validator gap, not a client bug.
+                entry.flush_events()
+                raise qualify(exc, f"ops[{i}].{kind}") from None
+        entry.flush_events()
+        response.num_free_blocks = pool.manager.pool.get_num_free_blocks()
+        return response
+
+    async def Step(self, request: pb.StepRequest,
+                   context: grpc.aio.ServicerContext) -> pb.StepResponse:
+        try:
+            return self.step(request)
+        except KVCacheError as exc:
+            await _abort(context, exc)
+
+    async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
+        async for request in request_iterator:
+            try:
+                if self.draining:
+                    raise Draining("server is draining; reconnect to another instance")
+                response = self.step(request)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+            yield response
+
+    # -- queries -----------------------------------------------------------------------
+
+    async def PeekPrefix(self, request: pb.PeekPrefixRequest,
+                         context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
+        def run() -> pb.PeekPrefixResponse:
+            if not request.pool_ids:
+                raise InvalidArgument("at least one pool id is required", field="pool_ids")
+            has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
+            if has_tokens == has_hashes:
+                raise InvalidArgument("give token_ids or block_hashes (exactly one)",
+                                      field="token_ids")
+            entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
+                       for i, pid in enumerate(request.pool_ids)]
+            hits = []
+            for i, entry in enumerate(entries):
+                if has_tokens:
+                    vocab = entry.pool.options.vocab_size
+                    _check_tokens(request.token_ids, vocab or TOKEN_LIMIT, "token_ids")
+                    n = entry.pool.peek_prefix(request.token_ids,
+                                               cache_salt=request.cache_salt or None,
+                                               lora_name=request.lora_name or None)
+                else:
+                    for j, h in enumerate(request.block_hashes):
+                        if len(h) != HASH_LEN:
+                            raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
+                                                  field=f"block_hashes[{j}]")
+                    if entry.pool.options.hash_algo != "sha256_cbor":
+                        raise InvalidArgument(
+                            f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
+                            field=f"pool_ids[{i}]")
+                    n = entry.pool.peek_prefix(block_hashes=list(request.block_hashes),
+                                               cache_salt=request.cache_salt or None,
+                                               lora_name=request.lora_name or None)
+                hits.append(pb.PoolHit(pool_id=entry.pool_id, hit_tokens=n))
+            return pb.PeekPrefixResponse(hits=hits)
+        return await self._unary(context, run)
+
+    async def GetRequest(self, request: pb.GetRequestRequest,
+                         context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
+        def run() -> pb.GetRequestResponse:
+            pool = self.registry.get(request.pool_id).pool
+            _check_request_id(request.request_id, "request_id")
+            info = pool.request_info(request.request_id)
+            return pb.GetRequestResponse(
+                block_ids=convert.tables(pool.block_ids(request.request_id)),
+                num_computed_tokens=info.num_computed_tokens, num_tokens=info.num_tokens,
+                num_block_hashes=info.num_block_hashes, status=info.status,
+                num_preemptions=info.num_preemptions)
+        return await self._unary(context, run)
+
+    async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
+                           context: grpc.aio.ServicerContext) -> pb.GetPoolStatsResponse:
+        def run() -> pb.GetPoolStatsResponse:
+            entry = self.registry.get(request.pool_id)
+            return pb.GetPoolStatsResponse(stats=convert.stats_to_proto(
+                entry.pool.stats(), entry.feed.next_sequence - 1))
+        return await self._unary(context, run)
+
+    async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
+                               context: grpc.aio.ServicerContext
+                               ) -> pb.ResetPrefixCacheResponse:
+        def run() -> pb.ResetPrefixCacheResponse:
+            entry = self.registry.get(request.pool_id)
+            ok = entry.pool.reset_prefix_cache()
+            entry.flush_events()
+            return pb.ResetPrefixCacheResponse(reset=ok)
+        return await self._unary(context, run)
+
+    # -- events ------------------------------------------------------------------------
+
+    async def SubscribeEvents(self, request: pb.SubscribeEventsRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> AsyncIterator[pb.SubscribeEventsResponse]:
+        try:
+            entry = self.registry.get(request.pool_id)
+            start = request.from_sequence if request.HasField("from_sequence") else None
+            subscription = entry.feed.subscribe(start)
+            async for batch in subscription:
+                yield pb.SubscribeEventsResponse(
+                    events=[convert.event_to_proto(seq, e) for seq, e in batch])
+        except (KVCacheError, SequenceOutOfRange) as exc:
+            await _abort(context, exc)

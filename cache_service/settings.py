@@ -1,0 +1,91 @@
+"""Server settings: command-line flags over ``KVCACHE_*`` environment variables over defaults.
+
+One pydantic-settings model holds every knob; :func:`parse_settings` builds an argparse
+parser from the model's fields (so ``--help`` lists each flag with its environment variable
+and default) and passes only the flags actually given, so that an unset flag never hides an
+environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Every setting of ``kvcache-server``; each field ``x`` reads ``KVCACHE_X``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVCACHE_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on (the docker image "
+                      "sets 0.0.0.0)")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 = an ephemeral port "
+                      "(reported in the 'serving' log line)")
+    metrics_port: int = Field(9400, ge=-1, le=65535, description="Prometheus /metrics HTTP "
+                              "port on the same host; 0 = an ephemeral port (reported in the "
+                              "'serving' line), -1 = disabled")
+    drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM/SIGINT: grace period "
+                                 "for in-flight calls before they are cancelled")
+    auth_token: SecretStr | None = Field(None, description="if set, every kvcache.v1 call "
+                                         "needs 'authorization: Bearer <token>' (health stays "
+                                         "open)")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain; with --tls-key "
+                                  "the server speaks TLS")
+    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
+    event_buffer: int = Field(10000, ge=1, description="KV events kept per pool for "
+                              "SubscribeEvents resume; older sequences get OUT_OF_RANGE")
+    max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
+                                   "message accepted or sent")
+    max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step")
+    keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
+                                   "interval")
+    keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")
+    min_ping_interval_ms: int = Field(5000, ge=0, description="smallest client ping interval "
+                                      "tolerated without data (faster pings get GOAWAY)")
+    max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="log level; 'debug' logs every call")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "Settings":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        return self
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one ``--flag`` per :class:`Settings` field."""
+    parser = argparse.ArgumentParser(
+        prog="kvcache-server",
+        description="The KV-cache management service (gRPC kvcache.v1.CacheService, "
+        "grpc.health.v1, reflection, Prometheus metrics). Every flag can also be set with "
+        "the environment variable shown; flags win.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for name, info in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "KVCACHE_" + name.upper()
+        default = info.default.get_secret_value() if isinstance(info.default, SecretStr) \
+            else info.default
+        help_text = f"{info.description} [env {env}; default {default}]"
+        # default=SUPPRESS: only flags the user gave reach the settings.
+        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text,
+                            metavar=name.upper())
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> Settings:
+    """Settings from ``argv`` (flags) and the environment; exits with a usage error on
+    a bad value, naming the flag."""
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    try:
+        return Settings(**given)
+    except ValueError as exc:  # pydantic.ValidationError is a ValueError
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

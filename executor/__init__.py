@@ -1,0 +1,1 @@
+"""Executor service: hybrid models on a paged cache managed by the cache service."""

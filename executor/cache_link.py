@@ -1,0 +1,101 @@
+"""The executor's connection to the cache service (through ``cache_service.client``):
+register the pool, send one batched Step per engine step, time the calls, and turn
+"pool unknown" (the service restarted) into :class:`PoolLost` so the engine re-registers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import grpc
+
+from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult
+from cache_service.convert import layer_spec_to_proto
+from cache_service.core.specs import KVCacheSpec
+from executor.batch import GroupLayout
+
+
+class PoolLost(Exception):
+    """The cache service no longer knows our pool (it restarted): re-register."""
+
+
+class CacheUnavailable(Exception):
+    """The cache service cannot be reached right now (retried with backoff already)."""
+
+
+@dataclass
+class PoolPlan:
+    """What we register: layer specs, a budget (a block count, or bytes) and options."""
+
+    pool_id: str
+    specs: dict[str, KVCacheSpec]
+    max_model_len: int
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+    enable_caching: bool = True
+    vocab_size: int = 0
+
+    def layer_protos(self) -> list[pb.LayerSpec]:
+        return [layer_spec_to_proto(n, s) for n, s in self.specs.items()]
+
+
+def group_layouts(info: PoolInfo) -> list[GroupLayout]:
+    """The executor's view of the pool's groups (kind, block size, Mamba mode)."""
+    out = []
+    for g in info.raw.groups:
+        if g.kind == pb.LAYER_KIND_MAMBA:
+            mode = "align" if g.mamba_cache_mode == pb.MAMBA_CACHE_MODE_ALIGN else "none"
+            out.append(GroupLayout("mamba", g.block_size, mode))
+        else:
+            out.append(GroupLayout("attention", g.block_size))
+    return out
+
+
+class CacheLink:
+    """A blocking connection for one pool (the engine runs in its own thread)."""
+
+    def __init__(self, target: str, plan: PoolPlan, *, timeout_s: float = 10.0) -> None:
+        self.target = target
+        self.plan = plan
+        self.client = CacheClient(target, default_timeout=timeout_s, max_retries=2)
+        self.info: PoolInfo | None = None
+        self.call_seconds = 0.0
+        self.calls = 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def register(self) -> PoolInfo:
+        """RegisterPool (idempotent for the same description)."""
+        try:
+            self.info = self.client.register_pool(
+                self.plan.pool_id, self.plan.layer_protos(), num_blocks=self.plan.num_blocks,
+                available_memory_bytes=None if self.plan.num_blocks else int(self.plan.memory_bytes or 0),
+                max_model_len=self.plan.max_model_len, enable_caching=self.plan.enable_caching,
+                vocab_size=self.plan.vocab_size or None)
+        except CacheError as exc:
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise CacheUnavailable(exc.message) from None
+            raise
+        return self.info
+
+    def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        start = time.perf_counter()
+        try:
+            return self.client.step(self.plan.pool_id, ops, begin_step=begin_step)
+        except CacheError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND and (
+                    exc.field == "pool_id" or (not exc.field and "pool" in exc.message.lower())):
+                raise PoolLost(exc.message) from None
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise CacheUnavailable(exc.message) from None
+            raise
+        finally:
+            self.call_seconds += time.perf_counter() - start
+            self.calls += 1
+
+    def stats(self) -> PoolStats:
+        return self.client.stats(self.plan.pool_id)

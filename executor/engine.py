@@ -1,0 +1,484 @@
+"""The engine loop: continuous batching with chunked prefill over a paged cache whose blocks the
+cache service hands out.
+
+One engine step:
+
+1. **Step call** (always one): ``begin_step``; frees of finished requests; for every running
+   request (oldest first) its pending output token (``append``) and an ``allocate`` for its
+   next chunk; ``add`` + ``lookup`` for the admission candidates (FCFS, within the token
+   budget and ``max_num_seqs``).
+2. If a running request got "no room": preempt the newest running request (its blocks go
+   back, it returns to the front of the waiting queue) and retry, one extra call per round
+   (vLLM's policy). No admissions in such a step.
+3. **Admission call** (only when candidates exist): ``lookup`` + ``allocate
+   (full_sequence_must_fit)`` per candidate, with chunk sizes planned from the hits the first
+   call reported. A lookup must be followed directly by its allocate (lookups take no
+   references), so admission cannot share call 1 without guessing the hit. Candidates whose
+   prompt shares a not-yet-cached prefix with an earlier candidate wait for the next step: the
+   earlier one's blocks are then cached (Mamba checkpoints cached in a step are only reusable
+   from the next one) and the hit stays what call 1 reported. If a candidate does not fit,
+   admission stops there (FCFS) and later candidates that did fit are rolled back (preempt).
+4. One forward pass over every scheduled chunk; sample where a chunk reaches the end of the
+   known tokens; stream tokens; finished requests are freed in the next step's call.
+
+Chunking: a chunk is at most the remaining token budget. With Mamba groups in ``align`` mode
+a chunk ends on a block boundary (only states at block boundaries are cached), except the last
+one, which covers the prompt's final partial block (so the state at the prompt's last block
+boundary is always checkpointed); and a chunk never crosses the shared-prefix boundary the
+lookup reported (so the state at the end of a prefix shared with cached data gets cached).
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import structlog
+
+from cache_service.client import AllocateResult, LookupResult, ops
+from executor.batch import GroupLayout, SeqChunk
+from executor.cache_link import CacheLink, CacheUnavailable, PoolLost
+from executor.runner import ModelRunner
+from executor.sampling import SamplingParams, sample
+
+log = structlog.get_logger("executor.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 64  # running requests at most
+    max_tokens_per_step: int = 256  # token budget of one forward pass (chunked prefill)
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prefix hit at the first admission
+    time_to_first_token_s: float = 0.0
+    output_tokens: int = 0
+    num_preemptions: int = 0
+    total_time_s: float = 0.0
+
+
+@dataclass
+class TokenEvent:
+    """What the engine reports for a request: new tokens, and at the end the finish reason
+    and stats (``error`` if it was dropped)."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    stats: RequestStats | None = None
+    error: str = ""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    cache_salt: str = ""
+    sink: Callable[[TokenEvent], None] | None = None
+    # engine state
+    outputs: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    added: bool = False  # registered with the cache service
+    pending_append: list[int] = field(default_factory=list)  # outputs the service has not seen
+    boundary: int = 0  # shared-prefix boundary from the last lookup
+    admitted_once: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+@dataclass
+class EngineMetrics:
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    cache_call_seconds: float = 0.0
+    cache_calls: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    reregistrations: int = 0
+
+
+class Engine:
+    """Owns the scheduling state; ``run()`` loops in a dedicated thread. ``submit`` and
+    ``abort`` are thread-safe (they go through an inbox the loop drains)."""
+
+    def __init__(self, runner: ModelRunner, link: CacheLink, config: EngineConfig = EngineConfig(),
+                 *, on_reregister: Callable[[], None] | None = None) -> None:
+        self.runner = runner
+        self.link = link
+        self.config = config
+        self.layout: list[GroupLayout] = runner.layout
+        self.max_model_len = runner.model.config.max_model_len
+        self.vocab_size = runner.model.config.vocab_size
+        aligned = [g.block_size for g in self.layout if g.kind == "mamba" and g.mamba_cache_mode == "align"]
+        self.mamba_align_block = max(aligned) if aligned else 0
+        if config.max_tokens_per_step < max(self.mamba_align_block, 1):
+            raise ValueError(f"max_tokens_per_step: {config.max_tokens_per_step} is below the Mamba "
+                             f"block size {self.mamba_align_block}; prefill could never progress")
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.to_free: list[str] = []
+        self.inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
+        self.metrics = EngineMetrics()
+        self.free_blocks_hint: int | None = None
+        self.on_reregister = on_reregister
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ public, thread-safe
+    def submit(self, req: Request) -> None:
+        self.validate(req)
+        self.inbox.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(("wake", None))
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}-{time.monotonic_ns()}"
+
+    def validate(self, req: Request) -> None:
+        if not req.prompt:
+            raise ValueError("prompt_token_ids: at least one token is required")
+        bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids[{bad}]: {req.prompt[bad]} is outside [0, {self.vocab_size})")
+        if req.max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {req.max_tokens}")
+        if len(req.prompt) + req.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) "
+                             f"exceeds max_model_len {self.max_model_len}")
+        req.sampling.validate()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.to_free)
+
+    def run(self) -> None:
+        """Loop until ``stop()``: drain the inbox, step while there is work."""
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.has_work)
+            if self._stop.is_set():
+                break
+            if not self.has_work:
+                continue
+            try:
+                self.step()
+            except PoolLost:
+                self.handle_pool_lost()
+            except CacheUnavailable as exc:
+                log.warning("cache_unavailable", error=str(exc))
+                time.sleep(0.5)
+
+    # ------------------------------------------------------------------ scheduling
+    def _drain_inbox(self, *, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "add":
+                req = payload  # type: ignore[assignment]
+                req.stats.prompt_tokens = len(req.prompt)
+                self.waiting.append(req)
+            elif kind == "abort":
+                self._abort(str(payload))
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, rid: str) -> None:
+        for coll in (self.waiting, self.running):
+            for req in list(coll):
+                if req.request_id == rid:
+                    coll.remove(req)
+                    if req.added:
+                        self.to_free.append(rid)
+                    self._emit(req, [], finish="abort")
+
+    def chunk_len(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to compute from ``start`` under ``budget`` (0: cannot progress now)."""
+        total = len(req.tokens)
+        end = min(total, start + budget)
+        if end <= start:
+            return 0
+        if req.boundary and start < req.boundary < end:
+            end = req.boundary
+        elif self.mamba_align_block:
+            aligned = end // self.mamba_align_block * self.mamba_align_block
+            # Mid-prompt: end on a block boundary. At the prompt's end: stop at its last
+            # boundary first, so that the state there is checkpointed for later requests.
+            if end < total or aligned > start:
+                end = aligned
+        return max(0, end - start)
+
+    def _blocks_estimate(self, req: Request) -> int:
+        """Blocks a request may need for its whole sequence (no hit): admission sizing only."""
+        n = len(req.tokens) + req.max_tokens - len(req.outputs)
+        total = 0
+        for g in self.layout:
+            if g.kind == "mamba":
+                total += 2
+            else:
+                total += -(-n // g.block_size)
+        return total
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        calls0, secs0 = self.link.calls, self.link.call_seconds
+        step_ops = [ops.free(rid) for rid in self.to_free]
+        self.to_free = []
+        budget = self.config.max_tokens_per_step
+        planned: list[tuple[Request, int, int]] = []  # (req, op index of allocate, n)
+        for req in self.running:
+            n = self.chunk_len(req, req.num_computed, budget)
+            if n == 0:
+                continue
+            if req.pending_append:
+                step_ops.append(ops.append(req.request_id, req.pending_append))
+                req.pending_append = []
+            planned.append((req, len(step_ops), n))
+            step_ops.append(ops.allocate(req.request_id, n))
+            budget -= n
+        candidates: list[tuple[Request, int]] = []  # (req, op index of lookup)
+        free_est = self.free_blocks_hint
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) + len(candidates) >= self.config.max_num_seqs:
+                break
+            need = self._blocks_estimate(req)
+            if candidates and free_est is not None and need > free_est:
+                break
+            if free_est is not None:
+                free_est -= need
+            if not req.added:
+                step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
+                req.added = True
+            elif req.pending_append:
+                step_ops.append(ops.append(req.request_id, req.pending_append))
+            req.pending_append = []
+            candidates.append((req, len(step_ops)))
+            step_ops.append(ops.lookup(req.request_id))
+            budget -= 1  # a candidate computes at least one token
+        result = self.link.step(step_ops, begin_step=True)
+        self.free_blocks_hint = result.num_free_blocks
+
+        scheduled: list[tuple[Request, int, int]] = []  # (req, start, n)
+        failed: list[tuple[Request, int]] = []
+        for req, idx, n in planned:
+            alloc = result.results[idx]
+            assert isinstance(alloc, AllocateResult)
+            if alloc.ok:
+                req.tables = alloc.block_ids
+                scheduled.append((req, req.num_computed, n))
+            else:
+                failed.append((req, n))
+        if failed:
+            scheduled = self._preempt_and_retry(scheduled, failed)
+        elif candidates:
+            budget = self.config.max_tokens_per_step - sum(n for _, _, n in scheduled)
+            scheduled += self._admit(candidates, result.results, budget)
+        self.metrics.cache_calls += self.link.calls - calls0
+        cache_secs = self.link.call_seconds - secs0
+        if scheduled:
+            tf = time.perf_counter()
+            self._execute(scheduled)
+            self.metrics.forward_seconds += time.perf_counter() - tf
+        self.metrics.cache_call_seconds += cache_secs
+        self.metrics.steps += 1
+        self.metrics.step_seconds += time.perf_counter() - t0
+
+    def _preempt_and_retry(self, scheduled: list[tuple[Request, int, int]],
+                           failed: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:
+        """vLLM's policy: while a running request gets no room, preempt the newest running
+        request and retry; a request that is itself the newest is preempted."""
+        while failed:
+            victim = self.running[-1]
+            round_ops = [ops.preempt(victim.request_id)]
+            self._to_waiting(victim)
+            scheduled = [s for s in scheduled if s[0] is not victim]
+            failed = [f for f in failed if f[0] is not victim]
+            retry = []
+            for req, n in failed:
+                retry.append((req, len(round_ops), n))
+                round_ops.append(ops.allocate(req.request_id, n))
+            result = self.link.step(round_ops)
+            self.free_blocks_hint = result.num_free_blocks
+            failed = []
+            for req, idx, n in retry:
+                alloc = result.results[idx]
+                assert isinstance(alloc, AllocateResult)
+                if alloc.ok:
+                    req.tables = alloc.block_ids
+                    scheduled.append((req, req.num_computed, n))
+                else:
+                    failed.append((req, n))
+        order = {id(r): i for i, r in enumerate(self.running)}
+        return sorted(scheduled, key=lambda s: order.get(id(s[0]), 0))
+
+    def _to_waiting(self, req: Request) -> None:
+        """Preempted: back to the front of the queue; everything is recomputed on re-admission."""
+        self.running.remove(req)
+        req.num_computed = 0
+        req.tables = []
+        req.boundary = 0
+        req.stats.num_preemptions += 1
+        self.metrics.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, candidates: list[tuple[Request, int]], first: Sequence[object],
+               budget: int) -> list[tuple[Request, int, int]]:
+        admit_ops = []
+        plan: list[tuple[Request, int, int]] = []  # (req, allocate op index, n)
+        unit = min(g.block_size for g in self.layout)
+        for req, idx in candidates:
+            lk = first[idx]
+            assert isinstance(lk, LookupResult)
+            shared = max((_common_prefix(req.tokens, p.tokens) for p, _, _ in plan), default=0)
+            if shared // unit * unit > lk.hit_tokens:
+                break  # an earlier candidate computes our prefix now: wait one step, then hit it
+            req.boundary = lk.shared_prefix_boundary if lk.shared_prefix_boundary > lk.hit_tokens else 0
+            n = self.chunk_len(req, lk.hit_tokens, budget)
+            if n <= 0:
+                break
+            admit_ops.append(ops.lookup(req.request_id))
+            plan.append((req, len(admit_ops), n))
+            admit_ops.append(ops.allocate(req.request_id, n, full_sequence_must_fit=True))
+            budget -= n
+        if not plan:
+            return []
+        result = self.link.step(admit_ops)
+        self.free_blocks_hint = result.num_free_blocks
+        admitted: list[tuple[Request, int, int]] = []
+        rollback: list[Request] = []
+        stopped = False
+        for req, idx, n in plan:
+            alloc = result.results[idx]
+            assert isinstance(alloc, AllocateResult)
+            if not alloc.ok:
+                stopped = True
+                continue
+            start = alloc.hit_tokens_used
+            if stopped or start + n > len(req.tokens):
+                rollback.append(req)  # FCFS, or the hit changed under us: undo and retry later
+                continue
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.tables = alloc.block_ids
+            req.num_computed = start
+            if not req.admitted_once:
+                req.admitted_once = True
+                req.stats.cached_tokens = start
+                self.metrics.prompt_tokens += len(req.prompt)
+                self.metrics.cached_tokens += start
+            admitted.append((req, start, n))
+        if rollback:
+            result = self.link.step([ops.preempt(r.request_id) for r in rollback])
+            self.free_blocks_hint = result.num_free_blocks
+        return admitted
+
+    def _execute(self, scheduled: list[tuple[Request, int, int]]) -> None:
+        tokens, chunks = [], []
+        for req, start, n in scheduled:
+            all_tokens = req.tokens
+            tokens.append(all_tokens[start:start + n])
+            chunks.append(SeqChunk(start, n, req.tables))
+        logits = self.runner.forward(tokens, chunks)
+        self.metrics.computed_tokens += sum(n for _, _, n in scheduled)
+        rows, params, positions = [], [], []
+        for b, (req, start, n) in enumerate(scheduled):
+            req.num_computed = start + n
+            if req.num_computed == len(req.tokens):
+                rows.append(b)
+                params.append(req.sampling)
+                positions.append(req.num_computed)
+        if not rows:
+            return
+        picks = sample(logits[rows], params, positions)
+        now = time.perf_counter()
+        for b, tok in zip(rows, picks):
+            req = scheduled[b][0]
+            req.outputs.append(tok)
+            req.pending_append = [tok]
+            self.metrics.generated_tokens += 1
+            if req.first_token_at is None:
+                req.first_token_at = now
+                req.stats.time_to_first_token_s = now - req.arrival
+            finish = ""
+            if tok in req.stop_token_ids:
+                finish = "stop"
+            elif len(req.outputs) >= req.max_tokens or len(req.tokens) >= self.max_model_len:
+                finish = "length"
+            if finish:
+                self.running.remove(req)
+                self.to_free.append(req.request_id)
+                self.metrics.finished += 1
+            self._emit(req, [tok], finish=finish)
+
+    def _emit(self, req: Request, tokens: list[int], *, finish: str = "", error: str = "") -> None:
+        stats = None
+        if finish or error:
+            req.stats.output_tokens = len(req.outputs)
+            req.stats.total_time_s = time.perf_counter() - req.arrival
+            stats = req.stats
+        if req.sink is not None:
+            req.sink(TokenEvent(req.request_id, tokens, finish, stats, error))
+
+    # ------------------------------------------------------------------ service restarts
+    def handle_pool_lost(self) -> None:
+        """The cache service forgot our pool: every request goes back to waiting (in arrival
+        order, outputs kept and recomputed), then we register again."""
+        log.warning("pool_lost", running=len(self.running), waiting=len(self.waiting))
+        everyone = sorted(list(self.running) + list(self.waiting), key=lambda r: r.arrival)
+        self.running.clear()
+        self.waiting = deque(everyone)
+        self.to_free = []
+        for req in everyone:
+            req.added = False
+            req.num_computed = 0
+            req.tables = []
+            req.pending_append = []
+            req.boundary = 0
+        self.free_blocks_hint = None
+        self.metrics.reregistrations += 1
+        while not self._stop.is_set():
+            try:
+                self.link.register()
+                break
+            except CacheUnavailable:
+                time.sleep(0.5)
+        if self.on_reregister is not None:
+            self.on_reregister()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,46 @@
+"""Model + cache tensors + one lock: runs a forward pass over a batch of chunks and returns
+the next-token logits of each request (the engine and ``Execute`` share it)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from executor.batch import GroupLayout, SeqChunk, build_forward_meta
+from executor.cache import CacheTensors
+from executor.model import HybridModel
+
+
+class ModelRunner:
+    def __init__(self, model: HybridModel, cache: CacheTensors) -> None:
+        self.model = model
+        self.cache = cache
+        self.lock = threading.Lock()  # one forward at a time: the cache tensors are shared
+
+    @property
+    def layout(self) -> list[GroupLayout]:
+        return self.cache.layout
+
+    def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> Tensor:
+        """``tokens[b]`` are request b's ``chunks[b].query_len`` new tokens. Returns fp32
+        logits [B, vocab] at each request's last new token."""
+        if len(tokens) != len(chunks):
+            raise ValueError("tokens: one token list per chunk")
+        for b, (t, c) in enumerate(zip(tokens, chunks)):
+            if len(t) != c.query_len:
+                raise ValueError(f"sequences[{b}].token_ids: {len(t)} tokens but query_len {c.query_len}")
+            if len(c.block_tables) != len(self.layout):
+                raise ValueError(f"sequences[{b}].block_tables: {len(c.block_tables)} tables but the "
+                                 f"pool has {len(self.layout)} groups")
+        vocab = self.model.config.vocab_size
+        flat = [int(x) for t in tokens for x in t]
+        if any(x < 0 or x >= vocab for x in flat):
+            raise ValueError(f"token_ids: every token must be in [0, {vocab})")
+        meta = build_forward_meta(chunks, self.layout)
+        input_ids = torch.tensor(flat, dtype=torch.long)
+        with self.lock:
+            hidden = self.model(input_ids, meta, self.cache)
+            return self.model.compute_logits(hidden[meta.logits_indices])

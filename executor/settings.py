@@ -1,0 +1,72 @@
+"""Executor settings: flags over ``KVCACHE_EXECUTOR_*`` environment variables over defaults
+(same mechanism as ``cache_service.settings``: the parser is built from the model's fields)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from executor.presets import DEFAULT_PRESET
+
+
+class ExecutorSettings(BaseSettings):
+    """Every setting of ``kvcache-executor``; each field ``x`` reads ``KVCACHE_EXECUTOR_X``."""
+
+    model_config = SettingsConfigDict(env_prefix="KVCACHE_EXECUTOR_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 = ephemeral (reported "
+                      "in the 'serving' log line)")
+    metrics_port: int = Field(-1, ge=-1, le=65535, description="Prometheus /metrics port; "
+                              "0 = ephemeral, -1 = disabled")
+    cache_service: str = Field("127.0.0.1:50051", description="cache service address HOST:PORT")
+    pool_id: str = Field("", description="pool id to register; empty = '<model>-<random>'")
+    preset: str = Field(DEFAULT_PRESET, description="model preset (see executor.presets)")
+    model_config_json: Path | None = Field(None, description="a ModelConfig JSON file "
+                                           "(overrides --preset)")
+    hf_checkpoint: Path | None = Field(None, description="a Hugging Face checkpoint directory "
+                                       "(config.json + safetensors; overrides --preset)")
+    seed: int | None = Field(None, description="random-weight seed (default: the preset's)")
+    max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own); "
+                               "the pool must fit one request of this length")
+    cache_memory_mb: float = Field(32.0, gt=0, description="KV-cache memory budget (MiB)")
+    num_blocks: int = Field(0, ge=0, description="pool size in blocks incl. the null block "
+                            "(0 = from --cache-memory-mb)")
+    block_size: int = Field(16, ge=1, description="attention block size before Mamba unification")
+    enable_prefix_caching: bool = Field(True, description="prefix caching in the pool")
+    mamba_cache_mode: Literal["align", "none"] = Field(
+        "align", description="Mamba prefix caching mode (align = checkpoints per block)")
+    max_num_seqs: int = Field(64, ge=1, description="running requests at most")
+    max_tokens_per_step: int = Field(256, ge=1, description="token budget of one forward pass")
+    drain_seconds: float = Field(10.0, ge=0, description="on SIGTERM: time for running "
+                                 "requests to finish")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcache-executor",
+        description="Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, "
+        "metrics): runs a hybrid model on a paged cache managed by the cache service. Every "
+        "flag can also be set with the environment variable shown; flags win.")
+    for name, info in ExecutorSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = "KVCACHE_EXECUTOR_" + name.upper()
+        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+                            help=f"{info.description} [env {env}; default {info.default}]")
+    return parser
+
+
+def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    try:
+        return ExecutorSettings(**given)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise

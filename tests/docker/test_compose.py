@@ -1,0 +1,114 @@
+"""docker-compose.yml, run for real with the compose CLI (Debian's docker-compose 1.29.2 here;
+testcontainers' DockerCompose needs Compose v2): the whole stack comes up in dependency order
+on health checks, the demo client exits 0 with its summary, and `down` leaves nothing of the
+project behind. The images are the session's test images (no build by compose)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.docker
+
+PROJECT_LABEL = "com.docker.compose.project"
+
+
+def compose_command() -> list[str]:
+    """`docker-compose` (v1) when installed, else the `docker compose` plugin."""
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+    if probe.returncode == 0:
+        return ["docker", "compose"]
+    pytest.skip("docker tier: neither docker-compose nor the compose plugin is installed")
+
+
+class Project:
+    """One compose project with a unique name, the test images, and ephemeral host ports."""
+
+    def __init__(self, cache_image: str, executor_image: str) -> None:
+        self.name = f"kvctest{uuid.uuid4().hex[:8]}"
+        self.env = {
+            **os.environ,
+            "KVCACHE_CACHE_IMAGE": cache_image,
+            "KVCACHE_EXECUTOR_IMAGE": executor_image,
+            "KVCACHE_EXECUTOR_GPU_IMAGE": executor_image,  # only created, never run, here
+            "KVCACHE_HEALTH_INTERVAL": "1s",
+            # Empty = an ephemeral host port: never collides with servers on this host.
+            "KVCACHE_PUBLISH_PORT": "", "KVCACHE_PUBLISH_METRICS_PORT": "",
+            "KVCACHE_EXECUTOR_PUBLISH_PORT": "", "KVCACHE_EXECUTOR_PUBLISH_METRICS_PORT": "",
+            "KVCACHE_EXECUTOR_GPU_PUBLISH_PORT": "",
+        }
+        self.base = compose_command() + ["-p", self.name, "-f", str(REPO / "docker-compose.yml")]
+
+    def run(self, *args: str, timeout: float = 300, check: bool = True
+            ) -> subprocess.CompletedProcess:
+        result = subprocess.run(self.base + list(args), env=self.env, cwd=REPO, text=True,
+                                capture_output=True, timeout=timeout)
+        if check and result.returncode != 0:
+            pytest.fail(f"{' '.join(args)} -> rc {result.returncode}\n{result.stdout[-3000:]}"
+                        f"\n{result.stderr[-3000:]}")
+        return result
+
+    def containers(self, docker_client, service: str) -> list:
+        return docker_client.containers.list(all=True, filters={"label": [
+            f"{PROJECT_LABEL}={self.name}", f"com.docker.compose.service={service}"]})
+
+    def started_at(self, docker_client, service: str) -> datetime:
+        (container,) = self.containers(docker_client, service)
+        # The engine reports nanoseconds; fromisoformat takes at most microseconds.
+        stamp = container.attrs["State"]["StartedAt"]
+        head, _, frac = stamp.rstrip("Z").partition(".")
+        return datetime.fromisoformat(f"{head}.{(frac + '000000')[:6]}")
+
+    def leftovers(self, docker_client) -> list[str]:
+        """Names of this project's containers and networks that still exist."""
+        label = {"label": f"{PROJECT_LABEL}={self.name}"}
+        return ([c.name for c in docker_client.containers.list(all=True, filters=label)]
+                + [n.name for n in docker_client.networks.list(filters=label)])
+
+
+@pytest.fixture
+def project(cache_service_image, executor_image, docker_client) -> Iterator[Project]:
+    proj = Project(cache_service_image, executor_image)
+    yield proj
+    proj.run("--profile", "gpu", "down", "--volumes", "--remove-orphans", "--timeout", "20",
+             check=False)
+
+
+def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
+    # --exit-code-from: returns the demo's exit code and stops the stack when it exits.
+    up = project.run("up", "--no-build", "--exit-code-from", "demo", timeout=400, check=False)
+    demo_logs = project.run("logs", "--no-color", "demo").stdout
+    assert up.returncode == 0, f"demo exit {up.returncode}\n{up.stdout[-4000:]}{up.stderr[-2000:]}"
+    assert "summary" in demo_logs.lower(), demo_logs[-3000:]
+
+    # depends_on/service_healthy held: each service started only after the one it depends on
+    # passed a health probe, and the first probe runs one interval (1 s) after start.
+    cache, executor, demo = (project.started_at(docker_client, s)
+                             for s in ("cache-service", "executor", "demo"))
+    assert (executor - cache).total_seconds() >= 0.9
+    assert (demo - executor).total_seconds() >= 0.9
+    assert project.containers(docker_client, "executor-gpu") == []  # gpu profile not active
+
+    project.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
+    assert project.leftovers(docker_client) == []
+
+
+def test_gpu_profile_reserves_one_nvidia_gpu(project, docker_client):
+    # No GPU here: create the containers without starting them and read the device request
+    # the engine accepted (compose 1.29 must send a well-formed one).
+    project.run("--profile", "gpu", "up", "--no-build", "--no-start", "executor-gpu",
+                check=False)
+    (created,) = project.containers(docker_client, "executor-gpu")
+    requests = created.attrs["HostConfig"]["DeviceRequests"]
+    assert [(r["Driver"], r["Count"], r["Capabilities"]) for r in requests] == \
+        [("nvidia", 1, [["gpu"]])]

@@ -1,0 +1,217 @@
+"""Malformed and hostile input: the right status code, the offending field named in a
+BadRequest detail, and no state change (pool stats, a live request, the pool list)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_status import rpc_status
+
+from cache_service._errors import field_violations
+from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.client import CacheClient, layers, ops
+
+from .conftest import full_layers
+
+POOL = "hostile"
+CBOR_POOL = "hostile-cbor"
+VOCAB = 1000
+MAX_LEN = 256
+LIVE = "live"  # a running request with computed tokens
+Code = grpc.StatusCode
+
+
+@dataclass
+class Case:
+    name: str
+    rpc: str
+    request: Callable[[], object]
+    code: grpc.StatusCode
+    field: str | None = None
+
+
+def step(*step_ops: pb.Op, pool: str = POOL) -> Callable[[], pb.StepRequest]:
+    return lambda: pb.StepRequest(pool_id=pool, ops=list(step_ops))
+
+
+def register(**changes) -> Callable[[], pb.RegisterPoolRequest]:
+    def build() -> pb.RegisterPoolRequest:
+        req = pb.RegisterPoolRequest(pool_id="hostile-new", layers=full_layers(),
+                                     num_blocks=64,
+                                     options=pb.PoolOptions(max_model_len=MAX_LEN))
+        for key, value in changes.items():
+            value(req) if callable(value) else setattr(req, key, value)
+        return req
+    return build
+
+
+def _layer(**kw) -> Callable[[pb.RegisterPoolRequest], None]:
+    def edit(req: pb.RegisterPoolRequest) -> None:
+        for k, v in kw.items():
+            setattr(req.layers[0], k, v)
+    return edit
+
+
+def _hashes(n: int, size: int = 32) -> list[bytes]:
+    return [bytes([i]) * size for i in range(n)]
+
+
+CASES = [
+    Case("unknown pool", "Step", lambda: pb.StepRequest(pool_id="nope", ops=[ops.new_step()]),
+         Code.NOT_FOUND, "pool_id"),
+    Case("allocate unknown request", "Step", step(ops.allocate("ghost", 1)),
+         Code.NOT_FOUND, "ops[0].allocate.request_id"),
+    Case("negative num_new_tokens", "Step", step(ops.allocate(LIVE, -1)),
+         Code.INVALID_ARGUMENT, "ops[0].allocate.num_new_tokens"),
+    Case("huge num_new_tokens", "Step", step(ops.allocate(LIVE, 2**62)),
+         Code.INVALID_ARGUMENT, "ops[0].allocate.num_new_tokens"),
+    Case("zero num_new_tokens", "Step", step(ops.allocate(LIVE, 0)),
+         Code.INVALID_ARGUMENT, "ops[0].allocate.num_new_tokens"),
+    Case("negative lookahead", "Step", step(ops.allocate(LIVE, 1, num_lookahead_tokens=-5)),
+         Code.INVALID_ARGUMENT, "ops[0].allocate.num_lookahead_tokens"),
+    Case("duplicate of a live request", "Step", step(ops.add(LIVE, [1, 2])),
+         Code.ALREADY_EXISTS, "ops[0].add_request.request_id"),
+    Case("duplicate within the batch", "Step", step(ops.add("d", [1]), ops.add("d", [2])),
+         Code.ALREADY_EXISTS, "ops[1].add_request.request_id"),
+    Case("empty token list", "Step", step(ops.add("e", [])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.token_ids"),
+    Case("negative token id", "Step", step(ops.add("e", [1, 2, -3])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.token_ids[2]"),
+    Case("token id beyond vocab", "Step", step(ops.add("e", [1, VOCAB])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.token_ids[1]"),
+    Case("token id beyond int32", "Step", step(ops.add("e", [2**40])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.token_ids[0]"),
+    Case("prompt longer than max_model_len", "Step", step(ops.add("e", [1] * (MAX_LEN + 1))),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.token_ids"),
+    Case("empty request id", "Step", step(ops.add("", [1])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.request_id"),
+    Case("request id too long", "Step", step(ops.add("x" * 300, [1])),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.request_id"),
+    Case("block hashes on a sha256 pool", "Step",
+         step(ops.add("h", [1] * 32, block_hashes=_hashes(2))),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.block_hashes"),
+    Case("block hash of the wrong length", "Step",
+         step(ops.add("h", [1] * 32, block_hashes=_hashes(2, 31)), pool=CBOR_POOL),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.block_hashes[0]"),
+    Case("wrong number of block hashes", "Step",
+         step(ops.add("h", [1] * 32, block_hashes=_hashes(3)), pool=CBOR_POOL),
+         Code.INVALID_ARGUMENT, "ops[0].add_request.block_hashes"),
+    Case("free unknown request", "Step", step(ops.free("ghost")),
+         Code.NOT_FOUND, "ops[0].free.request_id"),
+    Case("valid ops before an invalid one are not applied", "Step",
+         step(ops.add("fresh", [5] * 40), ops.allocate("fresh", 40), ops.append(LIVE, [3]),
+              ops.allocate(LIVE, 1), ops.allocate("ghost", 1)),
+         Code.NOT_FOUND, "ops[4].allocate.request_id"),
+    Case("allocate after free in the batch", "Step",
+         step(ops.free(LIVE), ops.allocate(LIVE, 1)),
+         Code.NOT_FOUND, "ops[1].allocate.request_id"),
+    Case("lookup on a running request", "Step", step(ops.lookup(LIVE)),
+         Code.FAILED_PRECONDITION, "ops[0].lookup.request_id"),
+    Case("lookup after allocate in the batch", "Step",
+         step(ops.add("l", [1] * 20), ops.allocate("l", 20), ops.lookup("l")),
+         Code.FAILED_PRECONDITION, "ops[2].lookup.request_id"),
+    Case("append beyond max_model_len", "Step", step(ops.append(LIVE, [1] * MAX_LEN)),
+         Code.INVALID_ARGUMENT, "ops[0].append_tokens.token_ids"),
+    Case("append out-of-vocab token", "Step", step(ops.append(LIVE, [4, VOCAB + 7])),
+         Code.INVALID_ARGUMENT, "ops[0].append_tokens.token_ids[1]"),
+    Case("op with nothing set", "Step", step(ops.new_step(), pb.Op()),
+         Code.INVALID_ARGUMENT, "ops[1]"),
+    Case("too many ops", "Step", step(*[ops.new_step()] * 5000),
+         Code.RESOURCE_EXHAUSTED, "ops"),
+    Case("oversized message", "Step", step(ops.add("big", [2**40] * 1_000_000)),
+         Code.RESOURCE_EXHAUSTED),
+    Case("layer kind unset", "RegisterPool", register(layers=_layer(kind=0)),
+         Code.INVALID_ARGUMENT, "layers[0].kind"),
+    Case("block size zero", "RegisterPool", register(layers=_layer(block_size=0)),
+         Code.INVALID_ARGUMENT, "layers[0].block_size"),
+    Case("negative head size", "RegisterPool", register(layers=_layer(head_size=-8)),
+         Code.INVALID_ARGUMENT, "layers[0].head_size"),
+    Case("sliding window missing", "RegisterPool",
+         register(layers=_layer(kind=pb.LAYER_KIND_SLIDING_WINDOW)),
+         Code.INVALID_ARGUMENT, "layers[0].sliding_window"),
+    Case("unknown dtype", "RegisterPool", register(layers=_layer(dtype="float7")),
+         Code.INVALID_ARGUMENT, "layers[0].dtype"),
+    Case("mamba without states", "RegisterPool",
+         register(layers=_layer(kind=pb.LAYER_KIND_MAMBA, num_kv_heads=0, head_size=0,
+                                dtype="")),
+         Code.INVALID_ARGUMENT, "layers[0].mamba_states"),
+    Case("duplicate layer names", "RegisterPool",
+         register(layers=lambda r: setattr(r.layers[1], "name", r.layers[0].name)),
+         Code.INVALID_ARGUMENT, "layers[1].name"),
+    Case("watermark out of range", "RegisterPool",
+         register(options=lambda r: setattr(r.options, "watermark", 1.5)),
+         Code.INVALID_ARGUMENT, "options.watermark"),
+    Case("max_model_len missing", "RegisterPool",
+         register(options=lambda r: setattr(r.options, "max_model_len", 0)),
+         Code.INVALID_ARGUMENT, "options.max_model_len"),
+    Case("no budget", "RegisterPool", register(budget=lambda r: r.ClearField("budget")),
+         Code.INVALID_ARGUMENT, "budget"),
+    Case("too few blocks for max_model_len", "RegisterPool", register(num_blocks=5),
+         Code.INVALID_ARGUMENT, "num_blocks"),
+    Case("bad pool id", "RegisterPool", register(pool_id="has space"),
+         Code.INVALID_ARGUMENT, "pool_id"),
+    Case("existing pool, other description", "RegisterPool",
+         register(pool_id=POOL, num_blocks=65), Code.ALREADY_EXISTS, "num_blocks"),
+    Case("peek unknown pool", "PeekPrefix",
+         lambda: pb.PeekPrefixRequest(pool_ids=[POOL, "nope"], token_ids=[1]),
+         Code.NOT_FOUND, "pool_ids[1]"),
+    Case("peek with tokens and hashes", "PeekPrefix",
+         lambda: pb.PeekPrefixRequest(pool_ids=[CBOR_POOL], token_ids=[1] * 16,
+                                      block_hashes=_hashes(1)),
+         Code.INVALID_ARGUMENT, "token_ids"),
+    Case("get unknown request", "GetRequest",
+         lambda: pb.GetRequestRequest(pool_id=POOL, request_id="ghost"),
+         Code.NOT_FOUND, "request_id"),
+    Case("stats of unknown pool", "GetPoolStats", lambda: pb.GetPoolStatsRequest(pool_id="x"),
+         Code.NOT_FOUND, "pool_id"),
+    Case("delete unknown pool", "DeletePool", lambda: pb.DeletePoolRequest(pool_id="x"),
+         Code.NOT_FOUND, "pool_id"),
+]
+
+
+@pytest.fixture(scope="module")
+def pools(client: CacheClient) -> None:
+    client.register_pool(POOL, full_layers(), num_blocks=64, max_model_len=MAX_LEN,
+                         vocab_size=VOCAB)
+    client.register_pool(CBOR_POOL, [layers.full_attention("l", block_size=16, num_kv_heads=1,
+                                                           head_size=8)],
+                         num_blocks=64, max_model_len=MAX_LEN, hash_algo="sha256_cbor")
+    client.step(POOL, [ops.add(LIVE, list(range(40))), ops.lookup(LIVE),
+                       ops.allocate(LIVE, 40)], begin_step=True)
+
+
+def snapshot(client: CacheClient) -> tuple:
+    return (client.stats(POOL), client.stats(CBOR_POOL), client.get_request(POOL, LIVE),
+            sorted((p.pool_id, p.raw.SerializeToString()) for p in client.list_pools()))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_rejected_whole_with_the_field_named(case: Case, client: CacheClient, stub,
+                                             pools: None) -> None:
+    before = snapshot(client)
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(stub, case.rpc)(case.request(), timeout=20)
+    assert err.value.code() == case.code, err.value.details()
+    if case.field is not None:
+        status = rpc_status.from_call(err.value)
+        assert status is not None, "no rich status details"
+        assert field_violations(status)[0][0] == case.field
+        assert err.value.details().startswith(case.field)
+    assert snapshot(client) == before
+
+
+def test_the_table_is_large_enough() -> None:
+    assert len(CASES) >= 25
+
+
+def test_subscribing_from_a_future_sequence_is_out_of_range(client: CacheClient,
+                                                            pools: None) -> None:
+    from cache_service.client import CacheError
+
+    last = client.stats(POOL).last_event_sequence
+    with pytest.raises(CacheError) as err:
+        next(iter(client.subscribe_events(POOL, last + 5)))
+    assert err.value.code == grpc.StatusCode.OUT_OF_RANGE

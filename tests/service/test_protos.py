@@ -1,0 +1,54 @@
+"""The protocol files: generated stubs match the .proto files, and buf lint / format pass."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+
+
+def _generated_files(root: Path) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in root.rglob("*")
+            if p.is_file() and p.name.endswith(GENERATED)}
+
+
+def test_generated_stubs_have_not_drifted(tmp_path: Path) -> None:
+    # Generate into a scratch copy of the layout so the module path matches.
+    out = tmp_path / "cache_service" / "api"
+    script = REPO / "scripts" / "gen_protos.sh"
+    work = tmp_path / "repo"
+    (work / "scripts").mkdir(parents=True)
+    shutil.copy(script, work / "scripts" / "gen_protos.sh")
+    shutil.copytree(REPO / "proto", work / "proto")
+    subprocess.run(["bash", "scripts/gen_protos.sh", "cache_service/api"], cwd=work,
+                   check=True, capture_output=True, text=True)
+    out = work / "cache_service" / "api"
+    fresh = _generated_files(out)
+    committed = _generated_files(REPO / "cache_service" / "api")
+    assert fresh, "the script generated nothing"
+    assert sorted(fresh) == sorted(committed), "stub files differ: run scripts/gen_protos.sh"
+    drifted = [name for name in fresh if not filecmp.cmp(fresh[name], committed[name],
+                                                         shallow=False)]
+    assert not drifted, f"stale generated stubs {drifted}: run scripts/gen_protos.sh"
+
+
+@pytest.mark.skipif(shutil.which("buf") is None, reason="buf (pip install buf-bin) not found")
+@pytest.mark.parametrize("command", [["buf", "lint"],
+                                     ["buf", "format", "--diff", "--exit-code"]])
+def test_buf(command: list[str]) -> None:
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stubs_import_under_the_package_path() -> None:
+    from cache_service.api.kvcache.v1 import cache_service_pb2, cache_service_pb2_grpc
+
+    service = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"]
+    assert service.full_name == "kvcache.v1.CacheService"
+    assert hasattr(cache_service_pb2_grpc, "CacheServiceStub")

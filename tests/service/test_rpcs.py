@@ -1,0 +1,333 @@
+"""Each RPC against a real server subprocess; expected values come from an in-process Pool
+built from the same description (the service must add nothing and lose nothing)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import urllib.request
+
+import grpc
+import pytest
+
+from cache_service import convert
+from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.client import (
+    AllocateResult,
+    CacheClient,
+    CacheError,
+    LookupResult,
+    register_request,
+)
+from cache_service.pools import build_pool
+
+from .conftest import EVENT_BUFFER, full_layers, hybrid_layers
+
+
+def local_pool(pool_id: str, layer_specs, **kwargs):
+    """The in-process twin of a pool registered with the same arguments."""
+    kwargs.setdefault("max_model_len", 1024)
+    if "available_memory_bytes" not in kwargs:
+        kwargs.setdefault("num_blocks", 256)
+    return build_pool(convert.description_from_proto(
+        register_request(pool_id, layer_specs, **kwargs)))
+
+
+def test_register_pool_answers_the_groups_and_is_idempotent(client: CacheClient,
+                                                            new_pool) -> None:
+    info = new_pool(hybrid_layers(), num_blocks=160)
+    twin = local_pool(info.pool_id, hybrid_layers(), num_blocks=160)
+    assert info.created
+    assert info.num_blocks == twin.config.num_blocks == 160
+    assert [g.layer_names for g in info.groups] == [list(g.layer_names)
+                                                    for g in twin.config.groups]
+    assert [g.kind for g in info.groups] == [g.spec.kind for g in twin.config.groups]
+    assert {g.kind for g in info.groups} == {"full_attention", "sliding_window"}
+    assert info.scheduler_block_size == twin.scheduler_block_size
+    assert info.hash_block_size == twin.hash_block_size
+    again = client.register_pool(info.pool_id, hybrid_layers(), num_blocks=160,
+                                 max_model_len=1024)
+    assert not again.created and again.raw == info.raw
+    assert client.get_pool(info.pool_id).raw == info.raw
+    assert info.pool_id in [p.pool_id for p in client.list_pools()]
+
+
+def test_a_different_description_names_the_first_differing_field(client: CacheClient,
+                                                                  new_pool) -> None:
+    info = new_pool(hybrid_layers())
+    changed = hybrid_layers()
+    changed[3].sliding_window = 64
+    with pytest.raises(CacheError) as err:
+        client.register_pool(info.pool_id, changed, num_blocks=256, max_model_len=1024)
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.field == "layers[3].sliding_window"
+    with pytest.raises(CacheError) as err:
+        client.register_pool(info.pool_id, hybrid_layers(), num_blocks=256,
+                             max_model_len=1024, watermark=0.1)
+    assert err.value.field == "options.watermark"
+
+
+def test_memory_budget_sizes_the_pool(new_pool) -> None:
+    info = new_pool(full_layers(2), available_memory_bytes=1 << 20, max_model_len=256)
+    assert info.num_blocks == (1 << 20) // info.page_size_bytes
+
+
+def test_delete_pool_drops_it_and_its_requests(client: CacheClient, new_pool) -> None:
+    info = new_pool()
+    client.step(info.pool_id, [pb.Op(add_request=pb.AddRequestOp(request_id="r",
+                                                                 token_ids=[1, 2, 3]))])
+    assert client.delete_pool(info.pool_id) == 1
+    with pytest.raises(CacheError) as err:
+        client.get_pool(info.pool_id)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.pool_id not in [p.pool_id for p in client.list_pools()]
+
+
+def _random_workload(rng: random.Random, steps: int) -> list[list[pb.Op]]:
+    """Steps of adds (with shared prefixes), lookups, allocations, decode appends, frees,
+    preemptions: the scheduler's calls, in batches."""
+    from cache_service.client import ops
+
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([16, 40, 64]))]
+                for _ in range(3)]
+    live: dict[str, int] = {}
+    batches = []
+    n = 0
+    for _ in range(steps):
+        batch = [ops.new_step()]
+        for rid in list(live):
+            roll = rng.random()
+            if roll < 0.15:
+                batch.append(ops.free(rid))
+                del live[rid]
+            elif roll < 0.2:
+                batch.append(ops.preempt(rid))
+                batch.append(ops.lookup(rid))
+                batch.append(ops.allocate(rid, live[rid]))
+            else:
+                batch.append(ops.append(rid, [rng.randrange(1000)]))
+                live[rid] += 1
+                batch.append(ops.allocate(rid, 1))
+        for _ in range(rng.randrange(3)):
+            rid = f"r{n}"
+            n += 1
+            prompt = rng.choice(prefixes) + [rng.randrange(1000)
+                                             for _ in range(rng.randrange(1, 30))]
+            batch += [ops.add(rid, prompt), ops.lookup(rid)]
+            batch.append(ops.allocate(rid, len(prompt)))  # the hit is subtracted below
+            live[rid] = len(prompt)
+        batches.append(batch)
+    return batches
+
+
+def _apply_local(pool, op: pb.Op):
+    kind = op.WhichOneof("op")
+    m = getattr(op, kind)
+    if kind == "add_request":
+        return pool.add_request(m.request_id, list(m.token_ids))
+    if kind == "lookup":
+        return pool.lookup(m.request_id)
+    if kind == "allocate":
+        return pool.allocate(m.request_id, m.num_new_tokens)
+    if kind == "append_tokens":
+        return pool.append_tokens(m.request_id, list(m.token_ids))
+    if kind == "free":
+        return pool.free(m.request_id)
+    if kind == "preempt":
+        return pool.preempt(m.request_id)
+    return pool.new_step()
+
+
+@pytest.mark.parametrize("layer_kind", ["full", "hybrid"])
+def test_steps_match_the_in_process_core(client: CacheClient, new_pool,
+                                         layer_kind: str) -> None:
+    specs = full_layers() if layer_kind == "full" else hybrid_layers()
+    info = new_pool(specs, num_blocks=48, max_model_len=256)
+    twin = local_pool(info.pool_id, specs, num_blocks=48, max_model_len=256)
+    rng = random.Random(7)
+    hits: dict[str, int] = {}
+    for batch in _random_workload(rng, 25):
+        # Prompt allocations cover the prompt minus the hit: learn the hit from the twin
+        # first, then send the same numbers to both.
+        expected = []
+        for op in batch:
+            if op.WhichOneof("op") == "allocate" and op.allocate.request_id in hits:
+                op.allocate.num_new_tokens -= hits.pop(op.allocate.request_id)
+            result = _apply_local(twin, op)
+            if op.WhichOneof("op") == "lookup":
+                hits[op.lookup.request_id] = result.hit_tokens
+            expected.append(result)
+        got = client.step(info.pool_id, batch)
+        for op, want, have in zip(batch, expected, got.results):
+            if isinstance(have, AllocateResult):
+                assert have.ok == want.ok
+                assert have.block_ids == [list(g) for g in want.block_ids]
+                assert have.num_computed_tokens == want.num_computed_tokens
+                if want.ok:
+                    assert have.new_block_ids == [list(g) for g in want.new_block_ids]
+            elif isinstance(have, LookupResult):
+                assert have.hit_tokens == want.hit_tokens
+                assert have.block_ids == [list(g) for g in want.block_ids]
+        assert got.num_free_blocks == twin.stats().num_free_blocks
+    stats = client.stats(info.pool_id)
+    local = twin.stats()
+    assert (stats.num_free_blocks, stats.num_cached_blocks, stats.num_requests) == (
+        local.num_free_blocks, local.num_cached_blocks, local.num_requests)
+    assert stats.prefix_cache_hits == local.prefix_hits + local.preempted_prefix_hits
+    twin.check_invariants()
+
+
+def test_step_stream_answers_each_request_in_order(client: CacheClient, new_pool) -> None:
+    from cache_service.client import ops
+
+    info = new_pool()
+    with client.step_stream() as stream:
+        first = stream.step(info.pool_id, [ops.add("a", list(range(40))), ops.lookup("a"),
+                                           ops.allocate("a", 40)], begin_step=True)
+        second = stream.step(info.pool_id, [ops.append("a", [7]), ops.allocate("a", 1)],
+                             begin_step=True)
+        third = stream.step(info.pool_id, [ops.free("a")])
+    assert first.results[2].ok and first.results[2].num_computed_tokens == 40
+    assert second.results[1].num_computed_tokens == 41
+    assert third.results[0].num_free_blocks == info.num_blocks - 1
+
+
+def test_step_stream_ends_with_the_status_of_an_invalid_batch(client: CacheClient,
+                                                              new_pool) -> None:
+    from cache_service.client import ops
+
+    info = new_pool()
+    with client.step_stream() as stream:
+        stream.step(info.pool_id, [ops.add("a", [1, 2])])
+        with pytest.raises(CacheError) as err:
+            stream.step(info.pool_id, [ops.allocate("nobody", 1)])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert err.value.field == "ops[0].allocate.request_id"
+
+
+def test_peek_prefix_reports_each_pool_and_changes_nothing(client: CacheClient,
+                                                           new_pool) -> None:
+    from cache_service.client import ops
+
+    warm, cold = new_pool(), new_pool()
+    prompt = list(range(100, 164))  # 4 blocks of 16
+    client.step(warm.pool_id, [ops.add("a", prompt), ops.allocate("a", 64), ops.free("a")])
+    before = client.stats(warm.pool_id)
+    hits = client.peek_prefix([warm.pool_id, cold.pool_id], prompt + [1])
+    twin = local_pool(warm.pool_id, full_layers())
+    twin.add_request("a", prompt)
+    twin.allocate("a", 64)
+    twin.free("a")
+    assert hits == {warm.pool_id: twin.peek_prefix(prompt + [1]), cold.pool_id: 0}
+    assert hits[warm.pool_id] == 64
+    assert client.stats(warm.pool_id) == before
+    with pytest.raises(CacheError) as err:
+        client.peek_prefix([warm.pool_id, "no-such-pool"], prompt)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and err.value.field == "pool_ids[1]"
+
+
+def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
+    from cache_service.client import ops
+
+    info = new_pool()
+    res = client.step(info.pool_id, [ops.add("a", list(range(50))), ops.allocate("a", 50)])
+    state = client.get_request(info.pool_id, "a")
+    assert state.block_ids == res.results[1].block_ids
+    assert (state.num_computed_tokens, state.num_tokens) == (50, 50)
+    stats = client.stats(info.pool_id)
+    assert stats.num_requests == 1
+    assert stats.num_free_blocks == info.num_blocks - 1 - 4
+    assert client.reset_prefix_cache(info.pool_id) is False  # blocks in use
+    client.step(info.pool_id, [ops.free("a")])
+    assert client.stats(info.pool_id).num_cached_blocks == 3
+    assert client.reset_prefix_cache(info.pool_id) is True
+    stats = client.stats(info.pool_id)
+    assert (stats.num_cached_blocks, stats.num_requests) == (0, 0)
+    assert stats.num_free_blocks == info.num_blocks - 1
+    with pytest.raises(CacheError) as err:
+        client.get_request(info.pool_id, "a")
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def _collect(client: CacheClient, pool_id: str, from_sequence, n: int, out: list,
+             errors: list) -> None:
+    try:
+        for event in client.subscribe_events(pool_id, from_sequence):
+            out.append(event)
+            if len(out) >= n:
+                return
+    except CacheError as exc:
+        errors.append(exc)
+
+
+def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
+    from cache_service.client import ops
+
+    info = new_pool(hybrid_layers())
+    prompt = list(range(64))
+    client.step(info.pool_id, [ops.add("a", prompt), ops.allocate("a", 64), ops.free("a")])
+    first = list(_take(client.subscribe_events(info.pool_id, 1), 2))
+    assert [e.sequence for e in first] == [1, 2]
+    assert {e.kind for e in first} == {"block_stored"}
+    assert {(e.group_idx, e.spec_kind) for e in first} == {
+        (0, "full_attention"), (1, "sliding_window")} or len({e.group_idx for e in first}) == 2
+    stored = [e for e in first if e.spec_kind == "sliding_window"]
+    assert all(e.sliding_window == 32 for e in stored)
+    assert all(e.token_ids == prompt for e in first)
+
+    # A live subscriber sees new events; a reconnect resumes where it left off.
+    live: list = []
+    errors: list = []
+    thread = threading.Thread(target=_collect,
+                              args=(client, info.pool_id, None, 1, live, errors))
+    thread.start()
+    _wait_subscribed(client, info.pool_id)
+    assert client.reset_prefix_cache(info.pool_id)
+    thread.join(10)
+    assert [e.kind for e in live] == ["all_blocks_cleared"] and not errors
+    resumed = list(_take(client.subscribe_events(info.pool_id, first[-1].sequence + 1), 1))
+    assert resumed[0].sequence == live[0].sequence
+
+    # Push the first events out of the bounded buffer, then ask for them.
+    for i in range(EVENT_BUFFER):
+        client.step(info.pool_id, [ops.add(f"x{i}", [i] * 16 + [1]), ops.allocate(f"x{i}", 17),
+                                   ops.free(f"x{i}")])
+    assert client.stats(info.pool_id).last_event_sequence > EVENT_BUFFER + 3
+    with pytest.raises(CacheError) as err:
+        list(_take(client.subscribe_events(info.pool_id, 1), 1))
+    assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
+
+
+def _take(iterator, n: int):
+    for i, item in enumerate(iterator):
+        yield item
+        if i + 1 >= n:
+            return
+
+
+def _wait_subscribed(client: CacheClient, pool_id: str) -> None:
+    # The subscription has no acknowledgement; give the server loop a round trip or two.
+    import time
+
+    for _ in range(3):
+        client.stats(pool_id)
+        time.sleep(0.05)
+
+
+def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
+    info = new_pool()
+    client.stats(info.pool_id)
+    with grpc.insecure_channel(server.target) as channel:
+        from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+
+        stub = pb_grpc.CacheServiceStub(channel)
+        _, call = stub.GetPoolStats.with_call(pb.GetPoolStatsRequest(pool_id=info.pool_id),
+                                              metadata=(("x-request-id", "abc-123"),))
+        assert ("x-request-id", "abc-123") in call.trailing_metadata()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    assert ('grpc_server_handled_total{grpc_code="OK",grpc_method="GetPoolStats",'
+            'grpc_service="kvcache.v1.CacheService",grpc_type="unary"}') in body
+    assert "grpc_server_handling_seconds_bucket" in body
+    assert f'kvcache_pool_free_blocks{{pool="{info.pool_id}"}}' in body
+    assert "kvcache_pool_evictions_total" in body
