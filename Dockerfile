@@ -10,6 +10,14 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 # ---- build stages: venvs of third-party packages, and the project's wheel ----
+# The requirement lists come from pyproject.toml; only their text keys the dependency layers,
+# so editing anything else in pyproject.toml does not reinstall torch.
+FROM ${BASE_IMAGE} AS requirements
+COPY pyproject.toml scripts/docker/requirements.py /src/
+RUN mkdir /requirements \
+ && python3 /src/requirements.py /src/pyproject.toml > /requirements/base.txt \
+ && python3 /src/requirements.py /src/pyproject.toml --extra executor > /requirements/executor.txt
+
 FROM ${BASE_IMAGE} AS deps
 # Another wheelhouse directory, e.g. one with a CUDA torch for the gpu profile.
 ARG WHEELHOUSE=wheelhouse
@@ -20,14 +28,13 @@ ENV PIP_NO_INDEX=1 \
     PIP_ROOT_USER_ACTION=ignore
 RUN python3 -m venv /opt/venv
 COPY ${WHEELHOUSE}/ /wheelhouse/
-COPY pyproject.toml scripts/docker/requirements.py /src/
-RUN python3 /src/requirements.py /src/pyproject.toml > /tmp/requirements.txt \
- && /opt/venv/bin/pip install -q -r /tmp/requirements.txt
+COPY --from=requirements /requirements/base.txt /requirements/
+RUN /opt/venv/bin/pip install -q -r /requirements/base.txt
 
 # The project as a wheel (its build backend also comes from the wheelhouse).
 FROM deps AS wheel
 # README.m[d]: the glob lets the build go on in a checkout without a README.
-COPY README.m[d] /src/
+COPY pyproject.toml README.m[d] /src/
 COPY cache_service/ /src/cache_service/
 COPY executor/ /src/executor/
 COPY kernels/ /src/kernels/
@@ -67,9 +74,8 @@ CMD []
 # ---- the executor: after cache-service, so that building that target (classic builder builds
 # every stage before its target) never installs torch ----
 FROM deps AS deps-executor
-RUN python3 /src/requirements.py /src/pyproject.toml --extra executor \
-      > /tmp/requirements-executor.txt \
- && /opt/venv/bin/pip install -q -r /tmp/requirements-executor.txt
+COPY --from=requirements /requirements/executor.txt /requirements/
+RUN /opt/venv/bin/pip install -q -r /requirements/executor.txt
 
 FROM runtime AS executor
 COPY --from=deps-executor /opt/venv/ /opt/venv/

@@ -106,7 +106,8 @@ def make_workload(args: argparse.Namespace, rng: random.Random) -> list[BenchReq
     return reqs
 
 
-def make_config(kind: str, args: argparse.Namespace, num_blocks: int | None = None) -> KVCacheConfig:
+def make_config(kind: str, args: argparse.Namespace,
+                num_blocks: int | None = None) -> KVCacheConfig:
     """The oracle's scenario: one single-layer group per kind, 1 head of size 1, fp32."""
     common = dict(block_size=args.block_size, num_kv_heads=1, head_size=1, dtype="float32")
     groups = [KVCacheGroupSpec(("layer0_full",), FullAttentionSpec(**common))]
@@ -620,7 +621,8 @@ def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> di
                          res["manager_ops"], res["manager_s"], res["all_ops_per_s"],
                          res["prefix_hit_rate"], res["preemptions"], res["alloc_failures"],
                          res["steps"], same])
-            lat_rows.append([side] + [lat[k].get(q) for k in LAT_KEYS for q in ("p50_us", "p99_us")])
+            lat_rows.append([side] + [lat[k].get(q) for k in LAT_KEYS
+                                      for q in ("p50_us", "p99_us")])
         print_table(f"config {kind}: manager ops (lookups + allocations + frees)",
                     ["side", "mgr ops/s", "core / side", "mgr ops", "mgr s", "ops/s incl. hashing",
                      "hit rate", "preemptions", "alloc failures", "steps", "same decisions"], rows)
@@ -668,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle-python", default=str(ORACLE_PY))
     p.add_argument("--profile", action="store_true",
                    help="also run our core under cProfile and print the hot spots")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/core.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default bench/results/core.json)")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]

@@ -12,8 +12,6 @@ Prints a table and writes bench/results/kernels_attention.json.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -23,20 +21,22 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+from _common import print_table, write_results  # noqa: E402  (bench/ is the script's directory)
+
 from kernels import paged_attention  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results" / "kernels_attention.json"
 
-
-def _time(fn, repeat: int) -> float:
-    """Median seconds per call after one warm-up call."""
-    fn()
-    samples = []
+def _time_pair(first, second, repeat: int) -> tuple[float, float]:
+    """Median seconds per call of two functions, timed alternately after a warm-up call each, so that
+    load from other processes on a shared machine hits both sides alike."""
+    first(), second()
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for fn, out in ((first, samples[0]), (second, samples[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def _paged_copy(keys: torch.Tensor, values: torch.Tensor, block_size: int, gen: torch.Generator):
@@ -82,7 +82,7 @@ def bench_case(name: str, batch: int, q_len: int, kv_len: int, q_heads: int, kv_
 
     expected = sdpa().transpose(1, 2).reshape_as(q)
     error = float((paged() - expected).abs().max())
-    t_paged, t_sdpa = _time(paged, repeat), _time(sdpa, repeat)
+    t_paged, t_sdpa = _time_pair(paged, sdpa, repeat)
     visible = sum(min(kv_len - q_len + i + 1, window or kv_len + 1) for i in range(q_len))  # keys per query, summed
     flops = 2 * batch * q_heads * visible * (2 * head_size)
     kv_bytes = 2 * batch * kv_len * kv_heads * head_size * 4
@@ -99,9 +99,9 @@ def bench_case(name: str, batch: int, q_len: int, kv_len: int, q_heads: int, kv_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable)")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="small shapes (plumbing check, ~1 s)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help="default bench/results/kernels_attention.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -114,24 +114,18 @@ def main() -> None:
     ]
     rows = [bench_case(*case, repeat=args.repeat) for case in cases]
 
-    header = f"{'case':<15}{'B x q / kv':>16}{'window':>8}{'paged ms':>10}{'SDPA ms':>10}{'ratio':>7}" \
-             f"{'paged tok/s':>13}{'GFLOP/s':>9}{'KV GB/s':>9}"
-    print(f"paged attention (torch CPU path) vs SDPA on contiguous K/V; fp32, {args.threads} thread(s)")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        shape = f"{r['batch']} x {r['q_len']} / {r['kv_len']}"
-        print(f"{r['case']:<15}{shape:>16}{str(r['window'] or '-'):>8}{r['paged_ms']:>10.2f}{r['sdpa_ms']:>10.2f}"
-              f"{r['ratio']:>6.2f}x{r['paged_tokens_per_s']:>13.0f}{r['paged_gflops']:>9.1f}"
-              f"{r['paged_kv_gb_per_s']:>9.2f}")
-    print("ratio = SDPA time / paged time (throughput of paged relative to SDPA); decode target >= 0.5x")
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(
-        benchmark="kernels_attention", torch=torch.__version__, threads=args.threads, quick=args.quick,
-        machine=platform.processor() or platform.machine(), results=rows,
-    ), indent=2) + "\n")
-    print(f"wrote {args.out}")
+    print_table(
+        f"paged attention (torch CPU path) vs SDPA on contiguous K/V; fp32, {args.threads} thread(s)",
+        ["case", "B x q / kv", "window", "paged ms", "SDPA ms", "ratio (SDPA/paged)", "paged tok/s",
+         "paged GFLOP/s", "paged KV GB/s", "max |diff|"],
+        [[r["case"], f"{r['batch']} x {r['q_len']} / {r['kv_len']}", r["window"], r["paged_ms"], r["sdpa_ms"],
+          f"{r['ratio']:.2f}x", r["paged_tokens_per_s"], r["paged_gflops"], r["paged_kv_gb_per_s"],
+          r["max_abs_diff"]] for r in rows],
+    )
+    print("ratio = SDPA time / paged time, i.e. paged throughput relative to SDPA; decode target >= 0.5x")
+    path = write_results("kernels_attention", dict(torch=torch.__version__, threads=args.threads, quick=args.quick,
+                                                   results=rows), args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -4,17 +4,19 @@ Pool.
 
 Workload per pool: a hybrid model (1 full-attention + 1 sliding-window layer, window 1,024,
 block size 16); N running requests with 512-token prompts; every step is one Step carrying,
-per request, ``append_tokens`` (one decoded token) + ``allocate(1)`` — the engine loop's
-steady state. Sides:
+per request, one decoded token appended + ``allocate(1)`` (one ``allocate`` op with
+``append_token_ids``) — the engine loop's steady state. Sides:
 
 * ``service``: a real server subprocess (``python -m cache_service``); the client builds the
   batch in place (``StepBuilder``), sends it, and reads ``ok`` of every allocation. Timed
   per step (round trip, client work included) for N = 8, 64, 256; with the whole block
   table in every result (the default) and with ``block_table=False``; also over StepStream.
 * ``core``: the same ops on ``cache_service.core.pool.Pool`` in this process.
+* ``servicer, no gRPC``: ``CacheServicer.step`` in this process on serialized requests
+  (validation + apply + response), to separate the servicer's cost from the transport's.
 * ``8 clients``: 8 concurrent asyncio clients, one pool each, N = 64; aggregate ops/s.
 
-ops/s counts scheduler ops (2 per request per step). The ratio compares service ops/s to the
+ops/s counts scheduler operations: 2 per request per step (append + allocate), on both sides. The ratio compares service ops/s to the
 in-process core's (same N, same run).
 
     python3 bench/bench_service.py                 # about a minute
@@ -47,7 +49,9 @@ from cache_service.client import (  # noqa: E402
     layers,
     register_request,
 )
-from cache_service.pools import build_pool  # noqa: E402
+from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
+from cache_service.pools import PoolRegistry, build_pool  # noqa: E402
+from cache_service.servicer import CacheServicer  # noqa: E402
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096
@@ -93,13 +97,12 @@ def decode_batch(pool_id: str, n: int, step: int, tables: bool) -> StepBuilder:
     batch = StepBuilder(pool_id, begin_step=True)
     token = [step % 32000]
     for i in range(n):
-        rid = f"r{i}"
-        batch.append(rid, token).allocate(rid, 1, block_table=tables)
+        batch.allocate(f"r{i}", 1, block_table=tables, append_token_ids=token)
     return batch
 
 
 def all_ok(result) -> bool:
-    return all(r.ok for r in result.results[1::2])
+    return all(r.ok for r in result.results)
 
 
 def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *, tables: bool,
@@ -166,6 +169,29 @@ def bench_core(n: int, steps: int, warmup: int) -> list[int]:
     return samples
 
 
+def bench_servicer(n: int, steps: int, warmup: int) -> list[int]:
+    """The servicer's Step in this process, without gRPC: parse, validate, apply, build and
+    serialize the response (block tables included). Separates the servicer's own cost from
+    the transport's."""
+    registry = PoolRegistry()
+    servicer = CacheServicer(registry)
+    registry.register("s", convert.description_from_proto(
+        register_request("s", model(), **pool_kwargs(n, steps + warmup))))
+    admit_batch = StepBuilder("s", begin_step=True)
+    for i in range(n):
+        admit_batch.add(f"r{i}", prompt(i)).lookup(f"r{i}").allocate(f"r{i}", PROMPT)
+    servicer.step(admit_batch.request)
+    samples = []
+    for step in range(warmup + steps):
+        data = decode_batch("s", n, step, True).request.SerializeToString()
+        t0 = time.perf_counter_ns()
+        servicer.step(StepRequest.FromString(data)).SerializeToString()
+        elapsed = time.perf_counter_ns() - t0
+        if step >= warmup:
+            samples.append(elapsed)
+    return samples
+
+
 async def bench_concurrent(target: str, clients: int, n: int, steps: int) -> float:
     """Aggregate scheduler ops/s of ``clients`` concurrent clients (one pool each)."""
     setup = CacheClient(target)
@@ -208,19 +234,23 @@ def main() -> int:
         with CacheClient(target, default_timeout=60) as client:
             for n in sizes:
                 core = summarize_ns(bench_core(n, args.steps, args.warmup))
+                local = summarize_ns(bench_servicer(n, args.steps, args.warmup))
                 full = summarize_ns(bench_service(client, n, args.steps, args.warmup,
                                                   tables=True, tag="t"))
                 lean = summarize_ns(bench_service(client, n, args.steps, args.warmup,
                                                   tables=False, tag="n"))
                 stream = summarize_ns(bench_stream(client, n, args.steps, args.warmup))
                 ops = 2 * n
-                case = {"running_requests": n, "core": core, "service_tables": full,
-                        "service_no_tables": lean, "stream_tables": stream}
-                for key in ("core", "service_tables", "service_no_tables", "stream_tables"):
+                case = {"running_requests": n, "core": core, "servicer_in_process": local,
+                        "service_tables": full, "service_no_tables": lean,
+                        "stream_tables": stream}
+                for key in ("core", "servicer_in_process", "service_tables",
+                            "service_no_tables", "stream_tables"):
                     case[key]["ops_per_s"] = round(ops / (case[key]["p50_us"] / 1e6))
                 results["cases"].append(case)
                 core_ops = case["core"]["ops_per_s"]
                 for key, label in (("core", "in-process Pool"),
+                                   ("servicer_in_process", "servicer, no gRPC (tables)"),
                                    ("service_tables", "Step (block tables)"),
                                    ("service_no_tables", "Step (no tables)"),
                                    ("stream_tables", "StepStream (block tables)")):

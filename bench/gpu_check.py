@@ -11,10 +11,11 @@ It runs, in this order, each step guarded so that a failure is recorded and the 
    head 128, block 16, shuffled block table): GB/s, % of the copy bandwidth (target >= 70%) and of
    4.3 TB/s; plus the same bytes as 8 x 65,536 tokens, and SDPA on contiguous K/V for reference;
 4. prefill attention (8 x 4,096 tokens, causal, bf16): TFLOP/s vs 790 (target >= 35%), with SDPA
-   on the same data for reference;
+   on the same data for reference; then (4b) decode and prefill under a few other tile sizes,
+   warps and pipeline depths, to pick `_tile_config`'s defaults from data;
 5. the Mamba checks from bench/gpu_check_mamba.py ``run(device, dry_run)`` when that file exists.
 Every timed kernel is first checked against an independent result (rms error ratio). Prints one
-table and writes bench/results/gpu_check.json (also to --out). ``--dry-run`` shrinks every shape
+table and writes bench/results/gpu_check.json (or --out). ``--dry-run`` shrinks every shape
 to seconds, runs the Triton kernels in the CPU interpreter when there is no GPU, and limits the
 test step to a quick subset: it exercises the plumbing, not the hardware. Exit status 0 when
 every step ran and every correctness check passed (performance targets are reported, not enforced).
@@ -102,7 +103,8 @@ def run_tests(device: str, dry_run: bool, timeout: int) -> dict:
     """pytest over tests/kernels on ``device``; counts from a JUnit XML report."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
-        targets = ["tests/kernels/test_dispatch.py"] if dry_run else ["tests/kernels"]
+        # dry run: a few quick tests, enough to prove the device option and report parsing work
+        targets = ["tests/kernels/test_attention.py", "-k", "window_of_one"] if dry_run else ["tests/kernels"]
         cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
                f"--timeout={timeout}"]
         env = {**os.environ, "KERNELS_TEST_DEVICE": device, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -144,6 +146,7 @@ def check_copy(device: torch.device, dry_run: bool) -> dict:
 
 def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, copy_gbps: float | None) -> list[dict]:
     from kernels import paged_attention
+    from kernels._dispatch import load_triton_module
 
     q_heads, kv_heads, head_size, block_size = (4, 2, 16, 16) if dry_run else (32, 8, 128, 16)
     dtype = torch.bfloat16
@@ -153,10 +156,11 @@ def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, c
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device=device)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
     scale = head_size ** -0.5
-    impl = "triton"
+    triton_attention = load_triton_module("triton_attention")
+    auto_splits = triton_attention._decode_splits(batch, batch, kv_heads, tables.shape[1] * block_size, device)
 
     def paged():
-        return paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, scale=scale, impl=impl)
+        return paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, scale=scale, impl="triton")
 
     out = paged()
     # Independent check on two requests: SDPA over their contiguous K/V.
@@ -172,10 +176,23 @@ def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, c
     moved = 2 * batch * kv_len * kv_heads * head_size * k_cache.element_size() + 2 * q.numel() * q.element_size()
     gbps = moved / seconds / 1e9
     shape = f"{batch} x {kv_len} tok, {q_heads}/{kv_heads} heads x {head_size}, bf16, block {block_size}"
-    rows = [dict(check="decode_attention", device=str(device), shape=shape, ms=seconds * 1e3, value=gbps,
-                 unit="GB/s", fraction=gbps / COPY_CEILING_GBPS, ceiling="4.3 TB/s",
+    rows = [dict(check=f"decode_attention (splits {auto_splits})", device=str(device), shape=shape,
+                 ms=seconds * 1e3, value=gbps, unit="GB/s", fraction=gbps / COPY_CEILING_GBPS, ceiling="4.3 TB/s",
                  of_copy=(gbps / copy_gbps) if copy_gbps else None, target=f">= {DECODE_TARGET:.0%} of copy",
-                 kv_GB=moved / 1e9, rms_error=error, ok=error < 1e-2 and not out.isnan().any().item())]
+                 kv_GB=moved / 1e9, splits=auto_splits, rms_error=error,
+                 ok=error < 1e-2 and not out.isnan().any().item())]
+    for splits in sorted({1, 4} - {auto_splits}):
+        # Tuning evidence: the same call with another number of key slices per program.
+        def forced(n=splits):
+            return triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts, scale=scale,
+                                                    sliding_window=None, softcap=None, num_splits=n)
+        error_n = _rms_ratio(forced(), out)
+        t_n = _seconds(forced, device, 3 if dry_run else 20)
+        rows.append(dict(check=f"decode_attention (splits {splits})", device=str(device), shape=shape,
+                         ms=t_n * 1e3, value=moved / t_n / 1e9, unit="GB/s",
+                         fraction=moved / t_n / 1e9 / COPY_CEILING_GBPS, ceiling="4.3 TB/s",
+                         of_copy=(moved / t_n / 1e9 / copy_gbps) if copy_gbps else None, splits=splits,
+                         rms_error=error_n, ok=error_n < 1e-2))
     if not dry_run and batch <= 64:
         # Reference point: SDPA (flash / efficient kernels) over the same bytes stored contiguously.
         k = torch.randn(batch, kv_heads, kv_len, head_size, device=device, dtype=dtype)
@@ -235,6 +252,58 @@ def check_prefill(device: torch.device, dry_run: bool) -> list[dict]:
     return rows
 
 
+def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
+    """Tuning evidence: decode and prefill under other (BLOCK_M, TILE_N, num_warps, num_stages).
+
+    The defaults in kernels/triton_attention.py `_tile_config` are untuned guesses; these rows say
+    which to pick. Each variant is checked against the default's output first.
+    """
+    from kernels._dispatch import load_triton_module
+
+    triton_attention = load_triton_module("triton_attention")
+    if dry_run:
+        decode_shape, prefill_shape, heads = (2, 40), (2, 40), (4, 2, 16)
+        decode_tiles = prefill_tiles = [(16, 16, 4, 1), (32, 32, 4, 1)]
+    else:
+        decode_shape, prefill_shape, heads = (64, 8192), (8, 4096), (32, 8, 128)
+        decode_tiles = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 4, 2), (16, 32, 4, 4), (16, 128, 8, 3),
+                        (16, 256, 8, 2)]
+        prefill_tiles = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+                         (64, 128, 4, 3)]
+    q_heads, kv_heads, head_size = heads
+    rows = []
+    for kind, (batch, length), variants in (("decode", decode_shape, decode_tiles),
+                                            ("prefill", prefill_shape, prefill_tiles)):
+        k_cache, v_cache, tables = _paged_kv(batch, length, kv_heads, head_size, 16, torch.bfloat16, device, seed=5)
+        q_len = 1 if kind == "decode" else length
+        gen = torch.Generator(device=device).manual_seed(6)
+        q = torch.randn(batch * q_len, q_heads, head_size, generator=gen, device=device, dtype=torch.bfloat16)
+        seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+        starts = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
+        baseline = None
+        for index, tiles in enumerate(variants):
+            def call(t=tiles):
+                return triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts,
+                                                        scale=head_size ** -0.5, sliding_window=None,
+                                                        softcap=None, num_splits=1, tiles=t)
+            out = call()
+            baseline = out if baseline is None else baseline
+            error = _rms_ratio(out, baseline)
+            seconds = _seconds(call, device, 2 if dry_run else 10)
+            if kind == "decode":
+                moved = 2 * batch * length * kv_heads * head_size * 2
+                value, unit, fraction = moved / seconds / 1e9, "GB/s", moved / seconds / 1e9 / COPY_CEILING_GBPS
+            else:
+                flops = 4.0 * batch * q_heads * head_size * (length * (length + 1) / 2)
+                value, unit, fraction = flops / seconds / 1e12, "TFLOP/s", flops / seconds / 1e12 / BF16_CEILING_TFLOPS
+            rows.append(dict(check=f"sweep {kind} tiles={tiles}", device=str(device), tiles=list(tiles),
+                             shape=f"{batch} x {length}, splits 1" + (" (the current default)" if index == 0 else ""),
+                             ms=seconds * 1e3, value=value, unit=unit, fraction=fraction, rms_error=error,
+                             ok=error < 1e-2 and not out.isnan().any().item()))
+        del k_cache, v_cache
+    return rows
+
+
 def run_mamba(device: str, dry_run: bool) -> list[dict]:
     path = REPO / "bench" / "gpu_check_mamba.py"
     if not path.exists():
@@ -278,8 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, quick test subset (any machine)")
     parser.add_argument("--skip-tests", action="store_true", help="leave out step 1 (the pytest run)")
     parser.add_argument("--skip-mamba", action="store_true", help="leave out step 5")
+    parser.add_argument("--skip-sweep", action="store_true", help="leave out the tile-size sweep (step 4b)")
     parser.add_argument("--tests-timeout", type=int, default=300, help="seconds for the whole pytest step")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (e.g. $OUT/gpu_check.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the JSON here instead of bench/results/gpu_check.json (e.g. $OUT/gpu_check.json)")
     args = parser.parse_args(argv)
     dry_run = args.dry_run or not args.device.startswith("cuda")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -301,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += _guard(f"decode_attention {batch}x{kv_len}",
                        lambda b=batch, n=kv_len: check_decode(device, dry_run, b, n, copy_gbps), args.device)
     rows += _guard("prefill_attention", lambda: check_prefill(device, dry_run), args.device)
+    if not args.skip_sweep:
+        rows += _guard("tile_sweep", lambda: sweep_tiles(device, dry_run), args.device)
     if not args.skip_mamba:
         rows += _guard("mamba", lambda: run_mamba(args.device, dry_run), args.device)
 
@@ -314,15 +387,18 @@ def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
     def pct(x):
         return None if x is None else f"{100 * x:.1f}%"
 
+    def verdict(row):
+        return "yes" if row.get("ok") else "NO"
+
     table = []
     for r in rows:
         if r["check"] == "kernel_tests":
             value = f"{r.get('passed', 0)} passed / {r.get('failures', 0)} failed / {r.get('errors', 0)} errors"
-            table.append([r["check"], r.get("shape"), r.get("seconds"), value, None, None, None, r["ok"]])
+            table.append([r["check"], r.get("shape"), r.get("seconds"), value, None, None, None, verdict(r)])
             continue
         value = None if r.get("value") is None else f"{r['value']:,.1f} {r['unit']}"
         table.append([r["check"], r.get("shape") or r.get("error") or r.get("note"), r.get("ms"), value,
-                      pct(r.get("fraction")), pct(r.get("of_copy")), r.get("rms_error"), r["ok"]])
+                      pct(r.get("fraction")), pct(r.get("of_copy")), r.get("rms_error"), verdict(r)])
     title = "GPU check" + (" (DRY RUN: tiny shapes, numbers mean nothing)" if dry_run else "")
     print_table(title, ["check", "shape", "ms (s for tests)", "result", "% of ceiling", "% of copy", "rms err", "ok"],
                 table)
@@ -330,11 +406,7 @@ def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
           f"prefill >= {PREFILL_TARGET:.0%} of {BF16_CEILING_TFLOPS:.0f} TFLOP/s", flush=True)
     payload = dict(dry_run=dry_run, torch=torch.__version__, rows=rows,
                    gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
-    path = write_results("gpu_check", payload)
-    print(f"wrote {path}")
-    if out is not None:
-        write_results("gpu_check", payload, out)
-        print(f"wrote {out}")
+    print(f"wrote {write_results('gpu_check', payload, out)}")
 
 
 if __name__ == "__main__":

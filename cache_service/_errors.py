@@ -31,10 +31,16 @@ class ResourceExhausted(core.KVCacheError):
     """A single call asked for more than the service allows (-> RESOURCE_EXHAUSTED)."""
 
 
+class Unavailable(core.KVCacheError):
+    """Retry later or elsewhere, e.g. the server is draining (-> UNAVAILABLE)."""
+
+
 def status_code_of(exc: Exception) -> grpc.StatusCode:
     """The status code an error maps to (INTERNAL for anything unexpected)."""
     if isinstance(exc, ResourceExhausted):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code

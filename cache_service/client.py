@@ -107,14 +107,17 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     @staticmethod
     def allocate(request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
-                 delay_cache_blocks: bool = False, block_table: bool = True) -> pb.Op:
+                 delay_cache_blocks: bool = False, block_table: bool = True,
+                 append_token_ids: Sequence[int] = ()) -> pb.Op:
         """Allocate slots for ``num_new_tokens``; ``block_table=False`` omits the whole
-        table from the result (only the new blocks come back)."""
+        table from the result (only the new blocks come back); ``append_token_ids`` are
+        appended first (a decode step in one op)."""
         return pb.Op(allocate=pb.AllocateOp(
             request_id=request_id, num_new_tokens=num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             full_sequence_must_fit=full_sequence_must_fit, skip_lookup=not use_lookup,
-            delay_cache_blocks=delay_cache_blocks, skip_block_table=not block_table))
+            delay_cache_blocks=delay_cache_blocks, skip_block_table=not block_table,
+            append_token_ids=append_token_ids))
 
     @staticmethod
     def append(request_id: str, token_ids: Sequence[int]) -> pb.Op:
@@ -144,8 +147,8 @@ class StepBuilder:
     ``client.step_batch(builder)``. Methods mirror :class:`ops` and return the builder::
 
         batch = StepBuilder("llama", begin_step=True)
-        for rid in running:
-            batch.append(rid, [last_token[rid]]).allocate(rid, 1)
+        for rid in running:  # decode: append the last token and allocate its slot
+            batch.allocate(rid, 1, append_token_ids=[last_token[rid]])
         result = client.step_batch(batch)
     """
 
@@ -178,10 +181,13 @@ class StepBuilder:
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
-                 delay_cache_blocks: bool = False, block_table: bool = True) -> "StepBuilder":
+                 delay_cache_blocks: bool = False, block_table: bool = True,
+                 append_token_ids: Sequence[int] = ()) -> "StepBuilder":
         m = self._add().allocate
         m.request_id = request_id
         m.num_new_tokens = num_new_tokens
+        if append_token_ids:
+            m.append_token_ids.extend(append_token_ids)
         if num_lookahead_tokens:
             m.num_lookahead_tokens = num_lookahead_tokens
         if full_sequence_must_fit:
@@ -271,6 +277,7 @@ class AllocateResult:
 
     @property
     def new_block_ids(self) -> list[list[int]] | None:
+        """Per group; ``[]`` when no group got a block; None when not ok."""
         return _tables(self._m.new_block_ids) if self._m.ok else None
 
     @property
@@ -508,6 +515,11 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30000),
     ("grpc.keepalive_timeout_ms", 10000),
+    # Reconnect within 2 s once a restarted server is back (gRPC's default backoff grows
+    # to 2 minutes, longer than any retry budget here).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

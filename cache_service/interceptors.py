@@ -29,14 +29,17 @@ REQUEST_ID_KEY = "x-request-id"
 _log = structlog.get_logger("cache_service.rpc")
 
 
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
 def _code_name(context: grpc.aio.ServicerContext, default: str) -> str:
+    """The status name the handler set (aborts set it too), or ``default``."""
     code = context.code()
-    if code is None:
-        return default
     if isinstance(code, grpc.StatusCode):
         return code.name
-    return grpc.StatusCode(code).name if not isinstance(code, int) else \
-        next((c.name for c in grpc.StatusCode if c.value[0] == code), default)
+    if isinstance(code, int):  # some grpcio versions report the integer value
+        return _CODE_NAMES.get(code, default)
+    return default
 
 
 class CallInterceptor(grpc.aio.ServerInterceptor):
@@ -51,14 +54,25 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self.draining = False
         #: Calls currently inside a (wrapped) handler; the drain waits for 0.
         self.in_flight = 0
+        #: time.monotonic() of the last call that entered a handler.
+        self.last_call = 0.0
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Waits until no wrapped call is in flight (True) or ``timeout`` passes (False)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.in_flight and loop.time() < deadline:
+    def start_draining(self) -> None:
+        """From now on new calls get UNAVAILABLE."""
+        self.draining = True
+        self.last_call = time.monotonic()
+
+    async def wait_idle(self, timeout: float, quiet: float = 0.5) -> bool:
+        """Waits until no wrapped call is in flight and none arrived for ``quiet`` seconds
+        (True), or ``timeout`` passes (False). The quiet period matters: calls the
+        transport accepted but the loop has not dispatched yet are invisible here, and
+        stopping the server would cancel them instead of answering UNAVAILABLE."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.in_flight and time.monotonic() - self.last_call >= quiet:
+                return True
             await asyncio.sleep(0.01)
-        return self.in_flight == 0
+        return False
 
     async def intercept_service(
         self,
@@ -107,7 +121,10 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             structlog.contextvars.bind_contextvars(request_id=request_id,
                                                    rpc=f"{service}/{method}")
             context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
-            return time.perf_counter()
+            now = time.perf_counter()
+            if interceptor.draining:
+                interceptor.last_call = time.monotonic()
+            return now
 
         def leave(kind: str, context: grpc.aio.ServicerContext, start: float,
                   code: str) -> None:

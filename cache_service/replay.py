@@ -232,6 +232,15 @@ class Replayer:
         return out
 
 
+def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Conformance rule against vLLM's output for one operation: every field vLLM
+    printed must match; error texts differ by design, so only the presence of "error"
+    must agree; extra fields of ours (e.g. ``num_cached_blocks_per_group``) are allowed."""
+    if ("error" in ours) != ("error" in theirs):
+        return False
+    return all(k == "error" or ours.get(k) == v for k, v in theirs.items())
+
+
 def replay(pool: Pool, lines: Iterable[str], out: TextIO) -> int:
     """Replay ``lines``; returns the number of failed operations."""
     replayer = Replayer(pool)

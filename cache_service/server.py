@@ -127,12 +127,15 @@ async def serve(settings: Settings) -> int:
     await health_servicer.enter_graceful_shutdown()
     # New calls now get UNAVAILABLE at once; open Step streams end at their next message;
     # event subscriptions end cleanly. In-flight calls get the grace period to finish.
-    interceptor.draining = True
+    interceptor.start_draining()
     servicer.draining = True
     registry.close()
-    idle = await interceptor.wait_idle(settings.drain_seconds)
-    # Health watchers (and any call still running after the grace) are cancelled here.
-    await server.stop(0.2 if idle else 0)
+    started = loop.time()
+    await interceptor.wait_idle(settings.drain_seconds)
+    # Calls that raced the drain flag are answered UNAVAILABLE within the remaining grace
+    # (at least 1 s, so that a starved loop still answers them); health watchers and
+    # anything still running at its end are cancelled.
+    await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
     if metrics_server is not None:
         metrics_server.close()
     lifecycle.info("stopped")

@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import structlog
 
 from cache_service import convert
-from cache_service._errors import ResourceExhausted, qualify, to_status
+from cache_service._errors import ResourceExhausted, Unavailable, qualify, to_status
 from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.core.errors import (
@@ -32,17 +33,14 @@ MAX_REQUEST_ID_LEN = 256
 HASH_LEN = 32  # sha256 digests
 TOKEN_LIMIT = 2**31  # the core's bound on token ids when the pool has no vocab_size
 
+_log = structlog.get_logger("cache_service.servicer")
+
 _ADD, _LOOKUP, _ALLOCATE, _APPEND, _FREE, _PREEMPT, _NEW_STEP = (
     "add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
 
 
-class Draining(KVCacheError):
-    """The server is shutting down; retry elsewhere or later (-> UNAVAILABLE)."""
-
-
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    if isinstance(exc, Draining):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    """Ends the call with the error's status (raises)."""
     await context.abort_with_status(to_status(exc))
 
 
@@ -116,72 +114,112 @@ class StepValidator:
             self.state[rid] = st
         return st
 
-    def _require(self, rid: str, field: str) -> list:
-        if not rid or len(rid) > MAX_REQUEST_ID_LEN:
-            _check_request_id(rid, field)
+    def _require(self, rid: str) -> list:
         st = self._state(rid)
         if not st[0]:
-            raise UnknownRequest(f"unknown request {rid!r}", field=field)
+            _check_request_id(rid, "request_id")
+            raise UnknownRequest(f"unknown request {rid!r}", field="request_id")
         return st
 
-    def _count(self, value: int, field: str) -> None:
-        if value < 0 or value > self.max_model_len:
-            raise InvalidArgument(f"must be in [0, max_model_len={self.max_model_len}], "
-                                  f"got {value}", field=field)
+    def _append(self, st: list, rid: str, tokens: Any, field: str) -> None:
+        _check_tokens(tokens, self.token_limit, field)
+        st[1] += len(tokens)
+        if st[1] > self.max_model_len:
+            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
+                                  f"max_model_len {self.max_model_len}", field=field)
 
-    def check(self, i: int, op: pb.Op) -> None:
-        kind = op.WhichOneof("op")
-        if kind == _ALLOCATE:
-            m = op.allocate
-            st = self._require(m.request_id, f"ops[{i}].allocate.request_id")
+    def validate(self, ops: Any) -> list[tuple[str, Any]]:
+        """``(kind, op message)`` of every op, for the apply loop to reuse; raises the first
+        op's error, its field qualified as ``ops[i].<kind>.<field>``."""
+        check = self.check
+        plan = []
+        append = plan.append
+        for i, op in enumerate(ops):
+            kind = op.WhichOneof("op")
+            try:
+                m = getattr(op, kind) if kind else None
+                check(kind, m)
+            except KVCacheError as exc:
+                raise qualify(exc, f"ops[{i}].{kind}" if kind else f"ops[{i}]") from None
+            append((kind, m))
+        return plan
+
+    def check(self, kind: str | None, m: Any) -> None:
+        """One op (``m`` is its set submessage); errors name fields relative to the op
+        (``num_new_tokens``)."""
+        if kind == _ALLOCATE:  # the hot path of decode steps: kept lean
+            rid = m.request_id
+            st = self.state.get(rid)
+            if st is None or not st[0]:
+                st = self._require(rid)
+            tokens = m.append_token_ids
+            if tokens:
+                self._append(st, rid, tokens, "append_token_ids")
             n = m.num_new_tokens
             if n < 1 or n > self.max_model_len:
                 raise InvalidArgument(f"must be in [1, max_model_len={self.max_model_len}], "
-                                      f"got {n}", field=f"ops[{i}].allocate.num_new_tokens")
-            if m.num_lookahead_tokens:
-                self._count(m.num_lookahead_tokens, f"ops[{i}].allocate.num_lookahead_tokens")
+                                      f"got {n}", field="num_new_tokens")
+            la = m.num_lookahead_tokens
+            if la and (la < 0 or la > self.max_model_len):
+                raise InvalidArgument(f"must be in [0, max_model_len={self.max_model_len}], "
+                                      f"got {la}", field="num_lookahead_tokens")
             st[2] = True
         elif kind == _APPEND:
-            m = op.append_tokens
-            path = f"ops[{i}].append_tokens"
-            st = self._require(m.request_id, f"{path}.request_id")
-            _check_tokens(m.token_ids, self.token_limit, f"{path}.token_ids")
-            st[1] += len(m.token_ids)
-            if st[1] > self.max_model_len:
-                raise InvalidArgument(f"request {m.request_id!r} would grow to {st[1]} tokens, "
-                                      f"beyond max_model_len {self.max_model_len}",
-                                      field=f"{path}.token_ids")
+            self._append(self._require(m.request_id), m.request_id, m.token_ids, "token_ids")
         elif kind == _ADD:
-            m = op.add_request
-            path = f"ops[{i}].add_request"
-            _check_request_id(m.request_id, f"{path}.request_id")
+            _check_request_id(m.request_id, "request_id")
             st = self._state(m.request_id)
             if st[0]:
                 raise DuplicateRequest(f"request {m.request_id!r} already exists",
-                                       field=f"{path}.request_id")
-            _check_tokens(m.token_ids, self.token_limit, f"{path}.token_ids")
+                                       field="request_id")
+            _check_tokens(m.token_ids, self.token_limit, "token_ids")
             if len(m.token_ids) > self.max_model_len:
                 raise InvalidArgument(f"{len(m.token_ids)} tokens exceed max_model_len="
-                                      f"{self.max_model_len}", field=f"{path}.token_ids")
-            check_block_hashes(self.entry, m.block_hashes, len(m.token_ids),
-                               f"{path}.block_hashes")
+                                      f"{self.max_model_len}", field="token_ids")
+            check_block_hashes(self.entry, m.block_hashes, len(m.token_ids), "block_hashes")
             st[:] = [True, len(m.token_ids), False]
         elif kind == _LOOKUP:
-            st = self._require(op.lookup.request_id, f"ops[{i}].lookup.request_id")
+            st = self._require(m.request_id)
             if st[2]:
                 raise FailedPrecondition(
-                    f"request {op.lookup.request_id!r} has (or may have, after an allocate "
+                    f"request {m.request_id!r} has (or may have, after an allocate "
                     "earlier in this batch) computed tokens; only requests with nothing "
-                    "computed can look up", field=f"ops[{i}].lookup.request_id")
+                    "computed can look up", field="request_id")
         elif kind == _PREEMPT:
-            st = self._require(op.preempt.request_id, f"ops[{i}].preempt.request_id")
-            st[2] = False
+            self._require(m.request_id)[2] = False
         elif kind == _FREE:
-            st = self._require(op.free.request_id, f"ops[{i}].free.request_id")
-            st[:] = [False, 0, False]
+            self._require(m.request_id)[:] = [False, 0, False]
         elif kind is None:
             raise InvalidArgument("an op must set one of add_request, lookup, allocate, "
-                                  "append_tokens, free, preempt, new_step", field=f"ops[{i}]")
+                                  "append_tokens, free, preempt, new_step", field="")
+
+
+class BlockTableCache:
+    """Whole block tables of one pool's requests, kept serialized while unchanged.
+
+    Copying ~70 Python ints into protobuf fields costs ~3 us per request and step, the
+    largest service cost of a big decode Step; but a decode step changes a request's table
+    only when it crosses a block boundary. So each request's last ``block_ids`` fragment is
+    kept as bytes and merged in again while the table is equal.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[list[list[int]], bytes]] = {}
+
+    def write(self, out: pb.AllocateResult, request_id: str, tables: list[list[int]]) -> None:
+        """Appends ``tables`` to ``out.block_ids``."""
+        entry = self._entries.get(request_id)
+        if entry is None or entry[0] != tables:
+            fragment = pb.AllocateResult()
+            for ids in tables:
+                fragment.block_ids.add().block_ids.extend(ids)
+            # Keep our own copy: the comparison must not see later changes to ``tables``.
+            entry = ([list(ids) for ids in tables], fragment.SerializeToString())
+            self._entries[request_id] = entry
+        out.MergeFromString(entry[1])
+
+    def forget(self, request_id: str) -> None:
+        self._entries.pop(request_id, None)
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -191,6 +229,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.registry = registry
         self.max_ops_per_step = max_ops_per_step
         self.draining = False
+        self._tables: dict[str, BlockTableCache] = {}  # by pool id
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -224,8 +263,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
-        return await self._unary(context, lambda: pb.DeletePoolResponse(
-            num_requests_dropped=self.registry.delete(request.pool_id)))
+        def run() -> pb.DeletePoolResponse:
+            dropped = self.registry.delete(request.pool_id)
+            self._tables.pop(request.pool_id, None)
+            return pb.DeletePoolResponse(num_requests_dropped=dropped)
+        return await self._unary(context, run)
 
     # -- steps -------------------------------------------------------------------------
 
@@ -237,10 +279,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         if len(ops) > self.max_ops_per_step:
             raise ResourceExhausted(f"{len(ops)} ops exceed the limit of "
                                     f"{self.max_ops_per_step} per Step", field="ops")
-        validator = StepValidator(entry)
-        check = validator.check
-        for i, op in enumerate(ops):
-            check(i, op)
+        plan = StepValidator(entry).validate(ops)
         pool = entry.pool
         if request.begin_step:
             pool.new_step()
@@ -248,36 +287,42 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # constructors copies them and costs ~2x on a 256-request decode step.
         response = pb.StepResponse()
         add_result = response.results.add
-        for i, op in enumerate(ops):
-            kind = op.WhichOneof("op")
+        table_cache = self._tables.get(request.pool_id)
+        if table_cache is None:
+            table_cache = self._tables[request.pool_id] = BlockTableCache()
+        for i, (kind, m) in enumerate(plan):
             try:
                 if kind == _ALLOCATE:
-                    m = op.allocate
-                    r = pool.allocate(m.request_id, m.num_new_tokens,
-                                      num_lookahead_tokens=m.num_lookahead_tokens,
-                                      full_sequence_must_fit=m.full_sequence_must_fit,
-                                      use_lookup=not m.skip_lookup,
-                                      delay_cache_blocks=m.delay_cache_blocks)
+                    rid = m.request_id
+                    if m.append_token_ids:
+                        pool.append_tokens(rid, m.append_token_ids)
+                    if (m.num_lookahead_tokens or m.full_sequence_must_fit or m.skip_lookup
+                            or m.delay_cache_blocks):
+                        r = pool.allocate(rid, m.num_new_tokens,
+                                          num_lookahead_tokens=m.num_lookahead_tokens,
+                                          full_sequence_must_fit=m.full_sequence_must_fit,
+                                          use_lookup=not m.skip_lookup,
+                                          delay_cache_blocks=m.delay_cache_blocks)
+                    else:  # the common case, without keyword-argument overhead
+                        r = pool.allocate(rid, m.num_new_tokens)
                     out = add_result().allocate
                     out.num_computed_tokens = r.num_computed_tokens
                     if r.ok:
                         out.ok = True
                         out.hit_tokens_used = r.hit_tokens_used
-                        tables = out.new_block_ids
-                        for ids in r.new_block_ids:
-                            tables.add().block_ids.extend(ids)
+                        new_ids = r.new_block_ids
+                        if any(new_ids):  # most decode steps allocate nothing: send no tables
+                            tables = out.new_block_ids
+                            for ids in new_ids:
+                                tables.add().block_ids.extend(ids)
                     if not m.skip_block_table:
-                        tables = out.block_ids
-                        for ids in r.block_ids:
-                            tables.add().block_ids.extend(ids)
+                        table_cache.write(out, rid, r.block_ids)
                 elif kind == _APPEND:
-                    m = op.append_tokens
                     info = pool.append_tokens(m.request_id, m.token_ids)
                     out = add_result().append_tokens
                     out.num_tokens = info.num_tokens
                     out.num_block_hashes = info.num_block_hashes
                 elif kind == _ADD:
-                    m = op.add_request
                     info = pool.add_request(
                         m.request_id, m.token_ids, cache_salt=m.cache_salt or None,
                         lora_name=m.lora_name or None,
@@ -286,7 +331,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     out.num_tokens = info.num_tokens
                     out.num_block_hashes = info.num_block_hashes
                 elif kind == _LOOKUP:
-                    lk = pool.lookup(op.lookup.request_id)
+                    lk = pool.lookup(m.request_id)
                     out = add_result().lookup
                     out.hit_tokens = lk.hit_tokens
                     out.shared_prefix_boundary = lk.shared_prefix_boundary
@@ -294,16 +339,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     for ids in lk.block_ids:
                         tables.add().block_ids.extend(ids)
                 elif kind == _FREE:
-                    add_result().free.num_free_blocks = pool.free(op.free.request_id)
+                    add_result().free.num_free_blocks = pool.free(m.request_id)
+                    table_cache.forget(m.request_id)
                 elif kind == _PREEMPT:
-                    add_result().preempt.num_free_blocks = pool.preempt(op.preempt.request_id)
+                    add_result().preempt.num_free_blocks = pool.preempt(m.request_id)
                 else:
                     pool.new_step()
                     add_result().new_step.SetInParent()
             except KVCacheError as exc:
-                # The validator let through an op the core rejects: ops before it are
-                # applied. Report it precisely; this is a validator gap, not a client bug.
+                # The validator let through an op the core rejects, so the ops before it
+                # stay applied. Still the client's error, but a gap in StepValidator: log it.
                 entry.flush_events()
+                _log.error("step_partially_applied", pool_id=request.pool_id, op_index=i,
+                           error=str(exc), field=exc.field)
                 raise qualify(exc, f"ops[{i}].{kind}") from None
         entry.flush_events()
         response.num_free_blocks = pool.manager.pool.get_num_free_blocks()
@@ -321,7 +369,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         async for request in request_iterator:
             try:
                 if self.draining:
-                    raise Draining("server is draining; reconnect to another instance")
+                    raise Unavailable("server is draining; reconnect to another instance")
                 response = self.step(request)
             except KVCacheError as exc:
                 await _abort(context, exc)

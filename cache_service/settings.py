@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM/SIGINT: grace period "
                                  "for in-flight calls before they are cancelled")
     auth_token: SecretStr | None = Field(None, description="if set, every kvcache.v1 call "
-                                         "needs 'authorization: Bearer <token>' (health stays "
-                                         "open)")
+                                         "needs 'authorization: Bearer <token>' (health and "
+                                         "reflection stay open); prefer the environment "
+                                         "variable: flags are visible in ps")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with --tls-key "
                                   "the server speaks TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")

@@ -22,8 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from cache_service.core.specs import (AttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
-                                      SlidingWindowSpec)
+from cache_service.core.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from executor.batch import GroupLayout
 from executor.config import ModelConfig
 from executor.model import layer_name
@@ -90,6 +89,7 @@ class CacheTensors:
         self.layout = [g.layout for g in self.groups]
         self.num_blocks = num_blocks
         self.page_size_bytes = page_size_bytes
+        self.device = torch.device(device)
         names = [layer_name(i, cfg.layer_kind(i)) for i in range(cfg.num_layers)]
         where: dict[str, tuple[int, int]] = {}
         for g, info in enumerate(self.groups):
@@ -139,10 +139,3 @@ class CacheTensors:
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slots)
 
-
-def page_bytes(spec: KVCacheSpec) -> int:
-    return spec.page_size_bytes
-
-
-def is_attention(spec: KVCacheSpec) -> bool:
-    return isinstance(spec, AttentionSpec)

@@ -193,6 +193,18 @@ class Engine:
             except CacheUnavailable as exc:
                 log.warning("cache_unavailable", error=str(exc))
                 time.sleep(0.5)
+            except Exception as exc:  # a bug or a rejected batch: fail the requests, keep serving
+                log.exception("engine_step_failed")
+                self.fail_all(f"engine step failed: {exc}")
+
+    def fail_all(self, error: str) -> None:
+        """Drop every request with ``error`` and free whatever the service holds for them."""
+        for req in list(self.running) + list(self.waiting):
+            if req.added:
+                self.to_free.append(req.request_id)
+            self._emit(req, [], error=error)
+        self.running.clear()
+        self.waiting.clear()
 
     # ------------------------------------------------------------------ scheduling
     def _drain_inbox(self, *, block: bool) -> None:
@@ -224,19 +236,8 @@ class Engine:
 
     def chunk_len(self, req: Request, start: int, budget: int) -> int:
         """Tokens to compute from ``start`` under ``budget`` (0: cannot progress now)."""
-        total = len(req.tokens)
-        end = min(total, start + budget)
-        if end <= start:
-            return 0
-        if req.boundary and start < req.boundary < end:
-            end = req.boundary
-        elif self.mamba_align_block:
-            aligned = end // self.mamba_align_block * self.mamba_align_block
-            # Mid-prompt: end on a block boundary. At the prompt's end: stop at its last
-            # boundary first, so that the state there is checkpointed for later requests.
-            if end < total or aligned > start:
-                end = aligned
-        return max(0, end - start)
+        return plan_chunk(start, len(req.tokens), budget, boundary=req.boundary,
+                          align_block=self.mamba_align_block)
 
     def _blocks_estimate(self, req: Request) -> int:
         """Blocks a request may need for its whole sequence (no hit): admission sizing only."""
@@ -253,6 +254,8 @@ class Engine:
         t0 = time.perf_counter()
         calls0, secs0 = self.link.calls, self.link.call_seconds
         step_ops = [ops.free(rid) for rid in self.to_free]
+        # Nothing below is committed unless the call succeeds (a failed Step applied nothing).
+        undo: list[Callable[[], None]] = [lambda frees=self.to_free: setattr(self, "to_free", frees + self.to_free)]
         self.to_free = []
         budget = self.config.max_tokens_per_step
         planned: list[tuple[Request, int, int]] = []  # (req, op index of allocate, n)
@@ -262,6 +265,7 @@ class Engine:
                 continue
             if req.pending_append:
                 step_ops.append(ops.append(req.request_id, req.pending_append))
+                undo.append(lambda r=req, t=req.pending_append: setattr(r, "pending_append", t))
                 req.pending_append = []
             planned.append((req, len(step_ops), n))
             step_ops.append(ops.allocate(req.request_id, n))
@@ -276,6 +280,8 @@ class Engine:
                 break
             if free_est is not None:
                 free_est -= need
+            undo.append(lambda r=req, a=req.added, t=req.pending_append: (setattr(r, "added", a),
+                                                                           setattr(r, "pending_append", t)))
             if not req.added:
                 step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
                 req.added = True
@@ -285,7 +291,12 @@ class Engine:
             candidates.append((req, len(step_ops)))
             step_ops.append(ops.lookup(req.request_id))
             budget -= 1  # a candidate computes at least one token
-        result = self.link.step(step_ops, begin_step=True)
+        try:
+            result = self.link.step(step_ops, begin_step=True)
+        except Exception:
+            for fn in reversed(undo):
+                fn()
+            raise
         self.free_blocks_hint = result.num_free_blocks
 
         scheduled: list[tuple[Request, int, int]] = []  # (req, start, n)
@@ -302,7 +313,10 @@ class Engine:
             scheduled = self._preempt_and_retry(scheduled, failed)
         elif candidates:
             budget = self.config.max_tokens_per_step - sum(n for _, _, n in scheduled)
-            scheduled += self._admit(candidates, result.results, budget)
+            try:
+                scheduled += self._admit(candidates, result.results, budget)
+            except CacheUnavailable as exc:  # admit next step; the running requests still run now
+                log.warning("admission_call_failed", error=str(exc))
         self.metrics.cache_calls += self.link.calls - calls0
         cache_secs = self.link.call_seconds - secs0
         if scheduled:
@@ -454,6 +468,8 @@ class Engine:
         """The cache service forgot our pool: every request goes back to waiting (in arrival
         order, outputs kept and recomputed), then we register again."""
         log.warning("pool_lost", running=len(self.running), waiting=len(self.waiting))
+        for req in self.running:
+            req.stats.num_preemptions += 1  # its computed tokens are gone: it is recomputed
         everyone = sorted(list(self.running) + list(self.waiting), key=lambda r: r.arrival)
         self.running.clear()
         self.waiting = deque(everyone)
@@ -474,6 +490,25 @@ class Engine:
                 time.sleep(0.5)
         if self.on_reregister is not None:
             self.on_reregister()
+
+
+def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0, align_block: int = 0) -> int:
+    """Length of the next chunk of a request with ``start`` of ``total`` tokens computed.
+
+    Never more than ``budget``; never across the shared-prefix ``boundary``; with Mamba
+    ``align_block`` > 0, a chunk ends on a block boundary unless it completes the tokens from
+    within their last partial block (the state at the last boundary is checkpointed first).
+    """
+    end = min(total, start + budget)
+    if end <= start:
+        return 0
+    if boundary and start < boundary < end:
+        end = boundary
+    elif align_block:
+        aligned = end // align_block * align_block
+        if end < total or aligned > start:
+            end = aligned
+    return max(0, end - start)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -25,6 +25,7 @@ class Proc:
                                      text=True, env=full_env, bufsize=1, start_new_session=True)
         self.lines: list[str] = []
         self.port = -1
+        self.metrics_port = -1
         self._ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self._ready.wait(timeout) or self.port < 0:
@@ -42,6 +43,7 @@ class Proc:
                     continue
                 if rec.get("event") == "serving":
                     self.port = int(rec["port"])
+                    self.metrics_port = int(rec.get("metrics_port", -1))
                     self._ready.set()
         self._ready.set()
 

@@ -19,6 +19,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.lock = threading.Lock()  # one forward at a time: the cache tensors are shared
+        self.device = cache.device
 
     @property
     def layout(self) -> list[GroupLayout]:
@@ -35,12 +36,16 @@ class ModelRunner:
             if len(c.block_tables) != len(self.layout):
                 raise ValueError(f"sequences[{b}].block_tables: {len(c.block_tables)} tables but the "
                                  f"pool has {len(self.layout)} groups")
+            bad = [x for t in c.block_tables for x in t if not 0 <= int(x) < self.cache.num_blocks]
+            if bad:
+                raise ValueError(f"sequences[{b}].block_tables: block id {bad[0]} is outside "
+                                 f"[0, {self.cache.num_blocks})")
         vocab = self.model.config.vocab_size
         flat = [int(x) for t in tokens for x in t]
         if any(x < 0 or x >= vocab for x in flat):
             raise ValueError(f"token_ids: every token must be in [0, {vocab})")
-        meta = build_forward_meta(chunks, self.layout)
-        input_ids = torch.tensor(flat, dtype=torch.long)
+        meta = build_forward_meta(chunks, self.layout, device=self.device)
+        input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         with self.lock:
             hidden = self.model(input_ids, meta, self.cache)
-            return self.model.compute_logits(hidden[meta.logits_indices])
+            return self.model.compute_logits(hidden[meta.logits_indices]).cpu()

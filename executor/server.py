@@ -133,7 +133,8 @@ class Executor:
         else:
             return
         groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.page_size_bytes)
+        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.page_size_bytes,
+                             device=self.settings.device)
         self.runner = ModelRunner(self.model, cache)
         self.engine = Engine(self.runner, self.link, EngineConfig(
             max_num_seqs=self.settings.max_num_seqs, max_tokens_per_step=self.settings.max_tokens_per_step))
@@ -288,7 +289,7 @@ class EngineCollector:
 
 async def serve(settings: ExecutorSettings, model: HybridModel | None = None) -> int:
     loop = asyncio.get_running_loop()
-    model = model or build_model(settings)
+    model = (model or build_model(settings)).to(settings.device)
     ex = Executor(settings, model)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.http2.min_ping_interval_without_data_ms", 5000)])

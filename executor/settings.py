@@ -34,6 +34,8 @@ class ExecutorSettings(BaseSettings):
     seed: int | None = Field(None, description="random-weight seed (default: the preset's)")
     max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own); "
                                "the pool must fit one request of this length")
+    device: str = Field("cpu", description="torch device for the model and the cache ('cpu', "
+                        "'cuda', 'cuda:1'); CUDA runs the kernels' Triton implementations")
     cache_memory_mb: float = Field(32.0, gt=0, description="KV-cache memory budget (MiB)")
     num_blocks: int = Field(0, ge=0, description="pool size in blocks incl. the null block "
                             "(0 = from --cache-memory-mb)")

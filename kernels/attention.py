@@ -326,7 +326,8 @@ def _prefill_tile(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tens
     group = num_q_heads // num_kv_heads
     query = q.float().view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
     query = query.reshape(num_kv_heads, group * num_queries, head_size)
-    result = _attend(query, keys.transpose(0, 1), values.transpose(0, 1), visible.repeat(group, 1),
-                     scale=scale, softcap=softcap)
+    # 4-D inputs: with 3-D ones SDPA on CPU takes a slower path (measured ~1.7x).
+    result = _attend(query[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                     visible.repeat(group, 1), scale=scale, softcap=softcap)
     result = result.view(num_kv_heads, group, num_queries, -1).permute(2, 0, 1, 3)
     return result.reshape(num_queries, num_q_heads, -1).to(q.dtype)

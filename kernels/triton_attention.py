@@ -91,6 +91,61 @@ def _find_request(query_start_loc_ptr, tile, num_requests, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, tile_start, key_end, kv_head, q_pos, row_ok,
+                 dims, dims_v, s_kc0, s_kc1, s_kc2, s_kc3, s_vc0, s_vc1, s_vc2, s_vc3,
+                 block_size, head_size, head_size_v, qk_scale, softcap, window,
+                 TILE_N: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One online-softmax step over keys tile_start .. tile_start + TILE_N - 1.
+
+    MASKED=False is for tiles that every row may see in full (all keys in range, causal and window
+    satisfied): no per-element masks. Rows that are not real (row_ok False) may then accumulate
+    finite garbage; they are never stored.
+    """
+    keys = tile_start + tl.arange(0, TILE_N)
+    offset = (keys % block_size).to(tl.int64)
+    if MASKED:
+        key_ok = keys < key_end
+        block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
+        k_mask = key_ok[:, None] & (dims[None, :] < head_size)
+        v_mask = key_ok[:, None] & (dims_v[None, :] < head_size_v)
+    else:
+        block = tl.load(table + keys // block_size).to(tl.int64)
+        k_mask = (keys[:, None] >= 0) & (dims[None, :] < head_size)
+        v_mask = (keys[:, None] >= 0) & (dims_v[None, :] < head_size_v)
+    k = tl.load(k_cache_ptr + block[:, None] * s_kc0 + offset[:, None] * s_kc1 + kv_head * s_kc2
+                + dims[None, :] * s_kc3, mask=k_mask, other=0.0)
+    if DOT_FP32:
+        scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    if SOFTCAP:
+        capped = scores * (qk_scale / softcap)  # qk_scale here is the plain softmax scale
+        capped = 1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)  # tanh, saturating safely
+        scores = capped * (softcap * 1.4426950408889634)
+    else:
+        scores = scores * qk_scale  # qk_scale = scale * log2(e)
+    if MASKED:
+        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (keys[None, :] > q_pos[:, None] - window)
+        scores = tl.where(visible, scores, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + block[:, None] * s_vc0 + offset[:, None] * s_vc1 + kv_head * s_vc2
+                + dims_v[None, :] * s_vc3, mask=v_mask, other=0.0)
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_ptr, stats_ptr, block_tables_ptr, seq_lens_ptr,
     query_start_loc_ptr, s_qt, s_qh, s_qd, s_ot, s_oh, s_od,
@@ -98,7 +153,7 @@ def _paged_attention_kernel(
     num_requests, block_size, head_size, head_size_v, group, qk_scale, softcap, window,
     BLOCK_Q: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     TILE_N: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SKIP_MASKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     tile = tl.program_id(0)
@@ -127,55 +182,49 @@ def _paged_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
+    first_pos = context + first_q
     last_pos = context + tl.minimum(first_q + BLOCK_Q, q_len) - 1
     key_start = 0
     if SLIDING:
-        key_start = tl.maximum(context + first_q - window + 1, 0)
+        key_start = tl.maximum(first_pos - window + 1, 0)
     key_end = last_pos + 1
     if NUM_SPLITS > 1:  # this program takes one of NUM_SPLITS TILE_N-aligned slices of the keys
         per_split = tl.cdiv(tl.cdiv(key_end - key_start, NUM_SPLITS), TILE_N) * TILE_N
         key_start = key_start + split * per_split
         key_end = tl.minimum(key_start + per_split, key_end)
 
+    # Tiles [free_lo, free_hi) hold only keys every row sees (>= the last row's window start,
+    # <= the first row's position): they skip the per-element masks. The rest are masked.
+    num_tiles = tl.cdiv(tl.maximum(key_end - key_start, 0), TILE_N)
+    free_lo = num_tiles
+    free_hi = num_tiles
+    if SKIP_MASKS:
+        seen_by_all = key_start
+        if SLIDING:
+            seen_by_all = tl.maximum(key_start, last_pos - window + 1)
+        free_lo = tl.minimum(tl.cdiv(seen_by_all - key_start, TILE_N), num_tiles)
+        free_hi = tl.maximum(tl.minimum((tl.minimum(first_pos + 1, key_end) - key_start) // TILE_N, num_tiles),
+                             free_lo)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_PAD], tl.float32)
     table = block_tables_ptr + req.to(tl.int64) * s_bt
-    for tile_start in range(key_start, key_end, TILE_N):
-        keys = tile_start + tl.arange(0, TILE_N)
-        key_ok = keys < key_end
-        block = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
-        offset = (keys % block_size).to(tl.int64)
-        k = tl.load(k_cache_ptr + block[:, None] * s_kc0 + offset[:, None] * s_kc1 + kv_head * s_kc2
-                    + dims[None, :] * s_kc3, mask=key_ok[:, None] & (dims[None, :] < head_size), other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            capped = scores * (qk_scale / softcap)  # qk_scale here is the plain softmax scale
-            capped = 1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0)  # tanh, saturating safely
-            scores = capped * (softcap * 1.4426950408889634)
-        else:
-            scores = scores * qk_scale  # qk_scale = scale * log2(e)
-        visible = row_ok[:, None] & key_ok[None, :] & (keys[None, :] <= q_pos[:, None])
-        if SLIDING:
-            visible = visible & (keys[None, :] > q_pos[:, None] - window)
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + block[:, None] * s_vc0 + offset[:, None] * s_vc1 + kv_head * s_vc2
-                    + dims_v[None, :] * s_vc3, mask=key_ok[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    for index in range(0, free_lo):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, key_start + index * TILE_N, key_end, kv_head,
+            q_pos, row_ok, dims, dims_v, s_kc0, s_kc1, s_kc2, s_kc3, s_vc0, s_vc1, s_vc2, s_vc3, block_size,
+            head_size, head_size_v, qk_scale, softcap, window, TILE_N, SLIDING, SOFTCAP, DOT_FP32, True)
+    for index in range(free_lo, free_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, key_start + index * TILE_N, key_end, kv_head,
+            q_pos, row_ok, dims, dims_v, s_kc0, s_kc1, s_kc2, s_kc3, s_vc0, s_vc1, s_vc2, s_vc3, block_size,
+            head_size, head_size_v, qk_scale, softcap, window, TILE_N, SLIDING, SOFTCAP, DOT_FP32, False)
+    for index in range(free_hi, num_tiles):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, key_start + index * TILE_N, key_end, kv_head,
+            q_pos, row_ok, dims, dims_v, s_kc0, s_kc1, s_kc2, s_kc3, s_vc0, s_vc1, s_vc2, s_vc3, block_size,
+            head_size, head_size_v, qk_scale, softcap, window, TILE_N, SLIDING, SOFTCAP, DOT_FP32, True)
 
     dv_ok = row_ok[:, None] & (dims_v[None, :] < head_size_v)
     if NUM_SPLITS == 1:
@@ -212,17 +261,16 @@ def _combine_splits_kernel(partial_ptr, stats_ptr, out_ptr, s_ot, s_oh, s_od, nu
              mask=dims < head_size_v)
 
 
-def _tile_config(num_tokens: int, num_requests: int, group_pad: int, interpret: bool) -> tuple[int, int, int]:
-    """(BLOCK_Q, TILE_N, num_warps) from shapes alone (no device sync to read query lengths)."""
+def _tile_config(num_tokens: int, num_requests: int, head_pad: int, interpret: bool) -> tuple[int, int, int, int]:
+    """(rows per program BLOCK_M, TILE_N, num_warps, num_stages) from shapes alone (no device sync
+    to read query lengths). Untuned guesses for Hopper; bench/gpu_check.py sweeps alternatives."""
     if interpret:
-        block_m, tile_n = 16, 16  # the interpreter's cost grows with element count: keep it tiny
-    elif num_tokens <= 2 * num_requests:
-        block_m, tile_n = 16, 64   # decode-heavy: one query per request, stream keys in big tiles
-    else:
-        block_m, tile_n = 128, 64  # prefill: large query tiles for tensor-core throughput
-    block_q = max(1, block_m // group_pad)
-    num_warps = 8 if block_q * group_pad >= 128 else 4
-    return block_q, tile_n, num_warps
+        return 16, 16, 4, 1  # the interpreter's cost grows with element count: keep it tiny
+    if num_tokens <= 2 * num_requests:
+        return 16, 64, 4, 3  # decode-heavy: one query per request, stream keys in big tiles
+    # prefill: large query tiles for tensor-core throughput; halved for wide heads (D 256), whose
+    # fp32 accumulator would not fit in registers at 128 rows.
+    return (128, 64, 8, 3) if head_pad <= 128 else (64, 32, 4, 3)
 
 
 def _decode_splits(num_tokens: int, num_requests: int, num_kv_heads: int, max_keys: int,
@@ -241,11 +289,14 @@ def _decode_splits(num_tokens: int, num_requests: int, num_kv_heads: int, max_ke
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
                     query_start_loc: Tensor, *, scale: float, sliding_window: int | None,
-                    softcap: float | None, num_splits: int | None = None) -> Tensor:
+                    softcap: float | None, num_splits: int | None = None,
+                    tiles: tuple[int, int, int, int] | None = None, skip_masks: bool = True) -> Tensor:
     """Triton version of kernels.attention.paged_attention.
 
-    ``num_splits`` (tests and tuning only) forces the number of key slices per program; by default
-    `_decode_splits` picks it. With more than one slice, partial results are merged by a second kernel.
+    Tests and tuning only: ``num_splits`` forces the number of key slices per program (default:
+    `_decode_splits`; with more than one, a second kernel merges the partial results), ``tiles``
+    forces ``(BLOCK_M, TILE_N, num_warps, num_stages)`` (default: `_tile_config`), ``skip_masks=False``
+    masks every key tile (instead of only those some row may not fully see).
     """
     num_tokens, num_q_heads, head_size = q.shape
     num_kv_heads, head_size_v = k_cache.shape[2], v_cache.shape[3]
@@ -256,7 +307,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     interpret = q.device.type == "cpu"
-    block_q, tile_n, num_warps = _tile_config(num_tokens, num_requests, group_pad, interpret)
+    head_pad = max(16, triton.next_power_of_2(max(head_size, head_size_v)))
+    block_m, tile_n, num_warps, num_stages = tiles or _tile_config(num_tokens, num_requests, head_pad, interpret)
+    block_q = max(1, block_m // group_pad)  # rows are (query, GQA head) pairs; at least one query
     if num_splits is None:
         num_splits = _decode_splits(num_tokens, num_requests, num_kv_heads,
                                     block_tables.shape[1] * k_cache.shape[1], q.device)
@@ -280,7 +333,8 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         float(softcap) if softcap is not None else 1.0, int(sliding_window or 0),
         BLOCK_Q=block_q, G_PAD=group_pad, D_PAD=max(16, triton.next_power_of_2(head_size)),
         DV_PAD=dv_pad, TILE_N=tile_n, SLIDING=sliding_window is not None, SOFTCAP=softcap is not None,
-        DOT_FP32=dot_fp32, NUM_SPLITS=num_splits, num_warps=num_warps,
+        DOT_FP32=dot_fp32, NUM_SPLITS=num_splits, SKIP_MASKS=skip_masks, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

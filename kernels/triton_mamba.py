@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_DEFAULT_DT_LIMIT = (0.0, float("inf"))
+from kernels.ssd import DEFAULT_DT_LIMIT
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -211,7 +211,7 @@ def _ssd_update_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dt_bias_ptr, s
 
 
 def _dt_flags(dt_bias: Tensor | None, dt_softplus: bool, dt_limit: tuple[float, float]) -> dict:
-    has_limit = tuple(dt_limit) != _DEFAULT_DT_LIMIT
+    has_limit = tuple(dt_limit) != DEFAULT_DT_LIMIT
     return dict(HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), HAS_LIMIT=has_limit)
 
 

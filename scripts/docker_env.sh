@@ -5,6 +5,9 @@
 #   bash scripts/docker_env.sh          # same work; prints the `export` lines on stdout
 #   bash scripts/docker_env.sh stop     # stop the dockerd this script started (by its PID file)
 #
+# Exports DOCKER_HOST, TESTCONTAINERS_RYUK_DISABLED=true, TESTCONTAINERS_CONNECTION_MODE=
+# docker_host, KVCACHE_BASE_IMAGE, and KVC_DOCKERD_STARTED=1 when this call started the daemon.
+#
 # Idempotent: an engine that already answers is reused (DOCKER_HOST, the default socket, or ours);
 # otherwise docker.io is installed with apt-get if missing and dockerd is started on its own
 # socket/data-root/exec-root without iptables (see docs/dev-environment.md). Then the local base
@@ -87,7 +90,8 @@ _kvc_find_or_start_engine() {
 }
 
 _kvc_main() {
-    local host
+    local host ours_before=0
+    [ -f "$_kvc_pidfile" ] && kill -0 "$(cat "$_kvc_pidfile")" 2>/dev/null && ours_before=1
     if ! command -v docker >/dev/null 2>&1 && [ "$(id -u)" != 0 ]; then
         echo "docker_env: no Docker engine and no way to install one (not root); tests/docker will skip" >&2
         return 0
@@ -97,6 +101,10 @@ _kvc_main() {
         return 0
     fi
     export DOCKER_HOST="$host"
+    # Lets the caller stop only a daemon that this call started (`docker_env.sh stop`).
+    if [ "$ours_before" = 0 ] && [ -f "$_kvc_pidfile" ]; then
+        export KVC_DOCKERD_STARTED=1
+    fi
     export TESTCONTAINERS_RYUK_DISABLED=true        # the reaper image cannot be pulled here
     export TESTCONTAINERS_CONNECTION_MODE=docker_host  # else it dials the bridge gateway
     # compose and debootstrap may still be missing when an engine was already running.
@@ -130,7 +138,8 @@ _kvc_stop() {
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # executed, not sourced
     if [ "${1:-}" = stop ]; then _kvc_stop; exit 0; fi
     _kvc_main
-    for _v in DOCKER_HOST TESTCONTAINERS_RYUK_DISABLED TESTCONTAINERS_CONNECTION_MODE KVCACHE_BASE_IMAGE; do
+    for _v in DOCKER_HOST TESTCONTAINERS_RYUK_DISABLED TESTCONTAINERS_CONNECTION_MODE \
+        KVCACHE_BASE_IMAGE KVC_DOCKERD_STARTED; do
         [ -n "${!_v:-}" ] && echo "export $_v=${!_v}"
     done
     exit 0

@@ -36,6 +36,7 @@ from cache_service.core.specs import (
     SizingLimits,
     SlidingWindowSpec,
     cdiv,
+    manager_spec,
 )
 
 if TYPE_CHECKING:
@@ -64,7 +65,9 @@ class KVCacheCoordinator:
                               max_in_flight_tokens=max_in_flight_tokens)
         managers: list[SingleTypeKVCacheManager] = []
         for gid, group in enumerate(config.groups):
-            spec = group.spec
+            # A uniform-type group (one layer type, several page sizes) runs with its
+            # layers' common spec; page sizes do not matter to a manager.
+            spec = manager_spec(group.spec)
             cap = None
             if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
                 cap = spec.max_admission_blocks(limits)
@@ -210,9 +213,10 @@ class UnitaryCoordinator(KVCacheCoordinator):
 class SpecGroup:
     """Groups with one equal spec (and manager type), looked up jointly."""
 
-    spec: KVCacheSpec
+    spec: KVCacheSpec  # what the manager runs with (see specs.manager_spec)
     group_ids: list[int]
     manager_cls: type[SingleTypeKVCacheManager]
+    group_spec: KVCacheSpec
 
     @property
     def is_full(self) -> bool:
@@ -232,12 +236,13 @@ class HybridCoordinator(KVCacheCoordinator):
         spec_groups: list[SpecGroup] = []
         for gid, manager in enumerate(self.managers):
             cls = type(manager)
+            group_spec = config.groups[gid].spec  # joint lookup needs equal *group* specs
             for sg in spec_groups:
-                if sg.spec == manager.spec and sg.manager_cls is cls:
+                if sg.group_spec == group_spec and sg.manager_cls is cls:
                     sg.group_ids.append(gid)
                     break
             else:
-                spec_groups.append(SpecGroup(manager.spec, [gid], cls))
+                spec_groups.append(SpecGroup(manager.spec, [gid], cls, group_spec))
         # Full attention first (stable): its hit bounds every later search and,
         # being downward closed, never needs a second lookup.
         spec_groups.sort(key=lambda sg: not sg.is_full)
@@ -302,7 +307,7 @@ def make_coordinator(config: KVCacheConfig, *, max_model_len: int,
     if not config.groups:
         raise ConfigError("prefix caching needs at least one KV-cache group", field="groups")
     for g in config.groups:
-        cls = manager_class_for(g.spec)
+        cls = manager_class_for(manager_spec(g.spec))
         if cls is CrossAttentionManager:
             raise ConfigError("cross attention cannot be prefix cached; disable caching",
                               field="enable_caching")

@@ -17,7 +17,7 @@ from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.single_type_managers import HitBlocks
-from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec
+from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
 
 
 def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
@@ -35,8 +35,8 @@ def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
             raise ConfigError(f"{name} must be a positive integer, got {value!r}", field=name)
     sizes = config.block_sizes
     sched = scheduler_block_size or (math.lcm(*sizes) if sizes else 1)
-    non_align_mamba = any(isinstance(g.spec, MambaSpec) and g.spec.mamba_cache_mode != "align"
-                          for g in config.groups)
+    non_align_mamba = any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align"
+                          for s in (manager_spec(g.spec) for g in config.groups))
     if len(sizes) == 1:
         default_hash = sizes[0]
     elif len(sizes) > 1 and enable_caching and not non_align_mamba:
@@ -93,9 +93,9 @@ class KVCacheManager:
         self.empty_blocks: HitBlocks = self.coordinator.empty_blocks
         self.num_groups = len(config.groups)
         self.stats = PrefixCacheStats()
+        specs = [manager_spec(g.spec) for g in config.groups]
         self._event_metadata = [
-            (g.spec.kind, g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None)
-            for g in config.groups]
+            (s.kind, s.sliding_window if isinstance(s, SlidingWindowSpec) else None) for s in specs]
 
     # -- lookup ------------------------------------------------------------------------
     def get_computed_blocks(self, request: Request, max_cache_hit_length: int | None = None
@@ -151,7 +151,7 @@ class KVCacheManager:
             has_scheduled_reqs and request.status in _ADMISSION_STATES) else 0
         free = self.pool.free_block_queue
         if full_sequence_must_fit:
-            full = min(request.num_tokens, self.max_model_len)
+            full = min(len(request.all_token_ids), self.max_model_len)
             needed = coordinator.get_num_blocks_to_allocate(
                 rid, full, hits, num_encoder_tokens, total_computed, num_local, full,
                 apply_admission_cap=True)
@@ -162,8 +162,8 @@ class KVCacheManager:
         if need_slots > self.max_model_len:
             need_slots = self.max_model_len
         if coordinator.has_skipping_groups:
-            coordinator.remove_skipped_blocks(
-                rid, max(0, total_computed - request.num_in_flight_tokens))
+            processed = total_computed - request.num_in_flight_tokens
+            coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0)
         needed = coordinator.get_num_blocks_to_allocate(
             rid, need_slots, hits, num_encoder_tokens,
             num_local + num_external_computed_tokens, num_local, main)
@@ -176,8 +176,9 @@ class KVCacheManager:
         if delay_cache_blocks or not self.enable_caching:
             return new_blocks
         n_cache = total_computed + num_new_tokens
-        if n_cache > request.num_tokens:
-            n_cache = request.num_tokens
+        num_tokens = len(request.all_token_ids)
+        if n_cache > num_tokens:
+            n_cache = num_tokens  # draft tokens beyond the sequence are never cached
         coordinator.cache_blocks(request, n_cache)
         return new_blocks
 

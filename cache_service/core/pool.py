@@ -139,12 +139,12 @@ class Pool:
             enable_caching=options.enable_caching, enable_events=options.enable_events,
             watermark=options.watermark)
         self._requests: dict[str, Request] = {}
+        self._table_ids = self._manager.coordinator.get_block_ids
         # request id -> (hit blocks, hit tokens, epoch of the lookup)
         self._pending: dict[str, tuple[HitBlocks, int, int]] = {}
         self._epoch = 0  # bumped by every operation that may reuse or unpin blocks
         self._allocation_failures = 0
         self._preemptions = 0
-        self._stats = [0, 0, 0, 0, 0, 0]  # queries, hits, requests, preempted x3
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -320,24 +320,15 @@ class Pool:
             full_sequence_must_fit=full_sequence_must_fit)
         if new is None:
             self._allocation_failures += 1
-            return AllocateResult(False, None, manager.get_block_ids(request_id),
+            return AllocateResult(False, None, self._table_ids(request_id),
                                   req.num_computed_tokens, 0)
-        if req.status is not RequestStatus.RUNNING:
-            self._record_admission(req, hit)
+        if req.status != RequestStatus.RUNNING:
+            # Admission (first allocation after add or preempt): prefix-cache stats.
+            manager.record_prefix_cache_stats(req, hit)
             req.status = RequestStatus.RUNNING
         req.num_computed_tokens += hit + num_new_tokens
         return AllocateResult(True, [[b.block_id for b in g] for g in new],
-                              manager.get_block_ids(request_id), req.num_computed_tokens, hit)
-
-    def _record_admission(self, req: Request, hit: int) -> None:
-        if not self._options.enable_caching:
-            return
-        s = self._stats
-        base = 3 if req.num_preemptions > 0 else 0
-        s[base] += len(req.all_token_ids)
-        s[base + 1] += hit
-        s[base + 2] += 1
-        self._manager.record_prefix_cache_stats(req, hit)
+                              self._table_ids(request_id), req.num_computed_tokens, hit)
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
@@ -391,13 +382,13 @@ class Pool:
 
     def stats(self) -> PoolStats:
         pool = self._manager.pool
-        s = self._stats
+        s = self._manager.stats  # cumulative: the pool never takes (resets) them
         return PoolStats(
             num_blocks=pool.num_blocks, num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=pool.num_cached_keys, usage=pool.get_usage(),
-            prefix_queries=s[0], prefix_hits=s[1], prefix_requests=s[2],
-            preempted_prefix_queries=s[3], preempted_prefix_hits=s[4],
-            preempted_prefix_requests=s[5], evictions=pool.num_evictions,
+            prefix_queries=s.queries, prefix_hits=s.hits, prefix_requests=s.requests,
+            preempted_prefix_queries=s.preempted_queries, preempted_prefix_hits=s.preempted_hits,
+            preempted_prefix_requests=s.preempted_requests, evictions=pool.num_evictions,
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
             num_cached_blocks_per_group=pool.num_cached_keys_per_group())

@@ -326,7 +326,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         if not self.layer_specs:
             raise ConfigError("a uniform-type spec needs at least one layer", field="layer_specs")
         specs = [spec for _, spec in self.layer_specs]
-        if not self.is_uniform_type(dict(self.layer_specs)) or specs[0].block_size != self.block_size:
+        if (not self.is_uniform_type(dict(self.layer_specs))
+                or specs[0].block_size != self.block_size):
             raise ConfigError("layers of a uniform-type spec must have one type and block size",
                               field="layer_specs")
 

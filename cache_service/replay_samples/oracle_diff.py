@@ -5,7 +5,7 @@
 Without ``--expected`` it runs shared/tools/vllm-oracle (venv in
 ~/.cache/vllm-oracle-venv) on the trace with the scenario matching CONFIG, and with
 ``--write`` stores its output as TRACE.expected.jsonl. Results are compared with
-:func:`same_result` (tests/core/test_replay.py uses the same rule).
+``cache_service.replay.same_result`` (as tests/core/test_replay.py does).
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ from typing import Any
 ORACLE = Path(os.environ.get("VLLM_ORACLE", "/work/shared/tools/vllm-oracle/vllm_oracle.py"))
 ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
                                 Path.home() / ".cache/vllm-oracle-venv/bin/python"))
-
-
-def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
-    """Every key the oracle printed must match, except that error texts differ by
-    design (only the presence of "error" must agree). Extra keys of ours are allowed."""
-    if ("error" in ours) != ("error" in theirs):
-        return False
-    return all(k == "error" or ours.get(k) == v for k, v in theirs.items())
 
 
 def oracle_args(config: dict[str, Any]) -> list[str]:
@@ -56,7 +48,7 @@ def run_oracle(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
 
 
 def run_ours(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
-    from cache_service.replay import make_pool, replay
+    from cache_service.replay import make_pool, replay  # noqa: PLC0415 (dev tool)
 
     out = io.StringIO()
     replay(make_pool(config), io.StringIO(trace), out)
@@ -77,9 +69,13 @@ def main() -> int:
     else:
         theirs = run_oracle(config, trace)
         if a.write:
-            expected = Path(a.trace).with_suffix("").with_suffix(".expected.jsonl")
+            trace_path = Path(a.trace)
+            expected = trace_path.with_name(trace_path.name.removesuffix(".jsonl")
+                                            + ".expected.jsonl")
             expected.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
                                         for r in theirs))
+    from cache_service.replay import same_result
+
     ours = run_ours(config, trace)
     if len(ours) != len(theirs):
         print(f"length differs: ours {len(ours)} vs oracle {len(theirs)}")

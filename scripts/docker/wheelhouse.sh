@@ -6,8 +6,10 @@
 # Why: pip inside `docker build` cannot verify TLS here, so the Dockerfile installs ONLY from this
 # directory (`pip install --no-index --find-links`). This script uses whatever index the host's pip
 # is configured for, so it works unchanged where PyPI is reachable; there, set
-# KVCACHE_TORCH_SPEC / PIP_EXTRA_INDEX_URL (e.g. https://download.pytorch.org/whl/cpu) to keep
-# torch on its CPU build. Skips all work when a stamp of the same requirement list is present.
+# KVCACHE_TORCH_SPEC=torch==2.13.0+cpu and PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# to keep torch on its CPU build (PyPI's Linux wheel is the CUDA one; the gpu profile wants it,
+# in KVCACHE_WHEELHOUSE=wheelhouse-gpu). Skips all work when the stamp of the same requirement
+# list is present.
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -17,7 +19,7 @@ torch_spec="${KVCACHE_TORCH_SPEC:-torch==2.13.0}"
 # torch comes from the pinned spec, never from the extra's range (that could pull a CUDA build).
 reqs="$(python3 "$repo/scripts/docker/requirements.py" "$repo/pyproject.toml" \
     --extra executor --torch-spec "$torch_spec" --build-system)"
-stamp_value="$(printf '%s\n' "$reqs" "$(python3 -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)"
+stamp_value="$(printf '%s\n' "$reqs" "${PIP_EXTRA_INDEX_URL:-}" "$(python3 -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)"
 
 if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$stamp_value" ]; then
     echo "wheelhouse: up to date ($out)"

@@ -19,35 +19,60 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import docker
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_BASE_IMAGE = "kvcache-local/base:bookworm-py311"  # scripts/docker/base_image.sh
 REGISTRY_BASE_IMAGE = "python:3.11-slim"
 IMAGE_REPO = "kvcache-test"
-# Test containers probe health every second (the image's own interval is for production).
+# Test containers probe health every second (the image's own interval is for production);
+# an empty "test" keeps the image's HEALTHCHECK command (the engine merges the two).
 FAST_HEALTHCHECK = {"test": [], "interval": 1_000_000_000, "timeout": 5_000_000_000,
                     "retries": 3, "start_period": 60_000_000_000}
 
 
-def _engine_or_skip():
-    """A docker-py client to a live engine, or skip with one line."""
-    import docker  # imported here: the module must import even where docker-py is broken
-
+def _no_engine_reason() -> str | None:
+    """None when an engine answers, else the one-line reason the tier skips."""
     where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
     try:
-        client = docker.from_env(timeout=900)  # builds can be silent for minutes (torch)
+        client = docker.from_env(timeout=10)
         client.ping()
+        client.close()
+        return None
     except Exception as exc:  # any failure to reach an engine means: no engine
-        pytest.skip(f"docker tier: no Docker engine answers at {where} ({type(exc).__name__});"
-                    " `source scripts/docker_env.sh` starts one")
-    return client
+        return (f"docker tier: no Docker engine answers at {where} ({type(exc).__name__}); "
+                "`source scripts/docker_env.sh` starts one")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without an engine, mark every `docker` test skipped (checked once per session)."""
+    docker_items = [item for item in items if item.get_closest_marker("docker")]
+    reason = _no_engine_reason() if docker_items else None
+    if reason:
+        config.stash[_SKIP_REASON] = reason
+        for item in docker_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+_SKIP_REASON = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Report every no-engine skip at one location, so `-ra` folds them into ONE line."""
+    outcome = yield
+    report = outcome.get_result()
+    reason = item.config.stash.get(_SKIP_REASON, None)
+    if reason and report.skipped and isinstance(report.longrepr, tuple) \
+            and report.longrepr[2].endswith(reason):
+        report.longrepr = (__file__, 1, report.longrepr[2])
 
 
 @pytest.fixture(scope="session")
 def docker_client():
-    """A docker-py client to a live engine (skips the test when there is none)."""
-    client = _engine_or_skip()
+    """A docker-py client to the live engine (collection already skipped the tier if none)."""
+    client = docker.from_env(timeout=900)  # builds can be silent for minutes (torch)
     yield client
     client.close()
 
@@ -55,8 +80,6 @@ def docker_client():
 @pytest.fixture(scope="session")
 def base_image(docker_client) -> str:
     """KVCACHE_BASE_IMAGE, else the local debootstrap image when present, else the registry's."""
-    import docker
-
     chosen = os.environ.get("KVCACHE_BASE_IMAGE")
     if chosen:
         return chosen
@@ -88,15 +111,14 @@ def context_hash(base_image_id: str, target: str) -> str:
         if path.is_file():
             digest.update(rel.encode() + b"\0")
             with path.open("rb") as f:
-                digest.update(hashlib.file_digest(f, "sha256").digest())
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
     return digest.hexdigest()[:16]
 
 
 def build_image(client, base_image: str, target: str) -> str:
     """The tag of an image of ``target`` for the current checkout, building it if absent and
     removing this target's older test tags (their layers stay as build cache)."""
-    import docker
-
     base_id = client.images.get(base_image).id if _image_exists(client, base_image) else base_image
     tag = f"{IMAGE_REPO}/{target}:{context_hash(base_id, target)}"
     if not _image_exists(client, tag):
@@ -116,8 +138,6 @@ def build_image(client, base_image: str, target: str) -> str:
 
 
 def _image_exists(client, ref: str) -> bool:
-    import docker
-
     try:
         client.images.get(ref)
         return True
@@ -165,8 +185,9 @@ def wait_healthy(container, timeout: float = 120.0) -> None:
         if state["Status"] in ("exited", "dead") or health == "unhealthy" \
                 or time.monotonic() > deadline:
             logs = container.logs().decode(errors="replace")[-3000:]
-            pytest.fail(f"{container.name}: status={state['Status']} health={health} "
-                        f"exit={state.get('ExitCode')} after {timeout:.0f} s; logs:\n{logs}")
+            pytest.fail(f"{container.name} not healthy (limit {timeout:.0f} s): "
+                        f"status={state['Status']} health={health} "
+                        f"exit={state.get('ExitCode')}; logs:\n{logs}")
         time.sleep(0.25)
 
 
@@ -178,26 +199,21 @@ class Containers:
         self._started: list = []
 
     def start(self, image: str, alias: str, *, env: dict[str, str] | None = None,
-              publish: int | None = None, entrypoint: list[str] | None = None,
-              command: list[str] | None = None, wait_health: bool = True):
+              publish: int | None = None):
         """A started testcontainers ``DockerContainer`` on the session network under
         ``alias``, its port ``publish`` bound to 127.0.0.1 only, probed by the image's own
-        HEALTHCHECK every second; returns once healthy when ``wait_health``."""
+        HEALTHCHECK command every second; returns once that reports healthy."""
         from testcontainers.core.container import DockerContainer
 
-        kwargs = {"healthcheck": FAST_HEALTHCHECK, "hostname": alias}
-        if entrypoint is not None:
-            kwargs["entrypoint"] = entrypoint
-        container = (DockerContainer(image, env=env or {}, command=command)
+        container = (DockerContainer(image, env=env or {})
                      .with_network(self.network).with_network_aliases(alias)
-                     .with_kwargs(**kwargs))
+                     .with_kwargs(healthcheck=FAST_HEALTHCHECK, hostname=alias))
         if publish is not None:
             # with_bind_ports() cannot name a host address; docker-py takes (address, port).
             container.ports[f"{publish}/tcp"] = ("127.0.0.1", None)
         container.start()
         self._started.append(container)
-        if wait_health:
-            wait_healthy(container.get_wrapped_container())
+        wait_healthy(container.get_wrapped_container())
         return container
 
     @staticmethod
@@ -212,8 +228,6 @@ class Containers:
 
     def remove_all(self) -> None:
         """Force-remove every container started here that a test has not removed itself."""
-        import docker
-
         for container in self._started:
             try:
                 container.get_wrapped_container().remove(force=True)

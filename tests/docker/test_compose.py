@@ -6,6 +6,7 @@ project behind. The images are the session's test images (no build by compose)."
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -19,6 +20,19 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker
 
 PROJECT_LABEL = "com.docker.compose.project"
+DEMO_REQUESTS, DEMO_MAX_TOKENS = 12, 8  # small: the tier has minutes on two cores
+
+
+def demo_summary(logs: str) -> dict[str, float]:
+    """The numeric rows of the demo's summary table (``requests``, ``prefix hit rate`` in %,
+    ``output tokens``, ...), from its log whatever the table's border characters are."""
+    rows = {}
+    for line in logs.splitlines():
+        match = re.search(r"\W(requests|prefix hit rate|output tokens)\W+([0-9.]+)", line)
+        if match:
+            rows[match.group(1)] = float(match.group(2))
+    assert set(rows) == {"requests", "prefix hit rate", "output tokens"}, logs[-3000:]
+    return rows
 
 
 def compose_command() -> list[str]:
@@ -42,6 +56,8 @@ class Project:
             "KVCACHE_EXECUTOR_IMAGE": executor_image,
             "KVCACHE_EXECUTOR_GPU_IMAGE": executor_image,  # only created, never run, here
             "KVCACHE_HEALTH_INTERVAL": "1s",
+            "KVCACHE_DEMO_REQUESTS": str(DEMO_REQUESTS),
+            "KVCACHE_DEMO_MAX_TOKENS": str(DEMO_MAX_TOKENS),
             # Empty = an ephemeral host port: never collides with servers on this host.
             "KVCACHE_PUBLISH_PORT": "", "KVCACHE_PUBLISH_METRICS_PORT": "",
             "KVCACHE_EXECUTOR_PUBLISH_PORT": "", "KVCACHE_EXECUTOR_PUBLISH_METRICS_PORT": "",
@@ -89,7 +105,11 @@ def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
     up = project.run("up", "--no-build", "--exit-code-from", "demo", timeout=400, check=False)
     demo_logs = project.run("logs", "--no-color", "demo").stdout
     assert up.returncode == 0, f"demo exit {up.returncode}\n{up.stdout[-4000:]}{up.stderr[-2000:]}"
-    assert "summary" in demo_logs.lower(), demo_logs[-3000:]
+    summary = demo_summary(demo_logs)
+    assert summary["requests"] == DEMO_REQUESTS, demo_logs[-3000:]
+    assert summary["output tokens"] == DEMO_REQUESTS * DEMO_MAX_TOKENS  # no stop tokens
+    # The workload shares prefixes: the executor's pool in the cache-service container hits.
+    assert summary["prefix hit rate"] > 0, demo_logs[-3000:]
 
     # depends_on/service_healthy held: each service started only after the one it depends on
     # passed a health probe, and the first probe runs one interval (1 s) after start.

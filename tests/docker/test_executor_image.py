@@ -1,7 +1,7 @@
 """The executor image next to the cache-service image on one docker network: the executor
 registers its pool with the cache service by network alias (its HEALTHCHECK turns healthy only
 then) and serves Generate through its published port; the second identical prompt is served
-from the prefix cache that lives in the other container."""
+from the prefix cache that lives in the other container; SIGTERM ends it with exit code 0."""
 
 from __future__ import annotations
 
@@ -45,3 +45,7 @@ def test_generate_uses_the_cache_service_container(stack, containers):
     with CacheClient(cache_target) as cache_client:
         stats = cache_client.stats("docker-executor")
     assert stats.prefix_cache_hits > 0 and stats.num_requests == 0
+
+    # The executor is PID 1 of its image too: SIGTERM reaches Python, which drains and exits 0.
+    executor.get_wrapped_container().kill(signal="SIGTERM")
+    assert containers.wait_exit(executor, timeout=30) == 0

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 
 from executor.batch import GroupLayout
 from executor.cache import CacheTensors, GroupInfo, mamba_state_shapes
 from executor.config import ModelConfig
-from executor.model import HybridModel, layer_name
+from executor.model import layer_name
 
 
 def one_group_per_layer(cfg: ModelConfig, block_size: int, mamba_cache_mode: str = "align",
@@ -50,7 +49,8 @@ class BlockSource:
         return out
 
 
-def start_executor(cache_target: str, *flags: str, wait_serving: bool = True):
+def start_executor(cache_target: str, *flags: str, wait_serving: bool = True,
+                   env: dict[str, str] | None = None):
     """``python -m executor`` on an ephemeral port against ``cache_target``; waits until its
     health check says SERVING (pool registered) unless told not to."""
     import sys
@@ -59,7 +59,7 @@ def start_executor(cache_target: str, *flags: str, wait_serving: bool = True):
     from helpers.procs import start_process
 
     proc = start_process([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
-                          "--cache-service", cache_target, *flags])
+                          "--cache-service", cache_target, *flags], env=env)
     if wait_serving:
         try:
             wait_ready(proc.target, 60)

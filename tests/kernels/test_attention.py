@@ -169,21 +169,34 @@ def paged_shapes(draw):
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURES_OK)
-@given(shape=paged_shapes())
-def test_torch_matches_reference(assert_close, device, dtype, shape):
+def _check_against_reference(assert_close, device, dtype, shape, impl):
     gen = torch.Generator().manual_seed(7)
+    shape = dict(shape)
     softcap = shape.pop("softcap")
     case = make_case(gen, device, dtype, **shape)
     expected = case.run("reference", softcap=softcap)
-    out = case.run("torch", softcap=softcap)
+    out = case.run(impl, softcap=softcap)
     assert out.dtype == dtype and out.shape == expected.shape
     assert not out.isnan().any()
     assert_close(out, expected, kind="attention")
     pad = shape["pad_rows"]
     if pad:
         assert (out[-pad:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=25, deadline=None, suppress_health_check=FIXTURES_OK)
+@given(shape=paged_shapes())
+def test_torch_matches_reference(assert_close, device, dtype, shape):
+    _check_against_reference(assert_close, device, dtype, shape, "torch")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=8, deadline=None, suppress_health_check=FIXTURES_OK)
+@given(shape=paged_shapes())
+def test_triton_matches_reference(assert_close, device, triton_impl, dtype, shape):
+    _check_against_reference(assert_close, device, dtype, shape, triton_impl)
 
 
 def _mixed_case(gen, device, dtype):
@@ -244,17 +257,26 @@ def _prefill_in_chunks(gen, device, impl, splits, *, window, total=37, q_heads=4
 @settings(max_examples=10, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(splits=st.lists(st.integers(1, 36), max_size=4).map(sorted))
 def test_chunked_prefill_equals_one_shot(assert_close, device, window, splits):
-    one_shot = _prefill_in_chunks(torch.Generator().manual_seed(3), device, "torch", [], window=window)
-    chunked = _prefill_in_chunks(torch.Generator().manual_seed(3), device, "torch", splits, window=window)
+    # impl None: the device's default path (torch on CPU, Triton on CUDA)
+    one_shot = _prefill_in_chunks(torch.Generator().manual_seed(3), device, None, [], window=window)
+    chunked = _prefill_in_chunks(torch.Generator().manual_seed(3), device, None, splits, window=window)
     assert_close(chunked, one_shot, kind="attention")
 
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_decode_after_prefill_equals_longer_prefill(assert_close, device, window):
     """Prefill 30 tokens, then 7 one-token decode steps == one 37-token prefill."""
-    longer = _prefill_in_chunks(torch.Generator().manual_seed(5), device, "torch", [], window=window)
-    stepwise = _prefill_in_chunks(torch.Generator().manual_seed(5), device, "torch", list(range(30, 37)),
+    longer = _prefill_in_chunks(torch.Generator().manual_seed(5), device, None, [], window=window)
+    stepwise = _prefill_in_chunks(torch.Generator().manual_seed(5), device, None, list(range(30, 37)),
                                   window=window)
+    assert_close(stepwise, longer, kind="attention")
+
+
+@pytest.mark.triton
+def test_triton_decode_after_chunked_prefill_equals_longer_prefill(assert_close, device, triton_impl):
+    longer = _prefill_in_chunks(torch.Generator().manual_seed(5), device, triton_impl, [], window=9)
+    stepwise = _prefill_in_chunks(torch.Generator().manual_seed(5), device, triton_impl, [11, 30, 31, 32],
+                                  window=9)
     assert_close(stepwise, longer, kind="attention")
 
 

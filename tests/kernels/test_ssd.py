@@ -185,12 +185,16 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_scan_and_update_match_torch(device, gen, triton_impl, dtype):
+@pytest.mark.parametrize("heads, groups, head_dim, state_size, d_per_channel",
+                         [(2, 1, 16, 16, False), (4, 2, 8, 20, True)])  # 2nd: P < 16 and N not a power of 2
+def test_triton_scan_and_update_match_torch(device, gen, triton_impl, dtype, heads, groups, head_dim, state_size,
+                                            d_per_channel):
     lengths = [19, 1, 0, 12]
+    shape = dict(heads=heads, head_dim=head_dim, state_size=state_size)
     batch = mamba_batch(lengths, 6, generator=gen, device=device, padding=(3,), fresh=(1,))
-    inp = ssd_inputs(gen, device, sum(lengths), heads=2, head_dim=16, groups=1, state_size=16, dtype=dtype)
+    inp = ssd_inputs(gen, device, sum(lengths), groups=groups, dtype=dtype, d_per_channel=d_per_channel, **shape)
     # the cache is a strided view into a pool (as the executor's block pool hands it out)
-    pool = states_for(gen, device, 12, heads=2, head_dim=16).view(6, 2, 2, 16, 16)
+    pool = states_for(gen, device, 12, **shape).view(6, 2, heads, head_dim, state_size)
     states = pool[:, 1]
     states[batch.state_indices[1]] = NAN
     before, ref_states, other_half = states.clone(), states.clone(), pool[:, 0].clone()
@@ -202,7 +206,8 @@ def test_triton_scan_and_update_match_torch(device, gen, triton_impl, dtype):
     assert_only_slots_changed(before, states, batch.used_slots())
     assert torch.equal(pool[:, 0], other_half)
 
-    step = ssd_inputs(gen, device, 4, heads=2, head_dim=16, groups=1, state_size=16, dtype=dtype)
+    step = ssd_inputs(gen, device, 4, groups=groups, dtype=dtype, d_per_channel=d_per_channel, **shape)
+    kwargs = dict(D=step.D, dt_bias=step.dt_bias, dt_limit=(0.01, 0.1))
     out = ssd_state_update(*step.rows(0, 4), states, batch.state_indices, impl=triton_impl, **kwargs)
     expected = ssd_state_update(*step.rows(0, 4), ref_states, batch.state_indices, impl="torch", **kwargs)
     assert_close(out, expected)

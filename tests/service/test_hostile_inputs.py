@@ -117,6 +117,9 @@ CASES = [
          Code.INVALID_ARGUMENT, "ops[0].append_tokens.token_ids"),
     Case("append out-of-vocab token", "Step", step(ops.append(LIVE, [4, VOCAB + 7])),
          Code.INVALID_ARGUMENT, "ops[0].append_tokens.token_ids[1]"),
+    Case("decode op with an out-of-vocab token", "Step",
+         step(ops.allocate(LIVE, 1, append_token_ids=[4, -7])),
+         Code.INVALID_ARGUMENT, "ops[0].allocate.append_token_ids[1]"),
     Case("op with nothing set", "Step", step(ops.new_step(), pb.Op()),
          Code.INVALID_ARGUMENT, "ops[1]"),
     Case("too many ops", "Step", step(*[ops.new_step()] * 5000),
@@ -215,3 +218,51 @@ def test_subscribing_from_a_future_sequence_is_out_of_range(client: CacheClient,
     with pytest.raises(CacheError) as err:
         next(iter(client.subscribe_events(POOL, last + 5)))
     assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
+
+
+def _valid_op(draw, live: list[str], n: int) -> pb.Op:
+    from hypothesis import strategies as st
+
+    choice = draw(st.sampled_from(["add", "append", "allocate", "free"] if live else ["add"]))
+    if choice == "add":
+        rid = f"h{n}"
+        live.append(rid)
+        return ops.add(rid, draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)))
+    rid = draw(st.sampled_from(live))
+    if choice == "append":
+        return ops.append(rid, [draw(st.integers(0, VOCAB - 1))])
+    if choice == "allocate":
+        return ops.allocate(rid, draw(st.integers(1, 20)))
+    live.remove(rid)
+    return ops.free(rid)
+
+
+INVALID_OPS = [ops.allocate("ghost", 1), ops.add(LIVE, [1]), ops.append(LIVE, [-1]),
+               ops.allocate(LIVE, 0), ops.lookup(LIVE), pb.Op()]
+
+
+def test_any_batch_with_an_invalid_op_changes_nothing(client: CacheClient, pools: None) -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from cache_service.client import CacheError
+
+    @settings(max_examples=25, deadline=None,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def check(data) -> None:
+        live: list[str] = []  # valid ops never touch LIVE, so every INVALID_OP stays invalid
+        batch = [_valid_op(data.draw, live, n) for n in range(data.draw(st.integers(0, 8)))]
+        bad = data.draw(st.sampled_from(INVALID_OPS))
+        at = data.draw(st.integers(0, len(batch)))
+        batch.insert(at, bad)
+        before = snapshot(client)
+        try:
+            client.step(POOL, batch, begin_step=True)
+        except CacheError as exc:
+            assert exc.field.startswith("ops["), exc
+        else:
+            raise AssertionError("an invalid batch was accepted")
+        assert snapshot(client) == before
+
+    check()

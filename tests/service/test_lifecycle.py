@@ -49,7 +49,7 @@ def _hammer(target: str, pool: str, worker: int, codes: list, stop: threading.Ev
 
 
 def test_sigterm_under_load_drains_and_exits_zero() -> None:
-    srv = start_cache_service(env={"KVCACHE_DRAIN_SECONDS": "3"})
+    srv = start_cache_service(env={"KVCACHE_DRAIN_SECONDS": "2"})
     try:
         with CacheClient(srv.target) as client:
             client.register_pool("p", full_layers(), num_blocks=512, max_model_len=256)
@@ -173,3 +173,30 @@ def test_bad_settings_exit_with_a_usage_error_naming_the_flag() -> None:
     proc = subprocess.run([sys.executable, "-m", "cache_service", "--port", "70000"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "port" in proc.stderr
+
+
+def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a free port to start the server on, later
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    outcome: list = []
+
+    def call() -> None:
+        with CacheClient(f"127.0.0.1:{port}", max_retries=30, backoff_base=0.1,
+                         backoff_max=0.5) as client:
+            try:
+                outcome.append(client.list_pools())
+            except CacheError as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(0.3)  # the first attempts find nothing listening
+    with start_cache_service("--port", str(port), "--log-level", "debug") as srv:
+        thread.join(30)
+        assert outcome == [[]], outcome
+        record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
+    assert record["rpc"] == "kvcache.v1.CacheService/ListPools"
+    assert record["code"] == "OK" and len(record["request_id"]) >= 16

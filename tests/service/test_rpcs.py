@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import urllib.request
 
 import grpc
@@ -17,6 +18,7 @@ from cache_service.client import (
     CacheClient,
     CacheError,
     LookupResult,
+    ops,
     register_request,
 )
 from cache_service.pools import build_pool
@@ -86,8 +88,6 @@ def test_delete_pool_drops_it_and_its_requests(client: CacheClient, new_pool) ->
 def _random_workload(rng: random.Random, steps: int) -> list[list[pb.Op]]:
     """Steps of adds (with shared prefixes), lookups, allocations, decode appends, frees,
     preemptions: the scheduler's calls, in batches."""
-    from cache_service.client import ops
-
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([16, 40, 64]))]
                 for _ in range(3)]
     live: dict[str, int] = {}
@@ -104,10 +104,13 @@ def _random_workload(rng: random.Random, steps: int) -> list[list[pb.Op]]:
                 batch.append(ops.preempt(rid))
                 batch.append(ops.lookup(rid))
                 batch.append(ops.allocate(rid, live[rid]))
-            else:
+            elif roll < 0.6:
                 batch.append(ops.append(rid, [rng.randrange(1000)]))
                 live[rid] += 1
                 batch.append(ops.allocate(rid, 1))
+            else:  # the same decode step as one op
+                batch.append(ops.allocate(rid, 1, append_token_ids=[rng.randrange(1000)]))
+                live[rid] += 1
         for _ in range(rng.randrange(3)):
             rid = f"r{n}"
             n += 1
@@ -128,6 +131,8 @@ def _apply_local(pool, op: pb.Op):
     if kind == "lookup":
         return pool.lookup(m.request_id)
     if kind == "allocate":
+        if m.append_token_ids:
+            pool.append_tokens(m.request_id, list(m.append_token_ids))
         return pool.allocate(m.request_id, m.num_new_tokens)
     if kind == "append_tokens":
         return pool.append_tokens(m.request_id, list(m.token_ids))
@@ -163,8 +168,9 @@ def test_steps_match_the_in_process_core(client: CacheClient, new_pool,
                 assert have.ok == want.ok
                 assert have.block_ids == [list(g) for g in want.block_ids]
                 assert have.num_computed_tokens == want.num_computed_tokens
-                if want.ok:
-                    assert have.new_block_ids == [list(g) for g in want.new_block_ids]
+                if want.ok:  # no tables at all when no group got a block
+                    assert have.new_block_ids == ([list(g) for g in want.new_block_ids]
+                                                  if any(want.new_block_ids) else [])
             elif isinstance(have, LookupResult):
                 assert have.hit_tokens == want.hit_tokens
                 assert have.block_ids == [list(g) for g in want.block_ids]
@@ -178,8 +184,6 @@ def test_steps_match_the_in_process_core(client: CacheClient, new_pool,
 
 
 def test_step_stream_answers_each_request_in_order(client: CacheClient, new_pool) -> None:
-    from cache_service.client import ops
-
     info = new_pool()
     with client.step_stream() as stream:
         first = stream.step(info.pool_id, [ops.add("a", list(range(40))), ops.lookup("a"),
@@ -194,8 +198,6 @@ def test_step_stream_answers_each_request_in_order(client: CacheClient, new_pool
 
 def test_step_stream_ends_with_the_status_of_an_invalid_batch(client: CacheClient,
                                                               new_pool) -> None:
-    from cache_service.client import ops
-
     info = new_pool()
     with client.step_stream() as stream:
         stream.step(info.pool_id, [ops.add("a", [1, 2])])
@@ -207,8 +209,6 @@ def test_step_stream_ends_with_the_status_of_an_invalid_batch(client: CacheClien
 
 def test_peek_prefix_reports_each_pool_and_changes_nothing(client: CacheClient,
                                                            new_pool) -> None:
-    from cache_service.client import ops
-
     warm, cold = new_pool(), new_pool()
     prompt = list(range(100, 164))  # 4 blocks of 16
     client.step(warm.pool_id, [ops.add("a", prompt), ops.allocate("a", 64), ops.free("a")])
@@ -227,8 +227,6 @@ def test_peek_prefix_reports_each_pool_and_changes_nothing(client: CacheClient,
 
 
 def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
-    from cache_service.client import ops
-
     info = new_pool()
     res = client.step(info.pool_id, [ops.add("a", list(range(50))), ops.allocate("a", 50)])
     state = client.get_request(info.pool_id, "a")
@@ -261,27 +259,28 @@ def _collect(client: CacheClient, pool_id: str, from_sequence, n: int, out: list
 
 
 def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
-    from cache_service.client import ops
-
     info = new_pool(hybrid_layers())
     prompt = list(range(64))
     client.step(info.pool_id, [ops.add("a", prompt), ops.allocate("a", 64), ops.free("a")])
     first = list(_take(client.subscribe_events(info.pool_id, 1), 2))
     assert [e.sequence for e in first] == [1, 2]
     assert {e.kind for e in first} == {"block_stored"}
-    assert {(e.group_idx, e.spec_kind) for e in first} == {
-        (0, "full_attention"), (1, "sliding_window")} or len({e.group_idx for e in first}) == 2
-    stored = [e for e in first if e.spec_kind == "sliding_window"]
-    assert all(e.sliding_window == 32 for e in stored)
-    assert all(e.token_ids == prompt for e in first)
+    # One BlockStored per group, annotated with the group's kind and window.
+    assert sorted((e.group_idx, e.spec_kind, e.sliding_window) for e in first) == sorted(
+        (g.index, g.kind, g.sliding_window) for g in info.groups)
+    assert all(e.token_ids == prompt and len(e.block_hashes) == 4 for e in first)
+    assert all(e.parent_block_hash is None for e in first)
 
-    # A live subscriber sees new events; a reconnect resumes where it left off.
+    # A subscriber waiting for the next sequence sees it when it happens (asking for
+    # next = last + 1 rather than "live only" makes the test independent of when the
+    # subscription reaches the server); a reconnect resumes where it left off.
     live: list = []
     errors: list = []
+    nxt = client.stats(info.pool_id).last_event_sequence + 1
     thread = threading.Thread(target=_collect,
-                              args=(client, info.pool_id, None, 1, live, errors))
+                              args=(client, info.pool_id, nxt, 1, live, errors))
     thread.start()
-    _wait_subscribed(client, info.pool_id)
+    time.sleep(0.1)  # usually subscribed by now: the event then arrives live
     assert client.reset_prefix_cache(info.pool_id)
     thread.join(10)
     assert [e.kind for e in live] == ["all_blocks_cleared"] and not errors
@@ -305,18 +304,11 @@ def _take(iterator, n: int):
             return
 
 
-def _wait_subscribed(client: CacheClient, pool_id: str) -> None:
-    # The subscription has no acknowledgement; give the server loop a round trip or two.
-    import time
-
-    for _ in range(3):
-        client.stats(pool_id)
-        time.sleep(0.05)
-
-
 def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
     info = new_pool()
     client.stats(info.pool_id)
+    with pytest.raises(CacheError):
+        client.get_request(info.pool_id, "nobody")
     with grpc.insecure_channel(server.target) as channel:
         from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
@@ -328,6 +320,63 @@ def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
                                   timeout=10).read().decode()
     assert ('grpc_server_handled_total{grpc_code="OK",grpc_method="GetPoolStats",'
             'grpc_service="kvcache.v1.CacheService",grpc_type="unary"}') in body
+    assert ('grpc_server_handled_total{grpc_code="NOT_FOUND",grpc_method="GetRequest",'
+            'grpc_service="kvcache.v1.CacheService",grpc_type="unary"}') in body
     assert "grpc_server_handling_seconds_bucket" in body
     assert f'kvcache_pool_free_blocks{{pool="{info.pool_id}"}}' in body
     assert "kvcache_pool_evictions_total" in body
+
+
+def test_client_computed_hashes_hit_like_server_hashed_tokens(client: CacheClient,
+                                                              new_pool) -> None:
+    from cache_service.core.hashing import hash_request_tokens, sha256_cbor
+
+    info = new_pool(full_layers(), hash_algo="sha256_cbor")
+    prompt = list(range(500, 570))  # 4 full blocks + 6 tokens
+    client.step(info.pool_id, [ops.add("a", prompt, cache_salt="s"), ops.allocate("a", 70),
+                               ops.free("a")])
+    hashes = hash_request_tokens(sha256_cbor, prompt, info.hash_block_size, cache_salt="s")
+    assert len(hashes) == 4
+    by_tokens = client.peek_prefix([info.pool_id], prompt, cache_salt="s")
+    by_hashes = client.peek_prefix([info.pool_id], block_hashes=hashes, cache_salt="s")
+    assert by_tokens == by_hashes == {info.pool_id: 64}
+    assert client.peek_prefix([info.pool_id], prompt) == {info.pool_id: 0}  # other salt
+    res = client.step(info.pool_id, [ops.add("b", prompt, block_hashes=hashes, cache_salt="s"),
+                                     ops.lookup("b")])
+    assert res.results[0].num_block_hashes == 4
+    assert res.results[1].hit_tokens == 64
+
+
+def test_async_client_stream_builder_and_events(server, new_pool) -> None:
+    import asyncio
+
+    from cache_service.client import AsyncCacheClient, StepBuilder
+
+    info = new_pool(hybrid_layers())
+
+    async def scenario() -> tuple:
+        async with AsyncCacheClient(server.target) as client:
+            async with client.step_stream() as stream:
+                first = await stream.step(info.pool_id, [ops.add("a", list(range(33))),
+                                                         ops.allocate("a", 33)],
+                                          begin_step=True)
+                batch = StepBuilder(info.pool_id, begin_step=True)
+                batch.allocate("a", 1, append_token_ids=[5], block_table=False)
+                second = await client.step_batch(batch)
+                with pytest.raises(CacheError) as err:
+                    await stream.step(info.pool_id, [ops.add("a", [1])])
+            events = []
+            async for event in client.subscribe_events(info.pool_id, 1):
+                events.append(event)
+                if len(events) == 2:
+                    break
+            state = await client.get_request(info.pool_id, "a")
+            return first, second, err.value, events, state
+
+    first, second, err, events, state = asyncio.run(scenario())
+    assert first.results[1].ok and first.results[1].num_computed_tokens == 33
+    assert second.results[0].block_ids == [] and second.results[0].num_computed_tokens == 34
+    assert err.code == grpc.StatusCode.ALREADY_EXISTS
+    assert err.field == "ops[0].add_request.request_id"
+    assert [e.sequence for e in events] == [1, 2]
+    assert state.num_tokens == 34 and state.status == "RUNNING"

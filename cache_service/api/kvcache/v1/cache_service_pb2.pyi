@@ -221,7 +221,7 @@ class LookupOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table")
+    __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table", "append_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class AllocateOp(_message.Message):
     SKIP_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_new_tokens: int
     num_lookahead_tokens: int
@@ -236,7 +237,8 @@ class AllocateOp(_message.Message):
     skip_lookup: bool
     delay_cache_blocks: bool
     skip_block_table: bool
-    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., skip_lookup: _Optional[bool] = ..., delay_cache_blocks: _Optional[bool] = ..., skip_block_table: _Optional[bool] = ...) -> None: ...
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., skip_lookup: _Optional[bool] = ..., delay_cache_blocks: _Optional[bool] = ..., skip_block_table: _Optional[bool] = ..., append_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AppendTokensOp(_message.Message):
     __slots__ = ("request_id", "token_ids")

@@ -186,7 +186,8 @@ class CacheServiceServicer:
         (--event-buffer, default 10000 events); a from_sequence older than the oldest
         buffered event fails with OUT_OF_RANGE (the subscriber missed events and must
         resynchronise, e.g. from a fresh ResetPrefixCache or by dropping its index), and so
-        does one beyond the next sequence to be assigned.
+        does one beyond the next sequence to be assigned. Sequences are per pool
+        incarnation: a deleted and re-registered pool starts again at 1.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

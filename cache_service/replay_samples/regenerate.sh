@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Dev tool (never run by tests): regenerate the sample traces and the vLLM oracle's
+# expected outputs. Needs the oracle venv (shared/tools/vllm-oracle/setup_venv.sh).
+#   bash cache_service/replay_samples/regenerate.sh
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${VLLM_ORACLE_PY:-$HOME/.cache/vllm-oracle-venv/bin/python}"
+ORACLE="${VLLM_ORACLE:-/work/shared/tools/vllm-oracle/vllm_oracle.py}"
+declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamba"
+  [swa_mamba_nocache]="swa_mamba" [full_swa_mamba_nocache]="full_swa_mamba"
+  [full_swa_mamba]="full_swa_mamba --enable-caching")
+for name in "${!SCENARIO[@]}"; do
+  # A realistic scheduler workload (shared prefixes, chunked prefill, decode,
+  # preemption) from the oracle's own bench, small enough to commit.
+  # shellcheck disable=SC2086
+  "$PY" "$ORACLE" --bench --scenario ${SCENARIO[$name]} --num-blocks 128 --num-requests 12 \
+    --prompt-min 64 --prompt-max 900 --decode-min 4 --decode-max 40 --prefix-min 64 \
+    --prefix-max 512 --num-prefixes 4 --max-concurrency 8 --max-batched-tokens 512 \
+    --seed 7 --emit-trace "$name.bench.jsonl" --json > /dev/null
+  # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
+  python3 make_trace.py "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
+  for kind in bench mixed; do
+    python3 oracle_diff.py "$name.json" "$name.$kind.jsonl" --write
+  done
+done

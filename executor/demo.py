@@ -1,0 +1,204 @@
+"""``kvcache-demo``: the project in one command.
+
+Starts a cache service and two executors on loopback (subprocesses, ephemeral ports; one pool
+with prefix caching, one without), runs the same shared-prefix workload against each (many
+requests that share a long "system prompt" and differ in their tail, several in flight at
+once), and prints what prefix caching saved: hit rate, prompt tokens computed vs served from
+the cache, time to first token p50/p99, tokens per second, and whether the greedy outputs were
+identical. Processes are stopped on exit and on Ctrl-C.
+
+``--target HOST:PORT`` runs the workload once against an executor that is already running
+(the docker-compose demo client does this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from executor.client import AsyncExecutorClient, Generation
+from executor.presets import DEFAULT_PRESET, PRESETS
+
+
+@dataclass
+class RunSummary:
+    label: str
+    generations: list[Generation]
+    wall_s: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(g.prompt_tokens for g in self.generations)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(g.cached_tokens for g in self.generations)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(g.token_ids) for g in self.generations)
+
+    def ttft(self, q: float) -> float:
+        values = sorted(g.time_to_first_token_s for g in self.generations)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return {"label": self.label, "requests": len(self.generations),
+                "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "computed_prompt_tokens": self.prompt_tokens - self.cached_tokens,
+                "hit_rate": self.cached_tokens / max(1, self.prompt_tokens),
+                "ttft_p50_s": self.ttft(0.5), "ttft_p99_s": self.ttft(0.99),
+                "ttft_mean_s": statistics.fmean(g.time_to_first_token_s for g in self.generations),
+                "output_tokens": self.output_tokens, "wall_s": self.wall_s,
+                "tokens_per_s": self.output_tokens / max(self.wall_s, 1e-9),
+                "preemptions": sum(g.num_preemptions for g in self.generations)}
+
+
+def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int, vocab: int,
+                  seed: int) -> list[list[int]]:
+    """``n`` prompts over ``num_prefixes`` shared prefixes with unique tails."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + [rng.randrange(vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len))]
+            for i in range(n)]
+
+
+async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
+                       concurrency: int, label: str, progress: object | None = None) -> RunSummary:
+    client = AsyncExecutorClient(target)
+    sem = asyncio.Semaphore(concurrency)
+    task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None  # type: ignore[attr-defined]
+
+    async def one(p: Sequence[int]) -> Generation:
+        async with sem:
+            g = await client.generate(p, max_tokens)
+        if progress is not None:
+            progress.advance(task_id)  # type: ignore[attr-defined]
+        return g
+
+    start = time.perf_counter()
+    try:
+        gens = await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+    return RunSummary(label, list(gens), time.perf_counter() - start)
+
+
+def print_summary(runs: list[RunSummary], identical: bool | None, console: object) -> None:
+    from rich.table import Table
+
+    table = Table(title="shared-prefix workload")
+    table.add_column("metric")
+    for r in runs:
+        table.add_column(r.label, justify="right")
+    stats = [r.as_dict() for r in runs]
+    rows = [("requests", "requests", "{}"), ("prefix hit rate", "hit_rate", "{:.1%}"),
+            ("prompt tokens", "prompt_tokens", "{}"), ("  computed", "computed_prompt_tokens", "{}"),
+            ("  saved (cache hits)", "cached_tokens", "{}"), ("TTFT p50", "ttft_p50_s", "{:.3f} s"),
+            ("TTFT p99", "ttft_p99_s", "{:.3f} s"), ("output tokens", "output_tokens", "{}"),
+            ("tokens / s", "tokens_per_s", "{:.1f}"), ("wall time", "wall_s", "{:.2f} s"),
+            ("preemptions", "preemptions", "{}")]
+    for name, key, fmt in rows:
+        table.add_row(name, *(fmt.format(s[key]) for s in stats))
+    console.print(table)  # type: ignore[attr-defined]
+    if len(runs) == 2:
+        on, off = stats
+        console.print(f"TTFT p50 speed-up with prefix caching: {off['ttft_p50_s'] / max(on['ttft_p50_s'], 1e-9):.2f}x; "  # type: ignore[attr-defined]
+                      f"throughput ratio: {on['tokens_per_s'] / max(off['tokens_per_s'], 1e-9):.2f}x")
+    if identical is not None:
+        console.print("greedy outputs identical with and without caching: "  # type: ignore[attr-defined]
+                      + ("[green]yes[/green]" if identical else "[red]NO[/red]"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvcache-demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--requests", type=int, default=48, help="number of requests")
+    p.add_argument("--prefix-len", type=int, default=256, help="tokens of the shared prefix")
+    p.add_argument("--suffix-len", type=int, default=32, help="max unique tail tokens per request")
+    p.add_argument("--num-prefixes", type=int, default=2, help="distinct shared prefixes")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--target", default="", help="HOST:PORT of a running executor (no local servers)")
+    p.add_argument("--no-compare", action="store_true", help="skip the run without prefix caching")
+    p.add_argument("--json", default="", help="also write the summary as JSON to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from executor.launch import start_cache_service, start_executor, wait_ready
+
+    console = Console()
+    for name in ("requests", "prefix_len", "max_tokens", "concurrency", "num_prefixes"):
+        if getattr(args, name) < 1:
+            console.print(f"--{name.replace('_', '-')}: must be >= 1")
+            return 2
+    # SIGTERM behaves like Ctrl-C: the finally blocks stop the servers. (SIGINT explicitly too:
+    # a shell without job control starts background jobs with SIGINT ignored.)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    vocab = PRESETS[args.preset].vocab_size
+    prompts = make_workload(args.requests, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                            num_prefixes=args.num_prefixes, vocab=vocab, seed=args.seed)
+    procs = []
+    runs: list[RunSummary] = []
+    try:
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console)
+        if args.target:
+            with progress:
+                runs.append(asyncio.run(run_workload(args.target, prompts, max_tokens=args.max_tokens,
+                                                     concurrency=args.concurrency, label=args.target,
+                                                     progress=progress)))
+        else:
+            with console.status("starting the cache service and executors ..."):
+                cache = start_cache_service()
+                procs.append(cache)
+                variants = [("caching on", "true")] + ([] if args.no_compare else [("caching off", "false")])
+                targets = []
+                for label, flag in variants:
+                    ex = start_executor(cache.target, "--preset", args.preset, "--enable-prefix-caching", flag,
+                                        "--max-num-seqs", str(max(args.concurrency, 1)))
+                    procs.append(ex)
+                    wait_ready(ex.target)
+                    targets.append((label, ex.target))
+            console.print(f"cache service {cache.target}; executors "
+                          + ", ".join(f"{t} ({label})" for label, t in targets) + f"; preset {args.preset}")
+            with progress:
+                for label, target in targets:
+                    runs.append(asyncio.run(run_workload(target, prompts, max_tokens=args.max_tokens,
+                                                         concurrency=args.concurrency, label=label,
+                                                         progress=progress)))
+    except KeyboardInterrupt:
+        console.print("interrupted; stopping servers")
+        return 130
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    identical = None
+    if len(runs) == 2:
+        identical = [g.token_ids for g in runs[0].generations] == [g.token_ids for g in runs[1].generations]
+    print_summary(runs, identical, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "runs": [r.as_dict() for r in runs],
+                       "outputs_identical": identical}, f, indent=2)
+    return 0 if identical in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Per-type managers: the truth tables and worked examples of semantics §4."""
+
+from __future__ import annotations
+
+import pytest
+from builders import chunked, full, make_pool, mamba, place_cached, swa, table_ids
+
+from cache_service.core.block_pool import BlockPool
+from cache_service.core.single_type_managers import (
+    ChunkedLocalAttentionManager,
+    CoarseHashView,
+    FullAttentionManager,
+    MambaManager,
+    SlidingWindowManager,
+    hash_view,
+)
+
+T, F = True, False
+
+
+def hit(manager_cls, spec, pattern, max_length=None, alignment=None):
+    """(number of hit blocks, which of them are real) for a cache ``pattern``."""
+    pool = BlockPool(64, True, spec.block_size)
+    hashes = place_cached(pool, pattern, block_size=spec.block_size)
+    bs = spec.block_size
+    (blocks,), length = manager_cls.find_longest_cache_hit(
+        hashes, len(pattern) * bs if max_length is None else max_length, [0], pool, spec,
+        bs if alignment is None else alignment)
+    assert length == len(blocks) * bs
+    return len(blocks), [not b.is_null for b in blocks]
+
+
+@pytest.mark.parametrize("pattern,expected", [
+    ([F] * 10, 0), ([T], 1), ([T, F], 1), ([T, T], 2), ([T, T, F], 2), ([T, T, T], 3),
+    ([T, T, T, F], 3), ([T, T, F, T, F, F, T, T, F, T, T, T], 12),
+    ([T, T, F, T, F, F, T, T, F, F, F], 8), ([T, T, F, T, F, F, T, T, F, F, F, T], 8),
+])
+def test_sliding_window_truth_table(pattern, expected) -> None:
+    n, real = hit(SlidingWindowManager, swa(bs=2, window=4), pattern)
+    assert n == expected
+    if expected in (8, 12):
+        assert real == [False] * (expected - 2) + [True, True]
+
+
+@pytest.mark.parametrize("pattern,tail,expected", [
+    ([T], 0, 1), ([T], 1, 1), ([T, F], 0, 2), ([T, T], 0, 2), ([T, T, F], 0, 2),
+    ([T, T, T], 0, 3), ([T, T, T, F], 0, 4),
+    ([F] * 8 + [T], 1, 9), ([T] * 8 + [T], 1, 9), ([T] * 8 + [F], 1, 8),
+    ([F] * 8 + [F, F], 0, 10), ([T] * 8 + [T, F], 1, 10),
+])
+def test_chunked_local_truth_table(pattern, tail, expected) -> None:
+    n, _ = hit(ChunkedLocalAttentionManager, chunked(bs=2, chunk=4), pattern,
+               max_length=len(pattern) * 2 + tail)
+    assert n == expected
+
+
+@pytest.mark.parametrize("pattern,max_length,expected", [
+    ([T, T, T, F, T], None, 3), ([F, T], None, 0), ([T, T, T, T], 12, 3), ([T, T, T], 7, 1),
+])
+def test_full_attention_stops_at_first_miss(pattern, max_length, expected) -> None:
+    n, real = hit(FullAttentionManager, full(4), pattern, max_length=max_length)
+    assert n == expected and all(real)
+
+
+def test_full_attention_rounds_down_to_alignment() -> None:
+    n, _ = hit(FullAttentionManager, full(4), [T, T, T], alignment=8)
+    assert n == 2
+
+
+@pytest.mark.parametrize("pattern,alignment,expected", [
+    ([T, F, T, F], 4, 3), ([T, T, F, F], 4, 2), ([F, F, F], 4, 0), ([T, T, T, F], 8, 2),
+    ([T, F, T, F], 8, 0),
+])
+def test_mamba_hit_is_the_last_aligned_state(pattern, alignment, expected) -> None:
+    n, real = hit(MambaManager, mamba(4), pattern, alignment=alignment)
+    assert n == expected
+    if n:
+        assert real == [False] * (n - 1) + [True]
+
+
+def test_coarse_hash_view() -> None:
+    fine = [b"A", b"B", b"C", b"D", b"E"]
+    view = hash_view(fine, 16, 32)
+    assert isinstance(view, CoarseHashView) and list(view) == [b"B", b"D"]
+    assert view[-1] == b"D" and view[0:2] == [b"B", b"D"]
+    assert hash_view(fine, 16, 16) is fine
+
+
+def _manager_with_table(cls, spec, first_id: int, n: int):
+    pool = BlockPool(first_id + n + 8, True, spec.block_size)
+    pool.get_new_blocks(first_id - 1)
+    blocks = pool.get_new_blocks(n)
+    manager = cls(spec, pool, 0, enable_caching=True)
+    manager.req_to_blocks["r"] = list(blocks)
+    manager.req_to_ids["r"] = table_ids(blocks)
+    return manager, pool
+
+
+def test_sliding_window_remove_skipped_worked_example() -> None:
+    manager, pool = _manager_with_table(SlidingWindowManager, swa(bs=2, window=4), 1000, 11)
+
+    def nulled() -> list[int]:
+        return [i for i, b in enumerate(manager.req_to_blocks["r"]) if b.is_null]
+
+    for n, expected in [(0, []), (4, []), (5, [0]), (6, [0]), (7, [0, 1]), (11, [0, 1, 2, 3])]:
+        manager.remove_skipped_blocks("r", n)
+        assert nulled() == expected, n
+        assert manager.req_to_ids["r"][:len(expected)] == [0] * len(expected)
+    # 1003 was freed before 1002, so 1003 is reused first (prepended in that order).
+    assert table_ids(pool.free_block_queue.get_all_free_blocks()[:4]) == [1003, 1002, 1001, 1000]
+
+
+def test_chunked_local_remove_skipped_worked_example() -> None:
+    manager, _ = _manager_with_table(ChunkedLocalAttentionManager, chunked(bs=2, chunk=4), 10, 8)
+    for n, expected in [(4, 2), (6, 2), (12, 6)]:
+        manager.remove_skipped_blocks("r", n)
+        assert sum(b.is_null for b in manager.req_to_blocks["r"]) == expected
+
+
+@pytest.mark.parametrize("cls,spec", [
+    (SlidingWindowManager, swa(bs=2, window=4)),
+    (ChunkedLocalAttentionManager, chunked(bs=2, chunk=4)),
+])
+def test_get_num_blocks_to_allocate_counts_evictable_hits(cls, spec) -> None:
+    pool = BlockPool(64, True, 2)
+    manager = cls(spec, pool, 0, enable_caching=True)
+    cached = pool.get_new_blocks(10)
+    pool.free_blocks(cached)  # ref 0: touching them consumes free capacity
+    assert manager.get_num_blocks_to_allocate("1", 20 * 2, cached, 0, 20, 40) == 20
+    hits = [pool.null_block] * 5 + cached[5:]
+    assert manager.get_num_blocks_to_allocate("2", 20 * 2, hits, 0, 20, 40) == 15
+    # A pinned hit (ref > 0) costs nothing extra.
+    pool.touch(cached)
+    assert manager.get_num_blocks_to_allocate("3", 20 * 2, cached, 0, 20, 40) == 10
+
+
+def test_admission_cap_limits_sliding_window_need() -> None:
+    # §1.1 example: bs 16, sw 64, in-flight 128 -> cdiv(191, 16) + 1 = 13 blocks.
+    p = make_pool(64, swa(16, 64), max_model_len=4096, max_in_flight_tokens=128,
+                  enable_caching=False)
+    manager = p.manager.coordinator.managers[0]
+    assert manager.max_admission_blocks == 13
+    assert manager.get_num_blocks_to_allocate("x", 4096, [], 0, 0, 4096,
+                                              apply_admission_cap=True) == 13
+    assert manager.get_num_blocks_to_allocate("x", 4096, [], 0, 0, 4096) == 256
+
+
+def test_lookahead_slots_are_allocated_not_cached() -> None:
+    # §6.4: bs 4, 3 new + 2 lookahead -> 2 blocks; 3 + 4 -> 2 blocks.
+    for lookahead in (2, 4):
+        p = make_pool(16, full(4), max_model_len=64)
+        p.add_request("r", [1, 2, 3])
+        res = p.allocate("r", 3, num_lookahead_tokens=lookahead)
+        assert len(res.new_block_ids[0]) == 2
+        assert p.stats().num_cached_blocks == 0
+
+
+def test_design_doc_example_sliding_window_keeps_only_the_window() -> None:
+    # 112 tokens, sw 32, bs 16: after computing them, the SWA group needs only 2 blocks.
+    p = make_pool(64, full(16), swa(16, 32), enable_caching=False)
+    p.add_request("r", list(range(113)))
+    p.allocate("r", 112)
+    p.allocate("r", 1)  # the next allocation releases what left the window
+    full_ids, swa_ids = p.block_ids("r")
+    assert len(full_ids) == 8 and 0 not in full_ids
+    assert swa_ids[:5] == [0] * 5 and 0 not in swa_ids[5:]
+
+
+def test_mamba_state_cached_this_step_is_not_adoptable_until_next_step() -> None:
+    p = make_pool(64, full(4), mamba(4), max_model_len=256)
+    prompt = list(range(20))
+    p.add_request("a", prompt)
+    p.new_step()
+    assert p.allocate("a", 16).ok  # chunk ends on a block boundary: state cached
+    p.add_request("b", prompt)
+    assert p.lookup("b").hit_tokens == 16
+    assert not p.allocate("b", 4).ok  # same step: the state is not written yet
+    p.new_step()
+    assert p.lookup("b").hit_tokens == 16
+    res = p.allocate("b", 4)
+    assert res.ok and res.hit_tokens_used == 16
+    p.check_invariants()
+
+
+def test_mamba_align_keeps_only_running_states() -> None:
+    p = make_pool(64, full(4), mamba(4), max_model_len=256)
+    p.add_request("a", list(range(40)))
+    for chunk in (8, 8, 8, 8, 8):
+        p.new_step()
+        assert p.allocate("a", chunk).ok
+        mamba_ids = p.block_ids("a")[1]
+        assert sum(1 for i in mamba_ids if i) <= 2  # current state + previous (copy source)
+        p.check_invariants()
