@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Dev tool (never run by tests): regenerate the sample traces and the vLLM oracle's
 # expected outputs. Needs the oracle venv (shared/tools/vllm-oracle/setup_venv.sh).
-#   bash cache_service/replay_samples/regenerate.sh
+#   bash scripts/oracle/regenerate.sh
 set -euo pipefail
-cd "$(dirname "$0")"
+TOOLS="$(cd "$(dirname "$0")" && pwd)"
+cd "$TOOLS/../../cache_service/replay_samples"
 PY="${VLLM_ORACLE_PY:-$HOME/.cache/vllm-oracle-venv/bin/python}"
 ORACLE="${VLLM_ORACLE:-/work/shared/tools/vllm-oracle/vllm_oracle.py}"
 declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamba"
@@ -18,8 +19,8 @@ for name in "${!SCENARIO[@]}"; do
     --prefix-max 512 --num-prefixes 4 --max-concurrency 8 --max-batched-tokens 512 \
     --seed 7 --emit-trace "$name.bench.jsonl" --json > /dev/null
   # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
-  python3 make_trace.py "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
+  python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
   for kind in bench mixed; do
-    python3 oracle_diff.py "$name.json" "$name.$kind.jsonl" --write
+    python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.$kind.jsonl" --write
   done
 done

@@ -1,6 +1,6 @@
 """Dev tool: random replay traces for differential tests against the vLLM oracle.
 
-    python cache_service/replay_samples/make_trace.py CONFIG.json --ops 3000 --seed 1 > t.jsonl
+    python scripts/oracle/make_trace.py CONFIG.json --ops 3000 --seed 1 > t.jsonl
 
 A loose scheduler: requests share prefixes (so there are hits), prefill in chunks
 (block-aligned where a Mamba group needs it), decode one token at a time, and are

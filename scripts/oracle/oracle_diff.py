@@ -1,6 +1,6 @@
 """Dev tool: diff ``cache_service.replay`` against the vLLM oracle (never run in CI).
 
-    python cache_service/replay_samples/oracle_diff.py CONFIG.json TRACE.jsonl [--expected F]
+    python scripts/oracle/oracle_diff.py CONFIG.json TRACE.jsonl [--expected F]
 
 Without ``--expected`` it runs shared/tools/vllm-oracle (venv in
 ~/.cache/vllm-oracle-venv) on the trace with the scenario matching CONFIG, and with
