@@ -17,4 +17,8 @@ if [ -f scripts/docker_env.sh ]; then
     source scripts/docker_env.sh || echo "docker tier: engine setup failed; tests/docker will skip"
 fi
 
-exec python3 -m pytest "$@"
+rc=0
+python3 -m pytest "$@" || rc=$?
+# Stop the engine only if this run started it (a developer's own engine keeps running).
+if [ -n "${KVC_DOCKERD_STARTED:-}" ]; then bash scripts/docker_env.sh stop || true; fi
+exit "$rc"

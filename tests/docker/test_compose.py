@@ -118,6 +118,11 @@ def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
     assert (executor - cache).total_seconds() >= 0.9
     assert (demo - executor).total_seconds() >= 0.9
     assert project.containers(docker_client, "executor-gpu") == []  # gpu profile not active
+    # When the demo exited, compose stopped the servers with SIGTERM: both drained, exit 0.
+    for service in ("cache-service", "executor"):
+        (container,) = project.containers(docker_client, service)
+        state = container.attrs["State"]
+        assert (state["Status"], state["ExitCode"]) == ("exited", 0), (service, state)
 
     project.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
     assert project.leftovers(docker_client) == []
@@ -126,8 +131,7 @@ def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
 def test_gpu_profile_reserves_one_nvidia_gpu(project, docker_client):
     # No GPU here: create the containers without starting them and read the device request
     # the engine accepted (compose 1.29 must send a well-formed one).
-    project.run("--profile", "gpu", "up", "--no-build", "--no-start", "executor-gpu",
-                check=False)
+    project.run("--profile", "gpu", "up", "--no-build", "--no-start", "executor-gpu")
     (created,) = project.containers(docker_client, "executor-gpu")
     requests = created.attrs["HostConfig"]["DeviceRequests"]
     assert [(r["Driver"], r["Count"], r["Capabilities"]) for r in requests] == \
