@@ -4,14 +4,23 @@ Pool.
 
 Workload per pool: a hybrid model (1 full-attention + 1 sliding-window layer, window 1,024,
 block size 16); N running requests with 512-token prompts; every step is one Step carrying,
-per request, one decoded token appended + ``allocate(1)`` (one ``allocate`` op with
-``append_token_ids``) — the engine loop's steady state. Sides:
+per request, one decoded token appended + ``allocate(1)`` — the engine loop's steady state.
+Two encodings of that Step, side by side:
+
+* generic: one ``allocate`` op with ``append_token_ids`` per request (one sub-message per
+  request each way);
+* decode: ONE ``decode`` op (request ids + one token each, packed; the answer is packed
+  ok flags plus the few new blocks), applied by ``Pool.decode``.
+
+Sides:
 
 * ``service``: a real server subprocess (``python -m cache_service``); the client builds the
   batch in place (``StepBuilder``), sends it, and reads ``ok`` of every allocation. Timed
-  per step (round trip, client work included) for N = 8, 64, 256; with the whole block
-  table in every result (the default) and with ``block_table=False``; also over StepStream.
-* ``core``: the same ops on ``cache_service.core.pool.Pool`` in this process.
+  per step (round trip, client work included) for N = 8, 64, 256: generic with the whole
+  block table in every result (the default) and with ``block_table=False``, and decode;
+  also over StepStream.
+* ``core``: the same work on ``cache_service.core.pool.Pool`` in this process: the
+  ``append_tokens`` + ``allocate`` loop, and ``Pool.decode``.
 * ``servicer, no gRPC``: ``CacheServicer.step`` in this process on serialized requests
   (validation + apply + response), to separate the servicer's cost from the transport's.
 * ``8 clients``: 8 concurrent asyncio clients, one pool each, N = 64; aggregate ops/s.
@@ -45,6 +54,7 @@ from cache_service import convert  # noqa: E402
 from cache_service.client import (  # noqa: E402
     AsyncCacheClient,
     CacheClient,
+    DecodeResult,
     StepBuilder,
     layers,
     register_request,
@@ -93,30 +103,42 @@ def admit(client: CacheClient, pool_id: str, n: int) -> None:
         client.step_batch(batch)
 
 
-def decode_batch(pool_id: str, n: int, step: int, tables: bool) -> StepBuilder:
+#: Step encodings: generic ops with whole tables, generic without tables, one decode op.
+TABLES, NO_TABLES, DECODE = "tables", "no_tables", "decode"
+
+
+def request_ids(n: int) -> list[str]:
+    return [f"r{i}" for i in range(n)]
+
+
+def decode_batch(pool_id: str, n: int, step: int, mode: str) -> StepBuilder:
     batch = StepBuilder(pool_id, begin_step=True)
     token = [step % 32000]
+    if mode == DECODE:
+        return batch.decode(request_ids(n), token * n)
     for i in range(n):
-        batch.allocate(f"r{i}", 1, block_table=tables, append_token_ids=token)
+        batch.allocate(f"r{i}", 1, block_table=mode == TABLES, append_token_ids=token)
     return batch
 
 
 def all_ok(result) -> bool:
-    return all(r.ok for r in result.results)
+    return all(r.all_ok if isinstance(r, DecodeResult) else r.ok for r in result.results)
 
 
-def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *, tables: bool,
-                  tag: str) -> list[int]:
-    pool_id = f"bench-{tag}-{n}"
+def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
+                  mode: str) -> list[int]:
+    pool_id = f"bench-{mode}-{n}"
     client.register_pool(pool_id, model(), **pool_kwargs(n, steps + warmup))
     admit(client, pool_id, n)
     samples = []
     for step in range(warmup + steps):
         t0 = time.perf_counter_ns()
-        result = client.step_batch(decode_batch(pool_id, n, step, tables))
+        result = client.step_batch(decode_batch(pool_id, n, step, mode))
         ok = all_ok(result)
-        if tables:
+        if mode == TABLES:
             result.results[-1].block_ids  # a scheduler reads the tables it sends on
+        elif mode == DECODE:
+            result.results[0].new_block_ids  # ... or the new blocks
         elapsed = time.perf_counter_ns() - t0
         assert ok, "a decode allocation found no room; enlarge the pool"
         if step >= warmup:
@@ -125,15 +147,16 @@ def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *, table
     return samples
 
 
-def bench_stream(client: CacheClient, n: int, steps: int, warmup: int) -> list[int]:
-    pool_id = f"bench-stream-{n}"
+def bench_stream(client: CacheClient, n: int, steps: int, warmup: int, *,
+                 mode: str) -> list[int]:
+    pool_id = f"bench-stream-{mode}-{n}"
     client.register_pool(pool_id, model(), **pool_kwargs(n, steps + warmup))
     admit(client, pool_id, n)
     samples = []
     with client.step_stream() as stream:
         for step in range(warmup + steps):
             t0 = time.perf_counter_ns()
-            req = decode_batch(pool_id, n, step, True).request
+            req = decode_batch(pool_id, n, step, mode).request
             result = stream.step(req.pool_id, req.ops, begin_step=True)
             ok = all_ok(result)
             elapsed = time.perf_counter_ns() - t0
@@ -144,7 +167,7 @@ def bench_stream(client: CacheClient, n: int, steps: int, warmup: int) -> list[i
     return samples
 
 
-def bench_core(n: int, steps: int, warmup: int) -> list[int]:
+def bench_core(n: int, steps: int, warmup: int, *, decode: bool = False) -> list[int]:
     pool = build_pool(convert.description_from_proto(
         register_request("core", model(), **pool_kwargs(n, steps + warmup))))
     for i in range(n):
@@ -152,15 +175,18 @@ def bench_core(n: int, steps: int, warmup: int) -> list[int]:
         pool.lookup(f"r{i}")
         pool.allocate(f"r{i}", PROMPT)
     samples = []
-    rids = [f"r{i}" for i in range(n)]
+    rids = request_ids(n)
     for step in range(warmup + steps):
         token = [step % 32000]
         t0 = time.perf_counter_ns()
         pool.new_step()
-        ok = True
-        for rid in rids:
-            pool.append_tokens(rid, token)
-            ok &= pool.allocate(rid, 1).ok
+        if decode:
+            ok = all(pool.decode(rids, token * n).ok)
+        else:
+            ok = True
+            for rid in rids:
+                pool.append_tokens(rid, token)
+                ok &= pool.allocate(rid, 1).ok
         elapsed = time.perf_counter_ns() - t0
         pool.take_events()  # the service drains events every step too
         assert ok
@@ -169,10 +195,9 @@ def bench_core(n: int, steps: int, warmup: int) -> list[int]:
     return samples
 
 
-def bench_servicer(n: int, steps: int, warmup: int) -> list[int]:
+def bench_servicer(n: int, steps: int, warmup: int, *, mode: str) -> list[int]:
     """The servicer's Step in this process, without gRPC: parse, validate, apply, build and
-    serialize the response (block tables included). Separates the servicer's own cost from
-    the transport's."""
+    serialize the response. Separates the servicer's own cost from the transport's."""
     registry = PoolRegistry()
     servicer = CacheServicer(registry)
     registry.register("s", convert.description_from_proto(
@@ -183,7 +208,7 @@ def bench_servicer(n: int, steps: int, warmup: int) -> list[int]:
     servicer.step(admit_batch.request)
     samples = []
     for step in range(warmup + steps):
-        data = decode_batch("s", n, step, True).request.SerializeToString()
+        data = decode_batch("s", n, step, mode).request.SerializeToString()
         t0 = time.perf_counter_ns()
         servicer.step(StepRequest.FromString(data)).SerializeToString()
         elapsed = time.perf_counter_ns() - t0
@@ -192,7 +217,7 @@ def bench_servicer(n: int, steps: int, warmup: int) -> list[int]:
     return samples
 
 
-async def bench_concurrent(target: str, clients: int, n: int, steps: int) -> float:
+async def bench_concurrent(target: str, clients: int, n: int, steps: int, mode: str) -> float:
     """Aggregate scheduler ops/s of ``clients`` concurrent clients (one pool each)."""
     setup = CacheClient(target)
     for c in range(clients):
@@ -203,7 +228,8 @@ async def bench_concurrent(target: str, clients: int, n: int, steps: int) -> flo
     async def run(c: int) -> None:
         async with AsyncCacheClient(target, default_timeout=60) as client:
             for step in range(steps):
-                result = await client.step_batch(decode_batch(f"bench-conc-{c}", n, step, True))
+                result = await client.step_batch(decode_batch(f"bench-conc-{c}", n, step,
+                                                              mode))
                 assert all_ok(result)
 
     t0 = time.perf_counter()
@@ -213,6 +239,18 @@ async def bench_concurrent(target: str, clients: int, n: int, steps: int) -> flo
         setup.delete_pool(f"bench-conc-{c}")
     setup.close()
     return clients * steps * 2 * n / elapsed
+
+
+#: (result key, row label) of every per-size case, in table order.
+CASES = (("core", "in-process Pool, append+allocate loop"),
+         ("core_decode", "in-process Pool.decode"),
+         ("servicer_in_process", "servicer, no gRPC, generic (tables)"),
+         ("servicer_decode", "servicer, no gRPC, decode op"),
+         ("service_tables", "Step generic (block tables)"),
+         ("service_no_tables", "Step generic (no tables)"),
+         ("service_decode", "Step decode op"),
+         ("stream_tables", "StepStream generic (block tables)"),
+         ("stream_decode", "StepStream decode op"))
 
 
 def main() -> int:
@@ -233,43 +271,51 @@ def main() -> int:
     try:
         with CacheClient(target, default_timeout=60) as client:
             for n in sizes:
-                core = summarize_ns(bench_core(n, args.steps, args.warmup))
-                local = summarize_ns(bench_servicer(n, args.steps, args.warmup))
-                full = summarize_ns(bench_service(client, n, args.steps, args.warmup,
-                                                  tables=True, tag="t"))
-                lean = summarize_ns(bench_service(client, n, args.steps, args.warmup,
-                                                  tables=False, tag="n"))
-                stream = summarize_ns(bench_stream(client, n, args.steps, args.warmup))
+                case = {
+                    "running_requests": n,
+                    "core": bench_core(n, args.steps, args.warmup),
+                    "core_decode": bench_core(n, args.steps, args.warmup, decode=True),
+                    "servicer_in_process": bench_servicer(n, args.steps, args.warmup,
+                                                          mode=TABLES),
+                    "servicer_decode": bench_servicer(n, args.steps, args.warmup, mode=DECODE),
+                    "service_tables": bench_service(client, n, args.steps, args.warmup,
+                                                    mode=TABLES),
+                    "service_no_tables": bench_service(client, n, args.steps, args.warmup,
+                                                       mode=NO_TABLES),
+                    "service_decode": bench_service(client, n, args.steps, args.warmup,
+                                                    mode=DECODE),
+                    "stream_tables": bench_stream(client, n, args.steps, args.warmup,
+                                                  mode=TABLES),
+                    "stream_decode": bench_stream(client, n, args.steps, args.warmup,
+                                                  mode=DECODE),
+                }
                 ops = 2 * n
-                case = {"running_requests": n, "core": core, "servicer_in_process": local,
-                        "service_tables": full, "service_no_tables": lean,
-                        "stream_tables": stream}
-                for key in ("core", "servicer_in_process", "service_tables",
-                            "service_no_tables", "stream_tables"):
-                    case[key]["ops_per_s"] = round(ops / (case[key]["p50_us"] / 1e6))
-                results["cases"].append(case)
-                core_ops = case["core"]["ops_per_s"]
-                for key, label in (("core", "in-process Pool"),
-                                   ("servicer_in_process", "servicer, no gRPC (tables)"),
-                                   ("service_tables", "Step (block tables)"),
-                                   ("service_no_tables", "Step (no tables)"),
-                                   ("stream_tables", "StepStream (block tables)")):
-                    c = case[key]
+                for key, label in CASES:
+                    case[key] = c = summarize_ns(case[key])
+                    c["ops_per_s"] = round(ops / (c["p50_us"] / 1e6))
                     rows.append([f"{n} req: {label}", c["p50_us"] / 1e3, c["p99_us"] / 1e3,
-                                 c["ops_per_s"], ratio(c["ops_per_s"], core_ops)])
+                                 c["ops_per_s"], ratio(c["ops_per_s"], case["core"]["ops_per_s"])])
+                results["cases"].append(case)
         conc_n = 64
-        conc = asyncio.run(bench_concurrent(target, args.clients, conc_n, args.steps // 2))
         core64 = next((c["core"]["ops_per_s"] for c in results["cases"]
                        if c["running_requests"] == conc_n), None)
-        results["concurrent"] = {"clients": args.clients, "running_requests": conc_n,
-                                 "ops_per_s": round(conc), "core_ops_per_s": core64}
-        rows.append([f"{args.clients} clients x {conc_n} req: Step (block tables)", None, None,
-                     round(conc), ratio(conc, core64)])
+        results["concurrent"] = []
+        for mode, label in ((TABLES, "generic ops (block tables)"), (DECODE, "decode op")):
+            for clients in sorted({1, args.clients}):
+                conc = asyncio.run(bench_concurrent(target, clients, conc_n, args.steps // 2,
+                                                    mode))
+                results["concurrent"].append({"mode": mode, "clients": clients,
+                                              "running_requests": conc_n,
+                                              "ops_per_s": round(conc),
+                                              "core_ops_per_s": core64})
+                rows.append([f"{clients} client(s) x {conc_n} req: {label}", None, None,
+                             round(conc), ratio(conc, core64)])
     finally:
         proc.terminate()
         proc.wait(30)
     print_table("Batched decode Step (append + allocate per request): service vs in-process "
-                "core", ["case", "p50 ms", "p99 ms", "ops/s", "vs core"], rows)
+                "core (vs core = ops/s / the append+allocate loop's)",
+                ["case", "p50 ms", "p99 ms", "ops/s", "vs core"], rows)
     out = write_results("service", results, args.out)
     print(f"wrote {out}")
     return 0

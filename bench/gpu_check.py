@@ -263,13 +263,14 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
     triton_attention = load_triton_module("triton_attention")
     if dry_run:
         decode_shape, prefill_shape, heads = (2, 40), (2, 40), (4, 2, 16)
-        decode_tiles = prefill_tiles = [(16, 16, 4, 1), (32, 32, 4, 1)]
+        decode_tiles = prefill_tiles = [(16, 16, 4, 1), (32, 32, 4, 1), (16, 16, 4, 1, "masked")]
     else:
         decode_shape, prefill_shape, heads = (64, 8192), (8, 4096), (32, 8, 128)
+        # "masked": every key tile masked (skip_masks=False), to see what the mask-free tiles save
         decode_tiles = [(16, 64, 4, 3), (16, 128, 4, 3), (16, 64, 4, 2), (16, 32, 4, 4), (16, 128, 8, 3),
-                        (16, 256, 8, 2)]
+                        (16, 256, 8, 2), (16, 64, 4, 3, "masked")]
         prefill_tiles = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 8, 3),
-                         (64, 128, 4, 3)]
+                         (64, 128, 4, 3), (128, 64, 8, 3, "masked")]
     q_heads, kv_heads, head_size = heads
     rows = []
     for kind, (batch, length), variants in (("decode", decode_shape, decode_tiles),
@@ -285,7 +286,8 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
             def call(t=tiles):
                 return triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts,
                                                         scale=head_size ** -0.5, sliding_window=None,
-                                                        softcap=None, num_splits=1, tiles=t)
+                                                        softcap=None, num_splits=1, tiles=t[:4],
+                                                        skip_masks="masked" not in t)
             out = call()
             baseline = out if baseline is None else baseline
             error = _rms_ratio(out, baseline)
@@ -296,7 +298,8 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
             else:
                 flops = 4.0 * batch * q_heads * head_size * (length * (length + 1) / 2)
                 value, unit, fraction = flops / seconds / 1e12, "TFLOP/s", flops / seconds / 1e12 / BF16_CEILING_TFLOPS
-            rows.append(dict(check=f"sweep {kind} tiles={tiles}", device=str(device), tiles=list(tiles),
+            rows.append(dict(check=f"sweep {kind} tiles={tiles}", device=str(device), tiles=list(tiles[:4]),
+                             skip_masks="masked" not in tiles,
                              shape=f"{batch} x {length}, splits 1" + (" (the current default)" if index == 0 else ""),
                              ms=seconds * 1e3, value=value, unit=unit, fraction=fraction, rms_error=error,
                              ok=error < 1e-2 and not out.isnan().any().item()))
