@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 import urllib.request
@@ -26,6 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# We start servers after using grpc.aio; gRPC's fork handlers can deadlock that fork().
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from _common import print_table, ratio, write_results  # noqa: E402
 

@@ -187,9 +187,10 @@ class Engine:
             if not self.has_work:
                 continue
             try:
-                self.step()
-            except PoolLost:
-                self.handle_pool_lost()
+                try:
+                    self.step()
+                except PoolLost:
+                    self.handle_pool_lost()
             except CacheUnavailable as exc:
                 log.warning("cache_unavailable", error=str(exc))
                 time.sleep(0.5)

@@ -221,8 +221,8 @@ def _ssd_state_update_torch(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tens
     per_group = heads // groups
     state = start_states(ssm_states, state_indices, state_indices >= 0)     # [B, H, P, N]
     step = process_dt(dt, dt_bias, dt_softplus, dt_limit)                    # [B, H]
-    decay = torch.exp(step * A.float()).view(rows * heads, 1, 1)
-    xs = (x.float() * step[..., None]).view(rows * heads, head_dim, 1)
+    decay = torch.exp(step * A.float()).reshape(rows * heads, 1, 1)
+    xs = (x.float() * step[..., None]).reshape(rows * heads, head_dim, 1)
     b = B.float()[:, :, None, :].expand(rows, groups, per_group, state_size).reshape(rows * heads, 1, state_size)
     c = C.float()[:, :, None, :].expand(rows, groups, per_group, state_size).reshape(rows * heads, state_size, 1)
     # decay * S + (dt * x) (outer) B, per (row, head), in place on the gathered copy

@@ -10,6 +10,10 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
+# gRPC's fork handlers can deadlock Popen's fork() in a process that has used grpc.aio
+# (seen: a test hanging inside fork while starting a server). Tests only fork to exec
+# servers, so the handlers are not needed. Must be set before grpc is imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 try:
     import torch

@@ -80,16 +80,12 @@ def shared_prefix_workload(n: int, *, prefix_len: int = 100, vocab: int = 1000,
 
 
 def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int, **kwargs):
-    """Every prompt as its own Generate stream, all at once; results in prompt order."""
-    import asyncio
+    """Every prompt as its own Generate stream, all at once (threads, blocking client: the test
+    process stays free of grpc.aio); results in prompt order."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    from executor.client import AsyncExecutorClient
+    from executor.client import ExecutorClient
 
-    async def main():
-        client = AsyncExecutorClient(target)
-        try:
-            return await asyncio.gather(*(client.generate(p, max_tokens, **kwargs) for p in prompts))
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+    with ExecutorClient(target) as client, ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client.generate, p, max_tokens, **kwargs) for p in prompts]
+        return [f.result() for f in futures]

@@ -25,6 +25,7 @@ from helpers.procs import start_cache_service
 from paged_helpers import run_concurrently, shared_prefix_workload, start_executor
 
 MAX_TOKENS = 6
+pytestmark = pytest.mark.timeout(180)  # a hang fails fast, with its traceback
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -170,7 +171,7 @@ def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None
             wait_ready(proc.target, 30)
             prompt = shared_prefix_workload(1, prefix_len=64, seed=5)[0]
             before = ex.generate(prompt, 200)
-            stream = ex.stub.Generate(generate_request(prompt, 200))
+            stream = ex.stub.Generate(generate_request(prompt, 200), timeout=60)
             first = next(stream)  # in flight when the service dies
             cs.proc.kill()  # a crash: the new instance knows no pools
             cs.stop()
@@ -240,7 +241,7 @@ def test_drains_on_sigterm_and_frees_cancelled_requests(cache_service) -> None:
     with ExecutorClient(proc.target) as ex, CacheClient(cache_service.target) as cc:
         assert ex.info().model == "jamba-like"
         prompt = shared_prefix_workload(1, prefix_len=40, seed=2)[0]
-        stream = ex.stub.Generate(generate_request(prompt, 300))
+        stream = ex.stub.Generate(generate_request(prompt, 300), timeout=60)
         next(stream)  # running now
         stream.cancel()
         deadline = time.monotonic() + 10
@@ -251,7 +252,7 @@ def test_drains_on_sigterm_and_frees_cancelled_requests(cache_service) -> None:
         assert "kvcache_executor_ready 1.0" in metrics
         assert "kvcache_executor_generated_tokens_total" in metrics
         # a long request in flight, then SIGTERM: it still completes
-        stream = ex.stub.Generate(generate_request(prompt, 120))
+        stream = ex.stub.Generate(generate_request(prompt, 120), timeout=60)
         first = next(stream)
         proc.signal(signal.SIGTERM)
         rest = list(stream)

@@ -36,15 +36,20 @@ def _gemma3(tmp_path):
     return cfg, transformers.Gemma3ForCausalLM
 
 
-@pytest.mark.parametrize("arch", [_bamba, _gemma3], ids=["bamba", "gemma3"])
-def test_logits_match_transformers(tmp_path, arch) -> None:
-    cfg, cls = arch(tmp_path)
+def _random_model(cfg, cls):
     torch.manual_seed(0)
     hf = cls(cfg).eval()
-    with torch.no_grad():  # larger weights than HF's init: logits that actually differ
+    with torch.no_grad():  # larger weights than HF's init: logits that clearly differ
         for name, p in hf.named_parameters():
             if p.dim() == 2 and "embed" not in name:
                 p.normal_(0.0, 0.2)
+    return hf
+
+
+@pytest.mark.parametrize("arch", [_bamba, _gemma3], ids=["bamba", "gemma3"])
+def test_logits_match_transformers(tmp_path, arch) -> None:
+    cfg, cls = arch(tmp_path)
+    hf = _random_model(cfg, cls)
     hf.save_pretrained(tmp_path)
     ours = load_hf_model(tmp_path)
     assert ours.config.pattern == ("MFMF" if cfg.model_type == "bamba" else "SSSSSF")
@@ -67,3 +72,24 @@ def test_unsupported_checkpoints_are_named(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type"):
         load_hf_model(tmp_path)
+
+
+def test_executor_serves_a_checkpoint(cache_service, tmp_path) -> None:
+    from executor.client import ExecutorClient
+    from paged_helpers import start_executor
+
+    cfg, cls = _bamba(tmp_path)
+    hf = _random_model(cfg, cls)
+    hf.save_pretrained(tmp_path)
+    prompt = list(range(1, 60))
+    with torch.no_grad():  # greedy continuation, one token at a time
+        ids = torch.tensor([prompt])
+        for _ in range(4):
+            ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
+    proc = start_executor(cache_service.target, "--hf-checkpoint", str(tmp_path), "--max-model-len", "512")
+    try:
+        with ExecutorClient(proc.target) as ex:
+            assert ex.info().model == "bamba"
+            assert ex.generate(prompt, 4).token_ids == ids[0, len(prompt):].tolist()
+    finally:
+        proc.stop()

@@ -74,6 +74,14 @@ def test_packed_batch_equals_requests_alone(models, preset: str) -> None:
     dec = model.compute_logits(model(x, meta, cache))
     ref_a = run(model, cache, torch.cat([a, x[:1]]), [41], tables_for(cache, 41, src))[-1]
     torch.testing.assert_close(dec[0], ref_a, atol=ATOL, rtol=RTOL)
+    # mixed: a decode row (varlen kernels, one token with a state) next to a fresh prefill
+    tc = tables_for(cache, 26, src)
+    meta = build_forward_meta([SeqChunk(41, 1, ta2), SeqChunk(0, 25, tc)], cache.layout)
+    assert not meta.is_decode
+    mixed = model.compute_logits(model(torch.cat([x[1:], b]), meta, cache))
+    ref = run(model, cache, torch.cat([a, x]), [42], tables_for(cache, 42, src))[-1]
+    torch.testing.assert_close(mixed[0], ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(mixed[1:], alone_b, atol=ATOL, rtol=RTOL)
 
 
 def test_align_mode_never_writes_a_checkpoint_in_place(models) -> None:
