@@ -2,7 +2,7 @@
 """Core allocator benchmark: our KV-cache manager vs vLLM 0.33's own vs a naive baseline.
 
 The workload and the scheduling loop mirror ``run_bench`` of the vLLM oracle
-(/work/shared/tools/vllm-oracle/vllm_oracle.py) call for call, with the same random
+(../shared/tools/vllm-oracle/vllm_oracle.py) call for call, with the same random
 stream, so the two sides see identical requests and decode tokens and, if our core is
 vLLM-exact, make identical decisions (steps, hits, preemptions are compared). Workload:
 10,000 requests (seed 0); 64 shared system prompts of 512-3,072 tokens, Zipf-like
@@ -66,8 +66,12 @@ from cache_service.core.specs import (  # noqa: E402
     cdiv,
 )
 
-ORACLE_DIR = Path("/work/shared/tools/vllm-oracle")
-ORACLE_PY = Path.home() / ".cache" / "vllm-oracle-venv" / "bin" / "python"
+# The vLLM oracle is a dev tool beside the checkout (../shared/tools/vllm-oracle), never a
+# dependency: without it the vLLM column is left out.
+ORACLE_DIR = Path(os.environ.get("VLLM_ORACLE_DIR",
+                                 Path(__file__).resolve().parents[2] / "shared/tools/vllm-oracle"))
+ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
+                                Path.home() / ".cache" / "vllm-oracle-venv" / "bin" / "python"))
 VOCAB = 32000
 CONFIGS = ("full", "full_swa")
 LAT_KEYS = ("add", "lookup", "allocate_prefill", "allocate_decode", "append", "free")

@@ -7,9 +7,9 @@ A development script, not part of the package or of CI. It imports only vLLM (ne
 + ``get_request_block_hasher`` applied to real ``vllm.v1.request.Request`` objects (with a
 ``LoRARequest`` and ``cache_salt`` where a case has them).
 
-Run it with the vLLM oracle venv (see /work/shared/tools/vllm-oracle/README.md):
+Run it with the vLLM oracle venv (see ../shared/tools/vllm-oracle/README.md):
 
-    bash /work/shared/tools/vllm-oracle/setup_venv.sh          # once, ~3 min
+    bash ../shared/tools/vllm-oracle/setup_venv.sh          # once, ~3 min
     ~/.cache/vllm-oracle-venv/bin/python scripts/gen_hash_vectors.py
     # writes cache_service/core/hash_vectors.json (use --out to write elsewhere)
 

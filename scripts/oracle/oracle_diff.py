@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ORACLE = Path(os.environ.get("VLLM_ORACLE", "/work/shared/tools/vllm-oracle/vllm_oracle.py"))
+ORACLE = Path(os.environ.get("VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
 ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
                                 Path.home() / ".cache/vllm-oracle-venv/bin/python"))
 

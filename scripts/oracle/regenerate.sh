@@ -6,7 +6,7 @@ set -euo pipefail
 TOOLS="$(cd "$(dirname "$0")" && pwd)"
 cd "$TOOLS/../../cache_service/replay_samples"
 PY="${VLLM_ORACLE_PY:-$HOME/.cache/vllm-oracle-venv/bin/python}"
-ORACLE="${VLLM_ORACLE:-/work/shared/tools/vllm-oracle/vllm_oracle.py}"
+ORACLE="${VLLM_ORACLE:-$TOOLS/../../../shared/tools/vllm-oracle/vllm_oracle.py}"
 declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamba"
   [swa_mamba_nocache]="swa_mamba" [full_swa_mamba_nocache]="full_swa_mamba"
   [full_swa_mamba]="full_swa_mamba --enable-caching")
