@@ -33,7 +33,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 from _common import print_table, ratio, write_results  # noqa: E402
 
 from executor.demo import make_workload, run_workload  # noqa: E402
-from executor.launch import start_cache_service, start_executor, wait_ready  # noqa: E402
+from executor.launch import start_cache_service, start_executor  # noqa: E402
 from executor.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
 
 
@@ -77,7 +77,6 @@ def main() -> int:
             p = start_executor(cache.target, "--preset", args.preset, "--metrics-port", "0",
                                "--max-num-seqs", str(args.concurrency), *flags)
             procs.append(p)
-            wait_ready(p.target)
             return p
 
         on, off = executor(), executor("--enable-prefix-caching", "false")

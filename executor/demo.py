@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from executor.launch import start_cache_service, start_executor, wait_ready
+    from executor.launch import start_cache_service, start_executor
 
     console = Console()
     for name in ("requests", "prefix_len", "max_tokens", "concurrency", "num_prefixes"):
@@ -174,7 +174,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ex = start_executor(cache.target, "--preset", args.preset, "--enable-prefix-caching", flag,
                                         "--max-num-seqs", str(max(args.concurrency, 1)))
                     procs.append(ex)
-                    wait_ready(ex.target)
                     targets.append((label, ex.target))
             console.print(f"cache service {cache.target}; executors "
                           + ", ".join(f"{t} ({label})" for label, t in targets) + f"; preset {args.preset}")

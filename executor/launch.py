@@ -1,75 +1,31 @@
-"""Start the cache service and executors as subprocesses on loopback (ephemeral ports) and
-stop them again: what the demo and the benchmark do. Each server prints one JSON "serving"
-line with its port; we wait for it. (The test tier has the same in tests/helpers/procs.py.)"""
+"""Start executors as subprocesses on loopback (ephemeral ports) for the demo, the benchmarks
+and the tests, on top of :mod:`cache_service.launch` (which starts the cache service)."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
-import threading
 import time
-from typing import Sequence
+from collections.abc import Mapping
+
+from cache_service.launch import ServerProcess, start_cache_service, start_process
+
+__all__ = ["ServerProcess", "start_cache_service", "start_executor", "wait_ready"]
 
 
-class Proc:
-    """A server subprocess; ``port`` comes from its "serving" line."""
-
-    def __init__(self, argv: Sequence[str], *, env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> None:
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=full_env, bufsize=1, start_new_session=True)
-        self.lines: list[str] = []
-        self.port = -1
-        self.metrics_port = -1
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        if not self._ready.wait(timeout) or self.port < 0:
-            self.stop()
-            raise RuntimeError(f"{argv[2:3]} did not start; output:\n" + "\n".join(self.lines[-40:]))
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-            if self.port < 0 and line.startswith("{"):
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if rec.get("event") == "serving":
-                    self.port = int(rec["port"])
-                    self.metrics_port = int(rec.get("metrics_port", -1))
-                    self._ready.set()
-        self._ready.set()
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
-def start_cache_service(*flags: str) -> Proc:
-    return Proc([sys.executable, "-m", "cache_service", "--host", "127.0.0.1", "--port", "0",
-                 "--metrics-port", "-1", *flags])
-
-
-def start_executor(cache_target: str, *flags: str) -> Proc:
-    return Proc([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
-                 "--cache-service", cache_target, *flags])
+def start_executor(cache_target: str, *flags: str, wait_serving: bool = True,
+                   env: Mapping[str, str] | None = None, timeout: float = 60.0) -> ServerProcess:
+    """``python -m executor`` on 127.0.0.1 with an ephemeral port against ``cache_target``.
+    With ``wait_serving`` it also waits until the health check says SERVING, i.e. the
+    executor has registered its pool (its "serving" line comes before that)."""
+    proc = start_process([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
+                          "--cache-service", cache_target, *flags], env=env, timeout=timeout)
+    if wait_serving:
+        try:
+            wait_ready(proc.target, timeout)
+        except BaseException:
+            proc.stop()
+            raise
+    return proc
 
 
 def wait_ready(target: str, timeout: float = 60.0) -> None:

@@ -49,26 +49,6 @@ class BlockSource:
         return out
 
 
-def start_executor(cache_target: str, *flags: str, wait_serving: bool = True,
-                   env: dict[str, str] | None = None):
-    """``python -m executor`` on an ephemeral port against ``cache_target``; waits until its
-    health check says SERVING (pool registered) unless told not to."""
-    import sys
-
-    from executor.launch import wait_ready
-    from helpers.procs import start_process
-
-    proc = start_process([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
-                          "--cache-service", cache_target, *flags], env=env)
-    if wait_serving:
-        try:
-            wait_ready(proc.target, 60)
-        except BaseException:
-            proc.stop()
-            raise
-    return proc
-
-
 def shared_prefix_workload(n: int, *, prefix_len: int = 100, vocab: int = 1000,
                            seed: int = 0) -> list[list[int]]:
     """``n`` prompts: one shared prefix, then 5-30 unique tokens each."""

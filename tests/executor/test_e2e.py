@@ -18,11 +18,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.api.kvcache.v1 import executor_pb2 as epb
 from cache_service.client import CacheClient, ops
 from executor.client import ExecutorClient, generate_request
-from executor.launch import wait_ready
+from cache_service.launch import start_cache_service
+from executor.launch import start_executor, wait_ready
 from executor.presets import PRESETS
-from helpers.procs import start_cache_service
 
-from paged_helpers import run_concurrently, shared_prefix_workload, start_executor
+from paged_helpers import run_concurrently, shared_prefix_workload
 
 MAX_TOKENS = 6
 pytestmark = pytest.mark.timeout(180)  # a hang fails fast, with its traceback

@@ -76,7 +76,7 @@ def test_unsupported_checkpoints_are_named(tmp_path) -> None:
 
 def test_executor_serves_a_checkpoint(cache_service, tmp_path) -> None:
     from executor.client import ExecutorClient
-    from paged_helpers import start_executor
+    from executor.launch import start_executor
 
     cfg, cls = _bamba(tmp_path)
     hf = _random_model(cfg, cls)

@@ -2,7 +2,7 @@
 user starts it: ``python -m cache_service --port 0``), clients, and pool factories.
 
 Tests that need their own server (auth, TLS, SIGTERM) start one with
-``helpers.procs.start_cache_service``.
+``cache_service.launch.start_cache_service``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client import CacheClient, PoolInfo, layers
-from helpers.procs import ServerProcess, start_cache_service
+from cache_service.launch import ServerProcess, start_cache_service
 
 EVENT_BUFFER = 64  # small, so that OUT_OF_RANGE is cheap to provoke
 

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from helpers.procs import ServerProcess
+from cache_service.launch import ServerProcess
 
 DYNAMIC_CLIENT = r'''
 import json, sys

@@ -1,9 +1,9 @@
 """Start a server the way a user does (a subprocess), wait for its "serving" log line,
-and make sure it dies with the test.
+and make sure it dies with its parent.
 
-Reusable by every tier (cache service, executor, docker smoke checks)::
+Used by the demo, the benchmarks and every test tier::
 
-    from helpers.procs import start_cache_service
+    from cache_service.launch import start_cache_service
 
     with start_cache_service("--metrics-port", "0") as srv:
         client = CacheClient(srv.target)
