@@ -137,87 +137,49 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             else:
                 _log.debug("rpc", code=code, seconds=round(elapsed, 6))
 
+        def guard_unary(kind: str, inner, failed_code: str):
+            """Wrap a handler that returns one response (unary or client-streaming)."""
+            async def call(request_or_iterator, context):
+                start = enter(context)
+                code = None
+                try:
+                    if reject or interceptor.draining:
+                        await deny(context)
+                    return await inner(request_or_iterator, context)
+                except BaseException:
+                    code = _code_name(context, failed_code)
+                    raise
+                finally:
+                    leave(kind, context, start, code or _code_name(context, "OK"))
+            return call
+
+        def guard_stream(kind: str, inner):
+            """Wrap a handler that yields responses (server- or bidi-streaming)."""
+            async def call(request_or_iterator, context):
+                start = enter(context)
+                code = None
+                try:
+                    if reject or interceptor.draining:
+                        await deny(context)
+                    async for response in inner(request_or_iterator, context):
+                        yield response
+                except BaseException:
+                    code = _code_name(context, "CANCELLED")
+                    raise
+                finally:
+                    leave(kind, context, start, code or _code_name(context, "OK"))
+            return call
+
+        codec = dict(request_deserializer=handler.request_deserializer,
+                     response_serializer=handler.response_serializer)
         if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
-
-            async def unary_unary(request, context):
-                start = enter(context)
-                code = "OK"
-                try:
-                    if reject or interceptor.draining:
-                        await deny(context)
-                    return await inner_uu(request, context)
-                except BaseException:
-                    code = _code_name(context, "UNKNOWN")
-                    raise
-                finally:
-                    leave("unary", context, start, code if code != "OK" else
-                          _code_name(context, "OK"))
-
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
+                guard_unary("unary", handler.unary_unary, "UNKNOWN"), **codec)
         if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
-
-            async def unary_stream(request, context):
-                start = enter(context)
-                code = "OK"
-                try:
-                    if reject or interceptor.draining:
-                        await deny(context)
-                    async for response in inner_us(request, context):
-                        yield response
-                except BaseException:
-                    code = _code_name(context, "CANCELLED")
-                    raise
-                finally:
-                    leave("server_stream", context, start, code if code != "OK" else
-                          _code_name(context, "OK"))
-
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
+                guard_stream("server_stream", handler.unary_stream), **codec)
         if handler.stream_stream is not None:
-            inner_ss = handler.stream_stream
-
-            async def stream_stream(request_iterator, context):
-                start = enter(context)
-                code = "OK"
-                try:
-                    if reject or interceptor.draining:
-                        await deny(context)
-                    async for response in inner_ss(request_iterator, context):
-                        yield response
-                except BaseException:
-                    code = _code_name(context, "CANCELLED")
-                    raise
-                finally:
-                    leave("bidi_stream", context, start, code if code != "OK" else
-                          _code_name(context, "OK"))
-
             return grpc.stream_stream_rpc_method_handler(
-                stream_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-
-        inner_su = handler.stream_unary
-
-        async def stream_unary(request_iterator, context):
-            start = enter(context)
-            code = "OK"
-            try:
-                if reject or interceptor.draining:
-                    await deny(context)
-                return await inner_su(request_iterator, context)
-            except BaseException:
-                code = _code_name(context, "UNKNOWN")
-                raise
-            finally:
-                leave("client_stream", context, start, code if code != "OK" else
-                      _code_name(context, "OK"))
-
+                guard_stream("bidi_stream", handler.stream_stream), **codec)
         return grpc.stream_unary_rpc_method_handler(
-            stream_unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            guard_unary("client_stream", handler.stream_unary, "UNKNOWN"), **codec)
