@@ -13,7 +13,10 @@
 
 One :meth:`~AsyncCacheClient.step` per scheduler step carries every op of the step (a batch
 with an invalid op is rejected whole, nothing applied); for big batches build them in place
-with :class:`StepBuilder` and send them with ``step_batch``. Results are dataclasses, not protos.
+with :class:`StepBuilder` and send them with ``step_batch``. The running requests' decode
+step is cheapest as ONE ``ops.decode(request_ids, token_ids)`` op (or ``client.decode(...)``
+when the step has nothing else), answered by a :class:`DecodeResult`. Results are
+dataclasses or views, not protos.
 Errors raise :class:`CacheError` (status code, message, offending field). Every call has a
 deadline (``timeout``, default ``default_timeout``); calls are retried only on UNAVAILABLE
 (server draining or not reachable yet), with bounded exponential backoff — a Step that
@@ -93,11 +96,13 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     @staticmethod
     def add(request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-            lora_name: str | None = None) -> pb.Op:
-        """Register a request (its prompt tokens; optionally client-computed hashes)."""
+            lora_name: str | None = None, lora_path: str | None = None) -> pb.Op:
+        """Register a request (its prompt tokens; optionally client-computed hashes). A
+        LoRA request hashes ``("lora", lora_name, lora_path)`` as vLLM does."""
         return pb.Op(add_request=pb.AddRequestOp(
             request_id=request_id, token_ids=token_ids, block_hashes=block_hashes or (),
-            cache_salt=cache_salt or "", lora_name=lora_name or ""))
+            cache_salt=cache_salt or "", lora_name=lora_name or "",
+            lora_path=lora_path or ""))
 
     @staticmethod
     def lookup(request_id: str) -> pb.Op:
@@ -140,6 +145,14 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         """Begin a scheduler step."""
         return pb.Op(new_step=pb.NewStepOp())
 
+    @staticmethod
+    def decode(request_ids: Sequence[str], token_ids: Sequence[int]) -> pb.Op:
+        """The decode step of many running requests: ``token_ids[i]`` is appended to
+        ``request_ids[i]`` and one slot allocated (as ``allocate(rid, 1, block_table=False,
+        append_token_ids=[token])`` each), in one compact op. Answered by a
+        :class:`DecodeResult`."""
+        return pb.Op(decode=pb.DecodeOp(request_ids=request_ids, token_ids=token_ids))
+
 
 class StepBuilder:
     """Builds one StepRequest in place — about 4x cheaper than a list of ``ops.*``
@@ -163,7 +176,7 @@ class StepBuilder:
 
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-            lora_name: str | None = None) -> "StepBuilder":
+            lora_name: str | None = None, lora_path: str | None = None) -> "StepBuilder":
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -173,6 +186,8 @@ class StepBuilder:
             m.cache_salt = cache_salt
         if lora_name:
             m.lora_name = lora_name
+        if lora_path:
+            m.lora_path = lora_path
         return self
 
     def lookup(self, request_id: str) -> "StepBuilder":
@@ -216,6 +231,13 @@ class StepBuilder:
 
     def new_step(self) -> "StepBuilder":
         self._add().new_step.SetInParent()
+        return self
+
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> "StepBuilder":
+        """See :meth:`ops.decode`."""
+        m = self._add().decode
+        m.request_ids.extend(request_ids)
+        m.token_ids.extend(token_ids)
         return self
 
 
@@ -298,6 +320,54 @@ class AllocateResult:
                 f"hit_tokens_used={self.hit_tokens_used})")
 
 
+class DecodeResult:
+    """A decode op's outcome, a view over the packed response. ``ok[i]`` answers
+    ``request_ids[i]`` (False = no room; nothing was allocated for it, its token stays
+    appended); a successful request's computed tokens grew by one. ``new_block_ids`` maps
+    the index of each request that got blocks to its new blocks per group (usually few)."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, message: pb.DecodeResult) -> None:
+        self._m = message
+
+    @property
+    def ok(self) -> list[bool]:
+        return list(self._m.ok)
+
+    @property
+    def all_ok(self) -> bool:
+        """Every request got its slot (cheap: no list is built)."""
+        return all(self._m.ok)
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the requests that found no room."""
+        return [i for i, ok in enumerate(self._m.ok) if not ok]
+
+    @property
+    def new_block_ids(self) -> dict[int, list[list[int]]]:
+        m = self._m
+        grown = m.grown
+        if not grown:
+            return {}
+        counts = m.new_block_counts
+        ids = m.new_block_ids
+        groups = len(counts) // len(grown)
+        out: dict[int, list[list[int]]] = {}
+        pos = k = 0
+        for index in grown:
+            tables = out[index] = []
+            for count in counts[k: k + groups]:
+                tables.append(list(ids[pos: pos + count]))
+                pos += count
+            k += groups
+        return out
+
+    def __repr__(self) -> str:
+        return f"DecodeResult(ok={self.ok}, new_block_ids={self.new_block_ids})"
+
+
 @dataclass(frozen=True)
 class FreeResult:
     num_free_blocks: int
@@ -314,7 +384,7 @@ class NewStepResult:
 
 
 OpResult = Union[AddResult, LookupResult, AllocateResult, AppendResult, FreeResult,
-                 PreemptResult, NewStepResult]
+                 PreemptResult, NewStepResult, DecodeResult]
 
 
 @dataclass(frozen=True)
@@ -348,6 +418,8 @@ class PoolInfo:
     hash_block_size: int
     created: bool
     raw: pb.PoolConfig
+    #: Bytes of one block in ONE layer (``page_size_bytes`` is per block id, all layers).
+    layer_page_size_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -426,6 +498,8 @@ def _op_result(r: pb.OpResult) -> OpResult:
     kind = r.WhichOneof("result")
     if kind == "allocate":
         return AllocateResult(r.allocate)
+    if kind == "decode":
+        return DecodeResult(r.decode)
     if kind == "add_request":
         return AddResult(r.add_request.num_tokens, r.add_request.num_block_hashes)
     if kind == "append_tokens":
@@ -449,7 +523,8 @@ def _pool_info(cfg: pb.PoolConfig, created: bool = False) -> PoolInfo:
         [GroupInfo(g.index, list(g.layer_names), _KIND_NAMES.get(g.kind, ""), g.block_size,
                    g.sliding_window, g.attention_chunk_size, g.page_size_bytes)
          for g in cfg.groups],
-        cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg)
+        cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg,
+        cfg.layer_page_size_bytes)
 
 
 def _stats(s: pb.PoolStats) -> PoolStats:
@@ -497,6 +572,23 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         req.num_blocks = num_blocks
     else:
         req.available_memory_bytes = available_memory_bytes  # type: ignore[assignment]
+    return req
+
+
+def _peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
+                  block_hashes: Sequence[bytes], cache_salt: str | None,
+                  lora_name: str | None, lora_path: str | None) -> pb.PeekPrefixRequest:
+    return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
+                                block_hashes=block_hashes, cache_salt=cache_salt or "",
+                                lora_name=lora_name or "", lora_path=lora_path or "")
+
+
+def _decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
+                    begin_step: bool) -> pb.StepRequest:
+    req = pb.StepRequest(pool_id=pool_id, begin_step=begin_step)
+    m = req.ops.add().decode
+    m.request_ids.extend(request_ids)
+    m.token_ids.extend(token_ids)
     return req
 
 
@@ -607,6 +699,14 @@ class AsyncCacheClient:
         """Step with protocol messages (no conversion), for hot loops."""
         return await self._call(self._stub.Step, request, timeout)
 
+    async def decode(self, pool_id: str, request_ids: Sequence[str],
+                     token_ids: Sequence[int], *, begin_step: bool = False,
+                     timeout: float | None = None) -> DecodeResult:
+        """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
+        resp = await self._call(self._stub.Step, _decode_request(
+            pool_id, request_ids, token_ids, begin_step), timeout)
+        return DecodeResult(resp.results[0].decode)
+
     def step_stream(self) -> "AsyncStepStream":
         """A bidirectional Step stream: ``async with client.step_stream() as s:
         r = await s.step(pool_id, ops)``."""
@@ -615,11 +715,11 @@ class AsyncCacheClient:
     async def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
                           lora_name: str | None = None,
-                          timeout: float | None = None) -> dict[str, int]:
+                          timeout: float | None = None,
+                          lora_path: str | None = None) -> dict[str, int]:
         """Cached prefix length per pool (read-only)."""
-        resp = await self._call(self._stub.PeekPrefix, pb.PeekPrefixRequest(
-            pool_ids=pool_ids, token_ids=token_ids, block_hashes=block_hashes,
-            cache_salt=cache_salt or "", lora_name=lora_name or ""), timeout)
+        resp = await self._call(self._stub.PeekPrefix, _peek_request(
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return {h.pool_id: h.hit_tokens for h in resp.hits}
 
     async def get_request(self, pool_id: str, request_id: str, *,
@@ -772,16 +872,23 @@ class CacheClient:
                  timeout: float | None = None) -> pb.StepResponse:
         return self._call(self._stub.Step, request, timeout)
 
+    def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
+               begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
+        """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
+        resp = self._call(self._stub.Step, _decode_request(
+            pool_id, request_ids, token_ids, begin_step), timeout)
+        return DecodeResult(resp.results[0].decode)
+
     def step_stream(self) -> "StepStream":
         return StepStream(self._stub.StepStream, self._metadata)
 
     def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                     block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
                     lora_name: str | None = None,
-                    timeout: float | None = None) -> dict[str, int]:
-        resp = self._call(self._stub.PeekPrefix, pb.PeekPrefixRequest(
-            pool_ids=pool_ids, token_ids=token_ids, block_hashes=block_hashes,
-            cache_salt=cache_salt or "", lora_name=lora_name or ""), timeout)
+                    timeout: float | None = None,
+                    lora_path: str | None = None) -> dict[str, int]:
+        resp = self._call(self._stub.PeekPrefix, _peek_request(
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return {h.pool_id: h.hit_tokens for h in resp.hits}
 
     def get_request(self, pool_id: str, request_id: str, *,

@@ -23,6 +23,7 @@ from cache_service.core.specs import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    layer_spec,
 )
 from cache_service.pools import PoolDescription, PoolEntry
 from cache_service._errors import qualify
@@ -207,11 +208,17 @@ def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
                            hybrid=hybrid, skip_capacity_check=skip)
 
 
+def layer_page_size_bytes(group: Any) -> int:
+    """Bytes of one block in ONE layer of a group: its layers' largest page (they differ
+    only in a uniform-type group, whose spec's page is the sum over its layers)."""
+    return max(layer_spec(group.spec, name).page_size_bytes for name in group.layer_names)
+
+
 def group_to_proto(index: int, group: Any) -> pb.KVCacheGroup:
     spec = group.spec
     out = pb.KVCacheGroup(index=index, layer_names=list(group.layer_names),
                           kind=KIND_TO_PROTO[spec.kind], block_size=spec.block_size,
-                          page_size_bytes=spec.page_size_bytes)
+                          page_size_bytes=layer_page_size_bytes(group))
     window = getattr(spec, "sliding_window", None)
     if window:
         out.sliding_window = window
@@ -232,6 +239,7 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
     return pb.PoolConfig(
         pool_id=entry.pool_id, num_blocks=config.num_blocks, groups=groups,
         page_size_bytes=grouping.page_size_bytes(config),
+        layer_page_size_bytes=max((g.page_size_bytes for g in groups), default=0),
         scheduler_block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
         options=options_to_proto(pool.options, desc.hybrid, desc.skip_capacity_check),
         layers=[layer_spec_to_proto(name, spec) for name, spec in desc.layers])

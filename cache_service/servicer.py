@@ -4,7 +4,8 @@ Every handler runs on the server's one event loop and calls the allocator synchr
 (no awaits between reading and writing allocator state), so calls never interleave inside
 a pool. Step batches are validated whole before any op is applied: field checks, plus a
 simulation of which request ids exist as the batch's adds / frees take effect. A batch
-that passes is applied op by op.
+that passes is applied op by op. A ``decode`` op (many requests' decode step in packed
+arrays) is the hot path of big batches: one validation pass, then ``Pool.decode``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from cache_service.core.errors import (
     KVCacheError,
     UnknownRequest,
 )
+from cache_service.core.pool import DecodeResult
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.pools import PoolEntry, PoolRegistry, check_pool_id
 
@@ -35,8 +37,9 @@ TOKEN_LIMIT = 2**31  # the core's bound on token ids when the pool has no vocab_
 
 _log = structlog.get_logger("cache_service.servicer")
 
-_ADD, _LOOKUP, _ALLOCATE, _APPEND, _FREE, _PREEMPT, _NEW_STEP = (
-    "add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+_ADD, _LOOKUP, _ALLOCATE, _APPEND, _FREE, _PREEMPT, _NEW_STEP, _DECODE = (
+    "add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step",
+    "decode")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -58,6 +61,12 @@ def _check_request_id(rid: str, field: str) -> None:
     if not rid or len(rid) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request_id must be 1-{MAX_REQUEST_ID_LEN} characters",
                               field=field)
+
+
+def check_lora(lora_name: str, lora_path: str) -> None:
+    """A LoRA path is hashed with its name: it needs one (as the core checks)."""
+    if lora_path and not lora_name:
+        raise InvalidArgument("lora_path needs lora_name", field="lora_path")
 
 
 def check_block_hashes(entry: PoolEntry, hashes: Any, num_tokens: int, field: str) -> None:
@@ -129,8 +138,9 @@ class StepValidator:
                                   f"max_model_len {self.max_model_len}", field=field)
 
     def validate(self, ops: Any) -> list[tuple[str, Any]]:
-        """``(kind, op message)`` of every op, for the apply loop to reuse; raises the first
-        op's error, its field qualified as ``ops[i].<kind>.<field>``."""
+        """``(kind, op message)`` of every op, for the apply loop to reuse (a decode op's
+        is ``(request ids, token ids)`` as lists); raises the first op's error, its field
+        qualified as ``ops[i].<kind>.<field>``."""
         check = self.check
         plan = []
         append = plan.append
@@ -138,6 +148,10 @@ class StepValidator:
             kind = op.WhichOneof("op")
             try:
                 m = getattr(op, kind) if kind else None
+                if kind == _DECODE:
+                    # Each read of a repeated string field builds new str objects, whose
+                    # hashes every dict lookup would compute again: convert once.
+                    m = (list(m.request_ids), list(m.token_ids))
                 check(kind, m)
             except KVCacheError as exc:
                 raise qualify(exc, f"ops[{i}].{kind}" if kind else f"ops[{i}]") from None
@@ -147,7 +161,9 @@ class StepValidator:
     def check(self, kind: str | None, m: Any) -> None:
         """One op (``m`` is its set submessage); errors name fields relative to the op
         (``num_new_tokens``)."""
-        if kind == _ALLOCATE:  # the hot path of decode steps: kept lean
+        if kind == _DECODE:
+            self._check_decode(*m)
+        elif kind == _ALLOCATE:  # the hot path of decode steps: kept lean
             rid = m.request_id
             st = self.state.get(rid)
             if st is None or not st[0]:
@@ -177,6 +193,7 @@ class StepValidator:
                 raise InvalidArgument(f"{len(m.token_ids)} tokens exceed max_model_len="
                                       f"{self.max_model_len}", field="token_ids")
             check_block_hashes(self.entry, m.block_hashes, len(m.token_ids), "block_hashes")
+            check_lora(m.lora_name, m.lora_path)
             st[:] = [True, len(m.token_ids), False]
         elif kind == _LOOKUP:
             st = self._require(m.request_id)
@@ -191,7 +208,57 @@ class StepValidator:
             self._require(m.request_id)[:] = [False, 0, False]
         elif kind is None:
             raise InvalidArgument("an op must set one of add_request, lookup, allocate, "
-                                  "append_tokens, free, preempt, new_step", field="")
+                                  "append_tokens, free, preempt, new_step, decode", field="")
+
+    def _check_decode(self, rids: Any, tokens: Any) -> None:
+        """A DecodeOp: per request, an allocate of 1 token with 1 appended (the checks
+        that cannot fail for those counts are skipped). The pool is asked only about
+        requests no earlier op of the batch touched; each ends up in the simulation with
+        one more token and (possibly) computed tokens."""
+        self.pool.check_decode_args(rids, tokens)
+        state = self.state
+        limit = self.max_model_len
+        if state.keys().isdisjoint(rids):
+            # The usual case (no earlier op of the batch touched these requests): ask the
+            # pool once. Any error is left to the loop below, which names the field.
+            try:
+                counts = self.pool.token_counts(rids)
+            except UnknownRequest:
+                counts = None
+            if counts is not None and max(counts) < limit:
+                state.update(zip(rids, [[True, c + 1, True] for c in counts]))
+                return
+        num_tokens = self.pool.num_tokens
+        has_request = self.pool.has_request
+        for i, rid in enumerate(rids):
+            st = state.get(rid)
+            if st is None:
+                if not has_request(rid):
+                    _check_request_id(rid, f"request_ids[{i}]")
+                    raise UnknownRequest(f"unknown request {rid!r}", field=f"request_ids[{i}]")
+                st = state[rid] = [True, num_tokens(rid) + 1, True]
+            elif not st[0]:
+                raise UnknownRequest(f"unknown request {rid!r}", field=f"request_ids[{i}]")
+            else:
+                st[1] += 1
+                st[2] = True
+            if st[1] > limit:
+                raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
+                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
+
+
+def write_decode(out: pb.DecodeResult, result: DecodeResult) -> None:
+    """Fills a DecodeResult's packed arrays (the layout documented in the proto)."""
+    out.ok.extend(result.ok)
+    grown = result.new_block_ids
+    if grown:
+        out.grown.extend(grown)
+        counts = out.new_block_counts
+        ids = out.new_block_ids
+        for tables in grown.values():
+            for table in tables:
+                counts.append(len(table))
+                ids.extend(table)
 
 
 class BlockTableCache:
@@ -292,19 +359,24 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             table_cache = self._tables[request.pool_id] = BlockTableCache()
         for i, (kind, m) in enumerate(plan):
             try:
-                if kind == _ALLOCATE:
+                if kind == _DECODE:
+                    write_decode(add_result().decode, pool.decode(*m))
+                elif kind == _ALLOCATE:
                     rid = m.request_id
                     if m.append_token_ids:
                         pool.append_tokens(rid, m.append_token_ids)
+                    whole_table = not m.skip_block_table
                     if (m.num_lookahead_tokens or m.full_sequence_must_fit or m.skip_lookup
                             or m.delay_cache_blocks):
                         r = pool.allocate(rid, m.num_new_tokens,
                                           num_lookahead_tokens=m.num_lookahead_tokens,
                                           full_sequence_must_fit=m.full_sequence_must_fit,
                                           use_lookup=not m.skip_lookup,
-                                          delay_cache_blocks=m.delay_cache_blocks)
-                    else:  # the common case, without keyword-argument overhead
-                        r = pool.allocate(rid, m.num_new_tokens)
+                                          delay_cache_blocks=m.delay_cache_blocks,
+                                          include_tables=whole_table)
+                    else:  # the common case, with fewer keyword arguments to pass
+                        r = pool.allocate(rid, m.num_new_tokens,
+                                          include_tables=whole_table)
                     out = add_result().allocate
                     out.num_computed_tokens = r.num_computed_tokens
                     if r.ok:
@@ -315,7 +387,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             tables = out.new_block_ids
                             for ids in new_ids:
                                 tables.add().block_ids.extend(ids)
-                    if not m.skip_block_table:
+                    if whole_table:
                         table_cache.write(out, rid, r.block_ids)
                 elif kind == _APPEND:
                     info = pool.append_tokens(m.request_id, m.token_ids)
@@ -325,7 +397,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 elif kind == _ADD:
                     info = pool.add_request(
                         m.request_id, m.token_ids, cache_salt=m.cache_salt or None,
-                        lora_name=m.lora_name or None,
+                        lora_name=m.lora_name or None, lora_path=m.lora_path or None,
                         block_hashes=list(m.block_hashes) if m.block_hashes else None)
                     out = add_result().add_request
                     out.num_tokens = info.num_tokens
@@ -354,7 +426,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                            error=str(exc), field=exc.field)
                 raise qualify(exc, f"ops[{i}].{kind}") from None
         entry.flush_events()
-        response.num_free_blocks = pool.manager.pool.get_num_free_blocks()
+        response.num_free_blocks = pool.num_free_blocks
         return response
 
     async def Step(self, request: pb.StepRequest,
@@ -386,16 +458,18 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if has_tokens == has_hashes:
                 raise InvalidArgument("give token_ids or block_hashes (exactly one)",
                                       field="token_ids")
+            check_lora(request.lora_name, request.lora_path)
             entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
                        for i, pid in enumerate(request.pool_ids)]
+            extra = dict(cache_salt=request.cache_salt or None,
+                         lora_name=request.lora_name or None,
+                         lora_path=request.lora_path or None)
             hits = []
             for i, entry in enumerate(entries):
                 if has_tokens:
                     vocab = entry.pool.options.vocab_size
                     _check_tokens(request.token_ids, vocab or TOKEN_LIMIT, "token_ids")
-                    n = entry.pool.peek_prefix(request.token_ids,
-                                               cache_salt=request.cache_salt or None,
-                                               lora_name=request.lora_name or None)
+                    n = entry.pool.peek_prefix(request.token_ids, **extra)
                 else:
                     for j, h in enumerate(request.block_hashes):
                         if len(h) != HASH_LEN:
@@ -406,8 +480,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
                             field=f"pool_ids[{i}]")
                     n = entry.pool.peek_prefix(block_hashes=list(request.block_hashes),
-                                               cache_salt=request.cache_salt or None,
-                                               lora_name=request.lora_name or None)
+                                               **extra)
                 hits.append(pb.PoolHit(pool_id=entry.pool_id, hit_tokens=n))
             return pb.PeekPrefixResponse(hits=hits)
         return await self._unary(context, run)

@@ -133,7 +133,7 @@ class Executor:
         else:
             return
         groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.page_size_bytes,
+        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
                              device=self.settings.device)
         self.runner = ModelRunner(self.model, cache)
         self.engine = Engine(self.runner, self.link, EngineConfig(

@@ -75,13 +75,25 @@ class LookupResult:
 @dataclass(slots=True)
 class AllocateResult:
     """``new_block_ids`` (None when not ok): blocks added by this call, per group;
-    ``block_ids``: the request's whole table per group after the call."""
+    ``block_ids``: the request's whole table per group after the call (None when the
+    caller asked for no tables: copying long tables dominates the cost of a decode step)."""
 
     ok: bool
     new_block_ids: list[list[int]] | None
-    block_ids: list[list[int]]
+    block_ids: list[list[int]] | None
     num_computed_tokens: int
     hit_tokens_used: int = 0
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    """Outcome of :meth:`Pool.decode`. ``ok[i]`` answers ``request_ids[i]`` (False = no
+    room: nothing allocated for it). ``new_block_ids`` maps the index of every request that
+    got at least one new block to its new blocks per group; most decode steps add none,
+    so it is usually small (no per-request objects are built for the others)."""
+
+    ok: list[bool]
+    new_block_ids: dict[int, list[list[int]]]
 
 
 @dataclass(slots=True)
@@ -168,6 +180,11 @@ class Pool:
         return len(self._config.groups)
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free + evictable cached ones)."""
+        return self._manager.pool.get_num_free_blocks()
+
+    @property
     def manager(self) -> KVCacheManager:
         """The underlying vLLM-equivalent manager (for tests and tools)."""
         return self._manager
@@ -221,6 +238,15 @@ class Pool:
         if value is not None and not isinstance(value, str):
             raise InvalidArgument(f"{name} must be a string or None", field=name)
 
+    def _check_extra_keys(self, cache_salt: object, lora_name: object,
+                          lora_path: object) -> None:
+        """The hash extra keys: optional strings; a LoRA path only with a LoRA name."""
+        self._check_optional_str(cache_salt, "cache_salt")
+        self._check_optional_str(lora_name, "lora_name")
+        self._check_optional_str(lora_path, "lora_path")
+        if lora_path is not None and lora_name is None:
+            raise InvalidArgument("lora_path needs lora_name", field="lora_path")
+
     def _info(self, req: Request) -> RequestInfo:
         return RequestInfo(req.request_id, len(req.all_token_ids), req.num_computed_tokens,
                            len(req.block_hashes), req.status, req.num_preemptions)
@@ -228,9 +254,11 @@ class Pool:
     # -- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: Sequence[int], *,
                     cache_salt: str | None = None, lora_name: str | None = None,
-                    block_hashes: Sequence[bytes] | None = None) -> RequestInfo:
+                    block_hashes: Sequence[bytes] | None = None,
+                    lora_path: str | None = None) -> RequestInfo:
         """Register a request and hash its full blocks (or adopt the client's hashes,
-        one per ``hash_block_size`` full block)."""
+        one per ``hash_block_size`` full block). A LoRA request's blocks hash
+        ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgument("request_id must be a non-empty string", field="request_id")
         if request_id in self._requests:
@@ -239,11 +267,11 @@ class Pool:
         if len(tokens) > self._options.max_model_len:
             raise InvalidArgument(f"prompt of {len(tokens)} tokens is longer than max_model_len "
                                   f"{self._options.max_model_len}", field="token_ids")
-        self._check_optional_str(cache_salt, "cache_salt")
-        self._check_optional_str(lora_name, "lora_name")
+        self._check_extra_keys(cache_salt, lora_name, lora_path)
         hashes = None if block_hashes is None else self._check_hashes(block_hashes, len(tokens))
         req = Request(request_id, tokens, hash_fn=self._hash_fn, hash_block_size=self._hbs,
-                      cache_salt=cache_salt, lora_name=lora_name, block_hashes=hashes)
+                      cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
+                      block_hashes=hashes)
         self._requests[request_id] = req
         return self._info(req)
 
@@ -260,6 +288,29 @@ class Pool:
 
     def request_info(self, request_id: str) -> RequestInfo:
         return self._info(self._get(request_id))
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is registered (O(1), builds nothing)."""
+        return request_id in self._requests
+
+    def num_tokens(self, request_id: str) -> int:
+        """Tokens the request holds (prompt + appended); UnknownRequest if unknown."""
+        return len(self._get(request_id).all_token_ids)
+
+    def token_counts(self, request_ids: Sequence[str]) -> list[int]:
+        """:meth:`num_tokens` of many requests at once; UnknownRequest naming
+        ``request_ids[i]`` for the first unknown one."""
+        return [len(req.all_token_ids) for req in self._get_all(request_ids)]
+
+    def _get_all(self, request_ids: Sequence[str]) -> list[Request]:
+        requests = self._requests
+        try:
+            return [requests[rid] for rid in request_ids]
+        except (KeyError, TypeError):
+            i = next(i for i, rid in enumerate(request_ids)
+                     if not isinstance(rid, str) or rid not in requests)
+            raise UnknownRequest(f"unknown request {request_ids[i]!r}",
+                                 field=f"request_ids[{i}]") from None
 
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The request's block hashes (one per full ``hash_block_size`` block)."""
@@ -287,9 +338,11 @@ class Pool:
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
-                 delay_cache_blocks: bool = False, num_encoder_tokens: int = 0) -> AllocateResult:
+                 delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                 include_tables: bool = True) -> AllocateResult:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
-        ``use_lookup``). ``ok=False`` when they do not fit."""
+        ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
+        ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequest(f"unknown request {request_id!r}", field="request_id")
@@ -299,6 +352,16 @@ class Pool:
             _check_int(num_lookahead_tokens, "num_lookahead_tokens", minimum=0)
         if num_encoder_tokens:
             _check_int(num_encoder_tokens, "num_encoder_tokens", minimum=0)
+        return self._allocate(req, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit,
+                              use_lookup, delay_cache_blocks, num_encoder_tokens,
+                              include_tables)
+
+    def _allocate(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
+                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
+                  delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+                  include_tables: bool = True) -> AllocateResult:
+        """:meth:`allocate` of a registered request with checked counts."""
+        request_id = req.request_id
         manager = self._manager
         pending = self._pending.get(request_id) if use_lookup else None
         if pending is not None:
@@ -320,7 +383,8 @@ class Pool:
             full_sequence_must_fit=full_sequence_must_fit)
         if new is None:
             self._allocation_failures += 1
-            return AllocateResult(False, None, self._table_ids(request_id),
+            return AllocateResult(False, None,
+                                  self._table_ids(request_id) if include_tables else None,
                                   req.num_computed_tokens, 0)
         if req.status != RequestStatus.RUNNING:
             # Admission (first allocation after add or preempt): prefix-cache stats.
@@ -328,7 +392,80 @@ class Pool:
             req.status = RequestStatus.RUNNING
         req.num_computed_tokens += hit + num_new_tokens
         return AllocateResult(True, [[b.block_id for b in g] for g in new],
-                              self._table_ids(request_id), req.num_computed_tokens, hit)
+                              self._table_ids(request_id) if include_tables else None,
+                              req.num_computed_tokens, hit)
+
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeResult:
+        """The decode step of many requests: for each ``i`` in order, the same as
+        ``append_tokens(request_ids[i], [token_ids[i]])`` then
+        ``allocate(request_ids[i], 1, include_tables=False)`` (same outcome, statistics and
+        events), without building per-request result objects.
+
+        Validated whole before anything changes: one token per request, distinct
+        registered ids, token ids in range, no request beyond ``max_model_len``. The usual
+        request is RUNNING (computed tokens > 0, hence no pending lookup), so it goes
+        straight to the manager; any other takes the general allocation path."""
+        reqs = self._check_decode(request_ids, token_ids)
+        self._epoch += 1  # as the first allocate of the equivalent op list would
+        allocate_slots = self._manager.allocate_slots
+        running = RequestStatus.RUNNING
+        ok = [True] * len(reqs)
+        grown: dict[int, list[list[int]]] = {}
+        for i, (req, token) in enumerate(zip(reqs, token_ids)):
+            req.append_token(token)
+            if req.status == running and req.num_computed_tokens:
+                new = allocate_slots(req, 1)
+                if new is None:
+                    self._allocation_failures += 1
+                    ok[i] = False
+                    continue
+                req.num_computed_tokens += 1
+                if any(new):
+                    grown[i] = [[b.block_id for b in g] for g in new]
+            else:
+                r = self._allocate(req, 1, include_tables=False)
+                ok[i] = r.ok
+                if r.ok and any(r.new_block_ids):
+                    grown[i] = r.new_block_ids
+        return DecodeResult(ok, grown)
+
+    def check_decode_args(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
+        """The checks of :meth:`decode` that need no request state: at least one request,
+        distinct string ids, one token id in range per request."""
+        if isinstance(request_ids, str) or not len(request_ids):
+            raise InvalidArgument("request_ids must be a non-empty sequence of ids",
+                                  field="request_ids")
+        n = len(request_ids)
+        if len(token_ids) != n:
+            raise InvalidArgument(f"expected one token per request ({n}), got "
+                                  f"{len(token_ids)}", field="token_ids")
+        self._check_tokens(token_ids)
+        try:
+            distinct = len(set(request_ids)) == n
+        except TypeError:  # an unhashable id
+            distinct = False
+        if not distinct:
+            seen: set[str] = set()
+            for i, rid in enumerate(request_ids):
+                if not isinstance(rid, str):
+                    raise InvalidArgument(f"request_ids[{i}] must be a string, got {rid!r}",
+                                          field=f"request_ids[{i}]")
+                if rid in seen:
+                    raise InvalidArgument(f"request {rid!r} is listed twice",
+                                          field=f"request_ids[{i}]")
+                seen.add(rid)
+
+    def _check_decode(self, request_ids: Sequence[str],
+                      token_ids: Sequence[int]) -> list[Request]:
+        """The requests of a :meth:`decode` batch, or the first error (nothing changed)."""
+        self.check_decode_args(request_ids, token_ids)
+        reqs = self._get_all(request_ids)
+        limit = self._options.max_model_len
+        for i, req in enumerate(reqs):
+            if len(req.all_token_ids) >= limit:
+                raise InvalidArgument(f"request {req.request_id!r} would grow beyond "
+                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
+        return reqs
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
@@ -338,7 +475,7 @@ class Pool:
         self._manager.free(req)
         del self._requests[request_id]
         self._pending.pop(request_id, None)
-        return self._manager.pool.get_num_free_blocks()
+        return self.num_free_blocks
 
     def preempt(self, request_id: str) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
@@ -350,7 +487,7 @@ class Pool:
         req.num_preemptions += 1
         self._preemptions += 1
         self._pending.pop(request_id, None)
-        return self._manager.pool.get_num_free_blocks()
+        return self.num_free_blocks
 
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
@@ -359,14 +496,13 @@ class Pool:
     # -- router / stats -----------------------------------------------------------------------
     def peek_prefix(self, token_ids: Sequence[int] | None = None, *,
                     block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-                    lora_name: str | None = None) -> int:
+                    lora_name: str | None = None, lora_path: str | None = None) -> int:
         """Hit length in tokens a request with this prompt would get now. Read-only:
         registers nothing, takes no references, changes no statistics. With only
         ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
-        self._check_optional_str(cache_salt, "cache_salt")
-        self._check_optional_str(lora_name, "lora_name")
+        self._check_extra_keys(cache_salt, lora_name, lora_path)
         tokens = None if token_ids is None else self._check_tokens(token_ids)
         hashes = None if block_hashes is None else self._check_hashes(
             block_hashes, None if tokens is None else len(tokens))
@@ -375,7 +511,8 @@ class Pool:
         if hashes is None:
             assert tokens is not None
             hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                         lora_name=lora_name, cache_salt=cache_salt)
+                                         lora_name=lora_name, lora_path=lora_path,
+                                         cache_salt=cache_salt)
         max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
         return hit

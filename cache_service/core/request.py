@@ -26,12 +26,12 @@ class Request:
     pool after each successful allocation (hit + new tokens)."""
 
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "status", "num_preemptions", "cache_salt", "lora_name", "block_hashes",
-                 "_hash_fn", "_hash_block_size", "num_in_flight_tokens")
+                 "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
+                 "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens")
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
-                 lora_name: str | None = None,
+                 lora_name: str | None = None, lora_path: str | None = None,
                  block_hashes: Sequence[bytes] | None = None) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(token_ids)
@@ -43,6 +43,8 @@ class Request:
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         self.lora_name = lora_name
+        # Hashed with the name as ("lora", name, path), as vLLM does (it always has a path).
+        self.lora_path = lora_path
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
         self.block_hashes: list[bytes] = []
@@ -63,6 +65,15 @@ class Request:
         if self._hash_fn is not None:
             self._update_block_hashes()
 
+    def append_token(self, token_id: int) -> None:
+        """:meth:`append_tokens` of one token (the decode hot path). Hashes stay complete
+        up to the last full block, so a block completes exactly when the token count
+        reaches a multiple of the hash block size."""
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        if self._hash_fn is not None and not len(tokens) % self._hash_block_size:
+            self._update_block_hashes()
+
     def _update_block_hashes(self) -> None:
         hashes = self.block_hashes
         bs = self._hash_block_size
@@ -73,4 +84,4 @@ class Request:
         hashes.extend(hash_request_tokens(
             self._hash_fn, self.all_token_ids, bs,
             parent=hashes[-1] if hashes else None, start_block=start,
-            lora_name=self.lora_name, cache_salt=self.cache_salt))
+            lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from importlib import resources
+
 import pytest
 from builders import full, make_pool, swa
 
@@ -211,3 +214,43 @@ def test_cross_attention_is_sized_by_encoder_tokens() -> None:
     assert [len(g) for g in res.new_block_ids] == [1, 0]
     assert p.free("a") == 31
     p.check_invariants()
+
+
+def test_allocate_without_tables(small_full_pool: Pool) -> None:
+    p = small_full_pool
+    p.add_request("a", list(range(10)))
+    res = p.allocate("a", 10, include_tables=False)
+    assert res.ok and res.block_ids is None and res.new_block_ids == [[1, 2, 3]]
+    assert p.block_ids("a") == [[1, 2, 3]]
+
+
+LORA_VECTORS = [c for c in json.loads(resources.files("cache_service.core").joinpath(
+    "hash_vectors.json").read_text("utf-8"))["cases"] if c["lora_name"]]
+
+
+@pytest.mark.parametrize("case", LORA_VECTORS, ids=lambda c: f"{c['algo']}-{c['name']}")
+def test_lora_requests_hash_like_vllm(case: dict) -> None:
+    """vLLM hashes ("lora", name, path): a request with the adapter's path must reproduce
+    its golden vectors, and the same prompt without the path must not."""
+    assert case["lora_path"]
+    p = make_pool(256, full(case["hash_block_size"]), hash_algo=case["algo"])
+    extra = dict(lora_name=case["lora_name"], cache_salt=case["cache_salt"])
+    p.add_request("a", case["tokens"], lora_path=case["lora_path"], **extra)
+    assert [h.hex() for h in p.block_hashes("a")] == case["expected"]
+    p.add_request("no-path", case["tokens"], **extra)
+    assert p.block_hashes("no-path")[0].hex() != case["expected"][0]
+    # Appended tokens chain from the same keys; peek_prefix hashes with them too.
+    p.allocate("a", len(case["tokens"]))
+    assert p.peek_prefix(case["tokens"] + [1], lora_path=case["lora_path"], **extra) \
+        == len(case["expected"]) * case["hash_block_size"]
+    assert p.peek_prefix(case["tokens"] + [1], **extra) == 0
+
+
+def test_lora_path_needs_a_lora_name(small_full_pool: Pool) -> None:
+    p = small_full_pool
+    before = snapshot(p)
+    with pytest.raises(InvalidArgument) as exc:
+        p.add_request("a", [1, 2, 3], lora_path="/adapters/x")
+    assert exc.value.field == "lora_path" and snapshot(p) == before
+    with pytest.raises(InvalidArgument):
+        p.peek_prefix([1, 2, 3], lora_path="/adapters/x")

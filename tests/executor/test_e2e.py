@@ -119,6 +119,20 @@ def _external_prefill(cc: CacheClient, ex: ExecutorClient, pool: str, rid: str, 
     return hit, token
 
 
+@pytest.mark.parametrize("preset", ["plamo2-like", "gemma3-like"])
+def test_cache_memory_stays_within_the_budget(cache_service, preset: str) -> None:
+    """The executor allocates num_blocks x one layer's page per layer slot: never more
+    than the budget it registered, and not far below it either."""
+    budget_mb = 4
+    ex = start_executor(cache_service.target, "--preset", preset, "--pool-id", f"budget-{preset}",
+                        "--cache-memory-mb", str(budget_mb))
+    try:
+        registered = ex.wait_for(lambda r: r.get("event") == "registered")
+    finally:
+        ex.stop()
+    assert 0.5 * budget_mb * 2**20 <= registered["cache_bytes"] <= budget_mb * 2**20
+
+
 @pytest.mark.parametrize("preset", ["nemotron-h-like", "gemma3-like"])
 def test_execute_with_an_external_scheduler_matches_generate(cache_service, preset: str) -> None:
     prompt = shared_prefix_workload(1, prefix_len=80, seed=3)[0]

@@ -18,6 +18,7 @@ from cache_service.client import (
     CacheClient,
     CacheError,
     LookupResult,
+    layers,
     ops,
     register_request,
 )
@@ -72,6 +73,83 @@ def test_a_different_description_names_the_first_differing_field(client: CacheCl
 def test_memory_budget_sizes_the_pool(new_pool) -> None:
     info = new_pool(full_layers(2), available_memory_bytes=1 << 20, max_model_len=256)
     assert info.num_blocks == (1 << 20) // info.page_size_bytes
+
+
+def test_page_size_is_per_block_id_across_all_layers(new_pool) -> None:
+    """page_size_bytes is what an executor allocates per block id: every layer of the
+    largest group holds one page of the block; layer_page_size_bytes is one layer's page."""
+    specs = hybrid_layers()
+    layer_page = {2 * s.block_size * s.num_kv_heads * s.head_size * 2 for s in specs}  # bf16 K+V
+    assert len(layer_page) == 1
+    (layer_page,) = layer_page
+    info = new_pool(specs, available_memory_bytes=1 << 20, max_model_len=256)
+    largest = max(len(g.layer_names) for g in info.groups)
+    assert len(info.groups) == 2 and largest == 2  # hybrid: one full and one window group
+    assert info.layer_page_size_bytes == layer_page
+    assert [g.page_size_bytes for g in info.groups] == [layer_page] * 2
+    assert info.page_size_bytes == largest * layer_page
+    assert info.num_blocks == (1 << 20) // info.page_size_bytes
+
+
+def test_page_sizes_of_a_group_whose_layers_differ(new_pool) -> None:
+    """One full-attention group of layers with different head sizes: a block id costs the
+    sum of their pages; the group and layer page sizes are the largest layer's."""
+    specs = [layers.full_attention("a", block_size=16, num_kv_heads=2, head_size=8),
+             layers.full_attention("b", block_size=16, num_kv_heads=2, head_size=16)]
+    pages = [2 * 16 * 2 * s.head_size * 2 for s in specs]  # bf16 K+V
+    info = new_pool(specs, max_model_len=256)
+    assert len(info.groups) == 1
+    assert info.page_size_bytes == sum(pages)
+    assert info.groups[0].page_size_bytes == info.layer_page_size_bytes == max(pages)
+
+
+def test_lora_path_is_hashed_like_vllm(client: CacheClient, new_pool) -> None:
+    """A LoRA request's blocks match vLLM's golden hashes only with the adapter's path."""
+    import json
+    from importlib import resources
+
+    case = next(c for c in json.loads(resources.files("cache_service.core").joinpath(
+        "hash_vectors.json").read_text("utf-8"))["cases"]
+        if c["algo"] == "sha256_cbor" and c["name"] == "lora")
+    info = new_pool(full_layers(), hash_algo="sha256_cbor")
+    lora = dict(lora_name=case["lora_name"], lora_path=case["lora_path"])
+    tokens = case["tokens"]
+    client.step(info.pool_id, [ops.add("a", tokens, **lora), ops.allocate("a", len(tokens))])
+    golden = [bytes.fromhex(h) for h in case["expected"]]
+    hit = len(golden) * info.hash_block_size
+    assert client.peek_prefix([info.pool_id], block_hashes=golden) == {info.pool_id: hit}
+    assert client.peek_prefix([info.pool_id], tokens + [1], **lora) == {info.pool_id: hit}
+    without_path = client.peek_prefix([info.pool_id], tokens + [1],
+                                      lora_name=case["lora_name"])
+    assert without_path == {info.pool_id: 0}
+    for call in (lambda: client.step(info.pool_id, [ops.add("b", tokens, lora_path="/x")]),
+                 lambda: client.peek_prefix([info.pool_id], tokens, lora_path="/x")):
+        with pytest.raises(CacheError) as err:
+            call()
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.field.endswith("lora_path")
+
+
+def test_steps_drain_the_pool_events_without_subscribers() -> None:
+    """The core queues KV events until taken: every Step must move them into the bounded
+    feed even when nobody subscribes, so memory stays bounded however long a pool runs."""
+    from cache_service.pools import PoolRegistry
+    from cache_service.servicer import CacheServicer
+
+    registry = PoolRegistry(event_buffer=EVENT_BUFFER)
+    servicer = CacheServicer(registry)
+    entry, _ = registry.register("p", convert.description_from_proto(register_request(
+        "p", full_layers(block_size=4), num_blocks=64, max_model_len=64)))
+    queued = entry.pool.manager.pool  # the core's event queue lives in the block pool
+    for step in range(300):
+        rid = f"r{step}"
+        batch = [ops.add(rid, list(range(step, step + 9))), ops.allocate(rid, 9),
+                 ops.decode([rid], [1]), ops.free(rid)]
+        servicer.step(pb.StepRequest(pool_id="p", begin_step=True, ops=batch))
+        assert queued.events == []
+    # Many events went through; the feed keeps the last EVENT_BUFFER of them.
+    assert entry.feed.next_sequence > 3 * EVENT_BUFFER
+    assert len(entry.feed.read(entry.feed.oldest, 10 * EVENT_BUFFER)) == EVENT_BUFFER
 
 
 def test_delete_pool_drops_it_and_its_requests(client: CacheClient, new_pool) -> None:

@@ -139,7 +139,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers")
+    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class PoolConfig(_message.Message):
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
@@ -156,7 +157,8 @@ class PoolConfig(_message.Message):
     hash_block_size: int
     options: PoolOptions
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ...) -> None: ...
+    layer_page_size_bytes: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("config", "created")
@@ -201,18 +203,20 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_path: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id",)
@@ -264,8 +268,16 @@ class NewStepOp(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DecodeOp(_message.Message):
+    __slots__ = ("request_ids", "token_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Op(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +285,7 @@ class Op(_message.Message):
     FREE_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestOp
     lookup: LookupOp
     allocate: AllocateOp
@@ -280,7 +293,8 @@ class Op(_message.Message):
     free: FreeOp
     preempt: PreemptOp
     new_step: NewStepOp
-    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ...) -> None: ...
+    decode: DecodeOp
+    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_id", "begin_step", "ops")
@@ -354,8 +368,20 @@ class NewStepResult(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class DecodeResult(_message.Message):
+    __slots__ = ("ok", "grown", "new_block_counts", "new_block_ids")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    GROWN_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    ok: _containers.RepeatedScalarFieldContainer[bool]
+    grown: _containers.RepeatedScalarFieldContainer[int]
+    new_block_counts: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ..., grown: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class OpResult(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +389,7 @@ class OpResult(_message.Message):
     FREE_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestResult
     lookup: LookupResult
     allocate: AllocateResult
@@ -370,7 +397,8 @@ class OpResult(_message.Message):
     free: FreeResult
     preempt: PreemptResult
     new_step: NewStepResult
-    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ...) -> None: ...
+    decode: DecodeResult
+    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "num_free_blocks")
@@ -381,18 +409,20 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class PeekPrefixRequest(_message.Message):
-    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name")
+    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path")
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
     lora_name: str
-    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    lora_path: str
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
 
 class PoolHit(_message.Message):
     __slots__ = ("pool_id", "hit_tokens")
