@@ -233,12 +233,15 @@ def _decode_groups(decode: list[int], kv_lens: list[int], k_cache: Tensor, v_cac
 
 
 def _buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A per-thread scratch tensor of ``shape``; its contents are garbage and die at the next call."""
+    """A per-thread scratch tensor of ``shape``; its contents are garbage and die at the next call.
+
+    Buffers are kept apart by inference mode: a tensor made under ``torch.inference_mode()``
+    cannot be written outside it, and a normal one would be tracked by autograd inside it."""
     numel = math.prod(shape)
     if numel * torch.empty((), dtype=dtype).element_size() > _WORKSPACE_CAP_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     buffers = _workspace.__dict__.setdefault("buffers", {})
-    key = (name, dtype, device)
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
     if key not in buffers or buffers[key].numel() < numel:
         buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffers[key][:numel].view(shape)

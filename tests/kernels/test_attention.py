@@ -411,3 +411,13 @@ def test_triton_write_kv_cache_matches_torch(gen, device, triton_impl, key_dtype
     untouched[slots[slots >= 0]] = False
     for ours, old in zip(mine, before):
         assert torch.equal(ours.flatten(0, 1)[untouched], old.flatten(0, 1)[untouched])
+
+
+def test_scratch_buffers_survive_switching_inference_mode(gen, device):
+    """The torch path reuses per-thread gather buffers; one first made under
+    ``torch.inference_mode()`` (as the executor runs) must not break a later call outside it."""
+    case = _mixed_case(gen, device, torch.float32)
+    with torch.inference_mode():
+        inside = case.run("torch")
+    outside = case.run("torch")
+    assert torch.equal(outside, inside)
