@@ -1,6 +1,7 @@
 """The executor's connection to the cache service (through ``cache_service.client``):
-register the pool, send one batched Step per engine step, time the calls, and turn
-"pool unknown" (the service restarted) into :class:`PoolLost` so the engine re-registers.
+register the pool, send the engine's batched Steps over one bidirectional StepStream
+(reopened after any failure), time the calls, and turn "pool unknown" (the service
+restarted) into :class:`PoolLost` so the engine re-registers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Sequence
 import grpc
 
 from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult
+from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult, StepStream
 from cache_service.convert import layer_spec_to_proto
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
@@ -55,18 +56,45 @@ def group_layouts(info: PoolInfo) -> list[GroupLayout]:
 
 
 class CacheLink:
-    """A blocking connection for one pool (the engine runs in its own thread)."""
+    """A blocking connection for one pool, used by one thread (the engine's).
 
-    def __init__(self, target: str, plan: PoolPlan, *, timeout_s: float = 10.0) -> None:
+    Steps go over one StepStream (about 0.4 ms cheaper per call than a unary Step here) when
+    ``use_stream``, else as unary Step calls. The stream is opened on the first step and
+    dropped after any error (an invalid batch ends it; so does a restart of the service):
+    the next step opens a new one. Unlike unary calls a stream step has no deadline and is
+    not retried on UNAVAILABLE: that reaches the engine at once as :class:`CacheUnavailable`.
+    """
+
+    def __init__(self, target: str, plan: PoolPlan, *, timeout_s: float = 10.0,
+                 use_stream: bool = True) -> None:
         self.target = target
         self.plan = plan
         self.client = CacheClient(target, default_timeout=timeout_s, max_retries=2)
+        self.use_stream = use_stream
+        self._stream: StepStream | None = None
         self.info: PoolInfo | None = None
         self.call_seconds = 0.0
         self.calls = 0
 
     def close(self) -> None:
+        self._drop_stream()
         self.client.close()
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.close()
+
+    def _send(self, ops: Sequence[pb.Op], begin_step: bool) -> StepResult:
+        if not self.use_stream:
+            return self.client.step(self.plan.pool_id, ops, begin_step=begin_step)
+        if self._stream is None:
+            self._stream = self.client.step_stream()
+        try:
+            return self._stream.step(self.plan.pool_id, ops, begin_step=begin_step)
+        except BaseException:
+            self._drop_stream()  # ended by the error, or out of step with our requests
+            raise
 
     def register(self) -> PoolInfo:
         """RegisterPool (idempotent for the same description)."""
@@ -85,7 +113,7 @@ class CacheLink:
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         start = time.perf_counter()
         try:
-            return self.client.step(self.plan.pool_id, ops, begin_step=begin_step)
+            return self._send(ops, begin_step)
         except CacheError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND and (
                     exc.field == "pool_id" or (not exc.field and "pool" in exc.message.lower())):

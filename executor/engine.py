@@ -3,13 +3,17 @@ cache service hands out.
 
 One engine step:
 
-1. **Step call** (always one): ``begin_step``; frees of finished requests; for every running
-   request (oldest first) its pending output token (``append``) and an ``allocate`` for its
-   next chunk; ``add`` + ``lookup`` for the admission candidates (FCFS, within the token
-   budget and ``max_num_seqs``).
-2. If a running request got "no room": preempt the newest running request (its blocks go
-   back, it returns to the front of the waiting queue) and retry, one extra call per round
-   (vLLM's policy). No admissions in such a step.
+1. **Step call** (always one): ``begin_step``; frees of finished requests; the running
+   requests' allocations, oldest first: every request in pure decode (one new token, its last
+   sampled one) shares ONE compact ``decode`` op (append + allocate one slot each, answered
+   with the new blocks only), the others (prefill chunks) get ``append`` + ``allocate``;
+   ``add`` + ``lookup`` for the admission candidates (FCFS, within the token budget and
+   ``max_num_seqs``).
+2. If a running request got "no room" (a failed ``allocate``, or a ``False`` in the decode
+   op's ``ok``: the op tries every request in order, a failure does not stop the later ones,
+   and the failed one's token stays appended): preempt the newest running request (its blocks
+   go back, it returns to the front of the waiting queue) and retry the failed allocations,
+   one extra call per round (vLLM's policy). No admissions in such a step.
 3. **Admission call** (only when candidates exist): ``lookup`` + ``allocate
    (full_sequence_must_fit)`` per candidate, with chunk sizes planned from the hits the first
    call reported. A lookup must be followed directly by its allocate (lookups take no
@@ -40,7 +44,7 @@ from typing import Callable, Sequence
 
 import structlog
 
-from cache_service.client import AllocateResult, LookupResult, ops
+from cache_service.client import AllocateResult, DecodeResult, LookupResult, ops
 from executor.batch import GroupLayout, SeqChunk
 from executor.cache_link import CacheLink, CacheUnavailable, PoolLost
 from executor.runner import ModelRunner
@@ -101,6 +105,15 @@ class Request:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.outputs
+
+
+@dataclass
+class DecodeBatch:
+    """The running requests of one step that share its ``decode`` op (in op order)."""
+
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # the token each one appends
+    op_index: int = -1  # the op's index in the step's batch
 
 
 @dataclass
@@ -259,18 +272,7 @@ class Engine:
         undo: list[Callable[[], None]] = [lambda frees=self.to_free: setattr(self, "to_free", frees + self.to_free)]
         self.to_free = []
         budget = self.config.max_tokens_per_step
-        planned: list[tuple[Request, int, int]] = []  # (req, op index of allocate, n)
-        for req in self.running:
-            n = self.chunk_len(req, req.num_computed, budget)
-            if n == 0:
-                continue
-            if req.pending_append:
-                step_ops.append(ops.append(req.request_id, req.pending_append))
-                undo.append(lambda r=req, t=req.pending_append: setattr(r, "pending_append", t))
-                req.pending_append = []
-            planned.append((req, len(step_ops), n))
-            step_ops.append(ops.allocate(req.request_id, n))
-            budget -= n
+        decoding, planned, budget = self._plan_running(step_ops, undo, budget)
         candidates: list[tuple[Request, int]] = []  # (req, op index of lookup)
         free_est = self.free_blocks_hint
         for req in self.waiting:
@@ -302,6 +304,17 @@ class Engine:
 
         scheduled: list[tuple[Request, int, int]] = []  # (req, start, n)
         failed: list[tuple[Request, int]] = []
+        if decoding:
+            decoded = result.results[decoding.op_index]
+            assert isinstance(decoded, DecodeResult)
+            ok, grown = decoded.ok, decoded.new_block_ids
+            for i, req in enumerate(decoding.requests):
+                if not ok[i]:
+                    failed.append((req, 1))  # its token is appended: the retry only allocates
+                    continue
+                if i in grown:
+                    req.tables = [t + new for t, new in zip(req.tables, grown[i])]
+                scheduled.append((req, req.num_computed, 1))
         for req, idx, n in planned:
             alloc = result.results[idx]
             assert isinstance(alloc, AllocateResult)
@@ -327,6 +340,46 @@ class Engine:
         self.metrics.cache_call_seconds += cache_secs
         self.metrics.steps += 1
         self.metrics.step_seconds += time.perf_counter() - t0
+
+    def _plan_running(self, step_ops: list, undo: list[Callable[[], None]], budget: int
+                      ) -> tuple[DecodeBatch | None, list[tuple[Request, int, int]], int]:
+        """Append the running requests' ops to ``step_ops`` (oldest first); returns the decode
+        batch, the generic allocations ``(req, op index, n)`` and the budget left.
+
+        A request in pure decode (one new token: its last sampled one, not yet appended) goes
+        into ONE ``decode`` op (append + allocate 1 slot, answered without block tables: the
+        engine extends ``req.tables`` with the new blocks). Everything else (prefill chunks)
+        gets ``append`` + ``allocate``. Invariant: the service applies the allocations in
+        ``self.running`` order, exactly as one allocate per request would — the decode op only
+        takes requests that precede every generic allocation (a decode request behind a
+        prefill chunk, rare, gets generic ops), and it is placed before those allocations.
+        """
+        decode = DecodeBatch()
+        generic: list[tuple[Request, list[int], int]] = []  # (req, tokens to append, n)
+        for req in self.running:
+            n = self.chunk_len(req, req.num_computed, budget)
+            if n == 0:
+                continue
+            budget -= n
+            pending = req.pending_append
+            if pending:
+                undo.append(lambda r=req, t=pending: setattr(r, "pending_append", t))
+                req.pending_append = []
+            if n == 1 and len(pending) == 1 and not generic:
+                decode.requests.append(req)
+                decode.token_ids.append(pending[0])
+            else:
+                generic.append((req, pending, n))
+        if decode.requests:
+            decode.op_index = len(step_ops)
+            step_ops.append(ops.decode([r.request_id for r in decode.requests], decode.token_ids))
+        planned: list[tuple[Request, int, int]] = []
+        for req, pending, n in generic:
+            if pending:
+                step_ops.append(ops.append(req.request_id, pending))
+            planned.append((req, len(step_ops), n))
+            step_ops.append(ops.allocate(req.request_id, n))
+        return (decode if decode.requests else None), planned, budget
 
     def _preempt_and_retry(self, scheduled: list[tuple[Request, int, int]],
                            failed: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:

@@ -153,6 +153,25 @@ class KVCacheCoordinator:
         for manager in self._caching_managers:
             manager.cache_blocks(request, n)
 
+    def allocation_is_noop(self, request: Request, num_tokens: int, num_tokens_main_model: int,
+                           num_cache_tokens: int) -> bool:
+        """True iff ``get_num_blocks_to_allocate`` (no hits, no encoder tokens) would be
+        <= 0 in total, ``allocate_new_blocks`` would change nothing and return empty
+        lists, and ``cache_blocks(request, num_cache_tokens)`` would hash nothing (pass 0
+        when no caching follows). Pure; see the managers' ``allocation_is_noop``."""
+        rid = request.request_id
+        n = 0
+        if num_cache_tokens > 0 and self._caching_managers:
+            # What each manager's cache_blocks caps its full-block count with.
+            n = num_cache_tokens - num_cache_tokens % self._cache_alignment
+            hashed = len(request.block_hashes) * self.hash_block_size
+            if n > hashed:
+                n = hashed
+        for manager in self.managers:
+            if not manager.allocation_is_noop(rid, num_tokens, num_tokens_main_model, n):
+                return False
+        return True
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for manager in self._skipping:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)

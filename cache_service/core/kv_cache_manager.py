@@ -93,6 +93,8 @@ class KVCacheManager:
         self.empty_blocks: HitBlocks = self.coordinator.empty_blocks
         self.num_groups = len(config.groups)
         self.stats = PrefixCacheStats()
+        #: The no-op fast path of allocate_slots; tests turn it off to compare.
+        self.fast_path = True
         specs = [manager_spec(g.spec) for g in config.groups]
         self._event_metadata = [
             (s.kind, s.sliding_window if isinstance(s, SlidingWindowSpec) else None) for s in specs]
@@ -135,7 +137,22 @@ class KVCacheManager:
         """Slots for ``num_new_tokens`` (+ lookahead) after the computed and hit tokens.
         Returns the newly allocated blocks per group, or None when they do not fit
         (then nothing was pinned or allocated, though out-of-window blocks may have been
-        released)."""
+        released).
+
+        Fast path (a running request's decode step). It applies when there are no
+        hits, lookahead, external or encoder tokens, no reserve and no watermark. The
+        out-of-window blocks (sliding window, chunked local, Mamba: retired blocks and
+        the previous state block) are first released by the unchanged
+        ``remove_skipped_blocks`` call, as on the general path. Then, if every group's
+        table already covers the slots (Mamba align: ``cdiv(main, bs) + speculative``
+        blocks, and the request is in ``allocated_reqs``) and caching would hash no new
+        full block, the rest of the general path is provably inert: each group counts
+        <= 0 blocks, so the request fits (``needed <= 0 <= free``); no hits are adopted;
+        ``allocate_new_blocks`` appends nothing (Mamba align: no state-index or
+        speculative-block moves, which only happen when the table grows); and
+        ``cache_blocks`` returns before hashing (so no events, no Mamba
+        ``cached_this_step`` entries). The only effect left is the result, one empty
+        list per group, which the fast path returns (see ``allocation_is_noop``)."""
         if num_new_tokens == 0 and num_external_computed_tokens == 0 \
                 and num_new_computed_tokens == 0:
             raise InvalidArgument("num_new_tokens must be greater than 0 when there are no "
@@ -164,6 +181,14 @@ class KVCacheManager:
         if coordinator.has_skipping_groups:
             processed = total_computed - request.num_in_flight_tokens
             coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0)
+        if (self.fast_path and hits is self.empty_blocks and num_new_computed_tokens == 0
+                and num_lookahead_tokens == 0 and num_external_computed_tokens == 0
+                and num_encoder_tokens == 0 and reserved_blocks == 0 and watermark == 0):
+            n_cache = 0
+            if not delay_cache_blocks and self.enable_caching:
+                n_cache = min(main, len(request.all_token_ids))
+            if coordinator.allocation_is_noop(request, need_slots, main, n_cache):
+                return [[] for _ in range(self.num_groups)]
         needed = coordinator.get_num_blocks_to_allocate(
             rid, need_slots, hits, num_encoder_tokens,
             num_local + num_external_computed_tokens, num_local, main)

@@ -120,6 +120,20 @@ class SingleTypeKVCacheManager:
                 evictable += 1
         return new + evictable
 
+    def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                           num_cacheable_tokens: int) -> bool:
+        """True iff, for a request with a table and no new hits, external or encoder
+        tokens, ``get_num_blocks_to_allocate`` would return <= 0, ``allocate_new_blocks``
+        would return [] and change nothing, and ``cache_blocks`` with
+        ``num_cacheable_tokens`` (already capped at the hashed length; 0 = no caching)
+        would hash nothing. Pure. (Out-of-window blocks are not its concern: the caller
+        has already removed them, as the general path does first.)"""
+        table = self.req_to_blocks.get(request_id)
+        # A missing table would be created by allocate_new_blocks: not a no-op.
+        if table is None or -(-num_tokens // self.block_size) > len(table):
+            return False
+        return self.num_cached_block.get(request_id, 0) >= num_cacheable_tokens // self.block_size
+
     # -- adopting hits -----------------------------------------------------------------
     def add_local_computed_blocks(self, request_id: str,
                                   new_computed_blocks: Sequence[KVCacheBlock],
@@ -472,6 +486,23 @@ class MambaManager(SingleTypeKVCacheManager):
         # `new` may be negative (an over-allocated table); vLLM sums it as is.
         return new + evictable
 
+    def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                           num_cacheable_tokens: int) -> bool:
+        if not self.align:
+            return super().allocation_is_noop(
+                request_id, num_tokens + self.block_size * self.num_speculative_blocks,
+                num_tokens_main_model, num_cacheable_tokens)
+        table = self.req_to_blocks.get(request_id)
+        # allocate_new_blocks adds the request to allocated_reqs even when it allocates
+        # nothing, so a request not yet there is not a no-op.
+        if table is None or request_id not in self.allocated_reqs:
+            return False
+        required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        if required > len(table):
+            return False
+        # cache_blocks records states only when the base class hashed something.
+        return self.num_cached_block.get(request_id, 0) >= num_cacheable_tokens // self.block_size
+
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
         if not self.align:
@@ -600,6 +631,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
         return None
+
+    def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                           num_cacheable_tokens: int) -> bool:
+        # Sized by encoder tokens, not by num_tokens: always take the general path.
+        return False
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         raise ValueError("cross-attention blocks are never cached")

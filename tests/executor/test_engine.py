@@ -1,10 +1,21 @@
-"""Engine scheduling rules that need no server (the loop itself is covered end to end)."""
+"""Engine scheduling rules that need no server, and the engine loop in process against the
+session's real cache service (which ops each step sends, "no room" in a decode op)."""
 
 from __future__ import annotations
 
+import uuid
+
+import pytest
 from hypothesis import given, strategies as st
 
-from executor.engine import plan_chunk
+from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
+from executor.cache import CacheTensors, GroupInfo, model_layer_specs
+from executor.cache_link import CacheLink, PoolLost, PoolPlan, group_layouts
+from executor.engine import Engine, EngineConfig, Request, plan_chunk
+from executor.model import HybridModel
+from executor.presets import get_preset
+from executor.runner import ModelRunner
+from paged_helpers import shared_prefix_workload
 
 
 @given(start=st.integers(0, 500), extra=st.integers(0, 500), budget=st.integers(1, 300),
@@ -31,3 +42,129 @@ def test_examples() -> None:
     assert plan_chunk(0, 170, 256, boundary=96, align_block=48) == 96
     assert plan_chunk(0, 170, 256) == 170  # no Mamba: one chunk
     assert plan_chunk(169, 170, 256, align_block=48) == 1  # decode
+
+
+# ---------------------------------------------------------------------------------------
+# The engine loop in process, against the session's real cache service
+# ---------------------------------------------------------------------------------------
+
+class RecordingLink(CacheLink):
+    """A CacheLink that keeps every batch it sent with its answer."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sent: list[tuple[list, object]] = []
+
+    def step(self, step_ops, *, begin_step=False):
+        result = super().step(step_ops, begin_step=begin_step)
+        self.sent.append((list(step_ops), result))
+        return result
+
+
+@pytest.fixture(scope="module")
+def small_model() -> HybridModel:
+    return HybridModel(get_preset("hybrid-fsm").replace(max_model_len=160))
+
+
+def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_tokens: int, *,
+               num_blocks: int | None = None) -> tuple[list[list[int]], Engine, RecordingLink]:
+    """Every prompt submitted at once, the engine stepped in this thread until done."""
+    cfg = model.config
+    plan = PoolPlan(pool_id=f"engine-test-{uuid.uuid4().hex[:8]}",
+                    specs=model_layer_specs(cfg), max_model_len=cfg.max_model_len,
+                    num_blocks=num_blocks, memory_bytes=None if num_blocks else 64 << 20,
+                    vocab_size=cfg.vocab_size)
+    link = RecordingLink(target, plan)
+    info = link.register()
+    groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
+    cache = CacheTensors(cfg, groups, info.num_blocks, info.layer_page_size_bytes)
+    engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(engine.new_request_id(), prompt, max_tokens,
+                              sink=lambda ev, i=i: outputs[i].extend(ev.token_ids)))
+    engine._drain_inbox(block=False)
+    try:
+        while engine.has_work:
+            engine.step()
+            for req in engine.running:  # the tables the engine keeps match the service's
+                held = link.client.get_request(plan.pool_id, req.request_id).block_ids
+                assert [len(t) for t in req.tables] == [len(t) for t in held]
+                for mine, theirs in zip(req.tables, held):
+                    # entries the service released (null: outside a sliding window, an old
+                    # Mamba state) are never read; every live one must agree
+                    assert all(b == m for m, b in zip(mine, theirs) if b), (mine, theirs)
+    finally:
+        link.close()
+    return outputs, engine, link
+
+
+def decode_ops(link: RecordingLink) -> list[tuple[object, DecodeResult]]:
+    out = []
+    for batch, result in link.sent:
+        for op, res in zip(batch, result.results):
+            if op.WhichOneof("op") == "decode":
+                out.append((op.decode, res))
+    return out
+
+
+def test_a_decode_step_sends_one_decode_op(cache_service, small_model) -> None:
+    """Once every request decodes, a step's batch is one decode op naming every running
+    request (oldest first) and no per-request allocate."""
+    prompts = shared_prefix_workload(4, prefix_len=30, seed=1)
+    outputs, engine, link = run_engine(cache_service.target, small_model, prompts, 12)
+    assert all(len(o) == 12 for o in outputs)
+    decodes = decode_ops(link)
+    full = [op for op, _ in decodes if len(op.request_ids) == len(prompts)]
+    assert full, "no step decoded every request in one op"
+    steady = [batch for batch, _ in link.sent
+              if any(op.WhichOneof("op") == "decode" and len(op.decode.request_ids) == len(prompts)
+                     for op in batch)]
+    for batch in steady:
+        kinds = [op.WhichOneof("op") for op in batch]
+        assert kinds.count("decode") == 1 and "allocate" not in kinds and "append" not in kinds
+    assert engine.metrics.preemptions == 0
+
+
+def test_no_room_in_a_decode_op_preempts_the_newest_and_keeps_outputs(cache_service,
+                                                                        small_model) -> None:
+    """A pool far too small: some decode op answers "no room" for a request while later
+    requests of the same op get theirs; the engine preempts the newest and retries, and the
+    tokens are those of a roomy pool."""
+    prompts = shared_prefix_workload(6, prefix_len=60, seed=7)
+    ref, _, _ = run_engine(cache_service.target, small_model, prompts, 40)
+    got, engine, link = run_engine(cache_service.target, small_model, prompts, 40, num_blocks=24)
+    assert got == ref
+    assert engine.metrics.preemptions > 0
+    failed = [(op, res) for op, res in decode_ops(link) if not res.all_ok]
+    assert failed, "no decode op ran out of room: the test does not reach that path"
+    # The retry round after such a step preempts the newest request and allocates the rest.
+    retries = [batch for batch, _ in link.sent if batch and batch[0].WhichOneof("op") == "preempt"
+               and any(op.WhichOneof("op") == "allocate" for op in batch[1:])]
+    assert retries
+    for batch, result in link.sent:
+        for op, res in zip(batch, result.results):
+            if op.WhichOneof("op") == "allocate":
+                assert isinstance(res, AllocateResult)
+
+
+def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> None:
+    """A rejected batch ends the StepStream: the link drops it and the next step opens a new
+    one; an unknown pool still reads as PoolLost."""
+    cfg = small_model.config
+    plan = PoolPlan(pool_id=f"stream-test-{uuid.uuid4().hex[:8]}", specs=model_layer_specs(cfg),
+                    max_model_len=cfg.max_model_len, num_blocks=64, vocab_size=cfg.vocab_size)
+    link = CacheLink(cache_service.target, plan)
+    try:
+        with pytest.raises(PoolLost):
+            link.step([ops.add("a", [1, 2, 3])])  # not registered yet
+        link.register()
+        link.step([ops.add("a", [1, 2, 3]), ops.allocate("a", 3)], begin_step=True)
+        with pytest.raises(CacheError) as exc:
+            link.step([ops.decode(["a", "nope"], [4, 5])])
+        assert exc.value.field == "ops[0].decode.request_ids[1]"
+        result = link.step([ops.decode(["a"], [4])], begin_step=True)
+        assert result.results[0].ok == [True]
+        assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
+    finally:
+        link.close()
