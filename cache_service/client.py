@@ -257,13 +257,20 @@ class AppendResult:
     num_block_hashes: int
 
 
-class LookupResult:
-    """A lookup's hit. A view over the response message: tables convert on access."""
+class _MessageView:
+    """A read-only view over one result message; subclasses convert fields on access, so a
+    scheduler pays only for what it reads."""
 
     __slots__ = ("_m",)
 
-    def __init__(self, message: pb.LookupResult) -> None:
+    def __init__(self, message: Any) -> None:
         self._m = message
+
+
+class LookupResult(_MessageView):
+    """A lookup's hit. A view over the response message: tables convert on access."""
+
+    __slots__ = ()
 
     @property
     def hit_tokens(self) -> int:
@@ -282,16 +289,13 @@ class LookupResult:
                 f"shared_prefix_boundary={self.shared_prefix_boundary})")
 
 
-class AllocateResult:
+class AllocateResult(_MessageView):
     """``ok=False`` is "no room" (``new_block_ids`` None): preempt someone and retry.
     ``block_ids`` is the whole table per group (empty if the op set ``block_table=False``).
     A view over the response message: tables convert on access, so a scheduler that reads
     only what it needs pays only for that."""
 
-    __slots__ = ("_m",)
-
-    def __init__(self, message: pb.AllocateResult) -> None:
-        self._m = message
+    __slots__ = ()
 
     @property
     def ok(self) -> bool:
@@ -320,16 +324,13 @@ class AllocateResult:
                 f"hit_tokens_used={self.hit_tokens_used})")
 
 
-class DecodeResult:
+class DecodeResult(_MessageView):
     """A decode op's outcome, a view over the packed response. ``ok[i]`` answers
     ``request_ids[i]`` (False = no room; nothing was allocated for it, its token stays
     appended); a successful request's computed tokens grew by one. ``new_block_ids`` maps
     the index of each request that got blocks to its new blocks per group (usually few)."""
 
-    __slots__ = ("_m",)
-
-    def __init__(self, message: pb.DecodeResult) -> None:
-        self._m = message
+    __slots__ = ()
 
     @property
     def ok(self) -> list[bool]:
