@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
 
 import torch  # noqa: E402
 
-COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (kernels-notes §4.1)
+COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (docs/kernels.md#performance-ceilings-h200)
 BF16_CEILING_TFLOPS = 790.0   # measured H200 bf16 matmul
 DECODE_TARGET = 0.70          # of the copy bandwidth measured in the same run
 PREFILL_TARGET = 0.35         # of 790 TFLOP/s

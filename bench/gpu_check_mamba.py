@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from kernels import ssd_scan, ssd_state_update  # noqa: E402
 
-PEAK_BANDWIDTH_GBPS = 4300.0  # measured H200 device-to-device copy (kernels-notes §4.1)
+PEAK_BANDWIDTH_GBPS = 4300.0  # measured H200 device-to-device copy (docs/kernels.md#performance-ceilings-h200)
 PEAK_BF16_TFLOPS = 790.0      # measured H200 bf16 matmul
 
 

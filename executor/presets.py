@@ -1,7 +1,7 @@
 """Named model presets: real hybrid architectures' layer mixes and ratios, scaled down so a
 2-core CPU runs them in milliseconds per step (a few layers, hidden 128, vocab 1000).
 
-Real shapes they imitate are listed in docs/executor.md (from kernels-notes.md section 5).
+Real shapes they imitate are listed in docs/executor.md.
 """
 
 from __future__ import annotations

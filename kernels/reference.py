@@ -14,7 +14,7 @@ from torch import Tensor
 
 # ================================================================================================
 # Attention references (KV-cache write, paged attention). Owned by the attention kernels.
-# Semantics: shared/docs/kernels-notes.md (beside the checkout) §1.6 (bottom-right causal, window of W keys
+# Semantics: docs/kernels.md#attention-masking (bottom-right causal, window of W keys
 # including the current one, null block 0 before the window never read).
 # ================================================================================================
 
@@ -72,7 +72,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
 # ================================================================================================
 # Mamba references (conv1d, SSD, selective scan, gated RMSNorm). Owned by the Mamba kernels.
-# Semantics: shared/docs/kernels-notes.md (beside the checkout) §1.1-1.4. Padding rows (state index < 0) start from
+# Semantics: docs/kernels.md#semantics (Mamba sections). Padding rows (state index < 0) start from
 # a zero state and write nothing; has_initial_state False starts from zeros whatever the slot holds.
 # ================================================================================================
 

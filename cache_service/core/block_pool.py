@@ -261,7 +261,7 @@ class BlockPool:
         self.events = []
         return events
 
-    # -- invariants (§2.4) -----------------------------------------------------------
+    # -- invariants (docs/semantics.md#invariants) -----------------------------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool-level invariants; O(num_blocks), for tests."""
         queue = self.free_block_queue

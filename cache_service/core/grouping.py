@@ -1,5 +1,5 @@
 """Layer specs + a memory budget -> KV-cache groups and pool size (vLLM 0.33's
-``kv_cache_planning``; kv-cache-semantics.md §1.2-§1.3).
+``kv_cache_planning``; docs/semantics.md#grouping).
 
 A *group* is a set of layers that share one block table per request. All groups share one
 pool and one block-id space: a block id stands for one page in every layer slot, so every

@@ -1,4 +1,4 @@
-"""The scheduler-facing manager (vLLM ``KVCacheManager``, §6) over :class:`Request` objects.
+"""The scheduler-facing manager (vLLM ``KVCacheManager``, docs/semantics.md#manager-api) over :class:`Request` objects.
 
 Call order per scheduler step: ``new_step_starts()``; ``allocate_slots`` for running
 requests; for waiting ones ``get_computed_blocks`` immediately followed by
@@ -23,7 +23,7 @@ from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec
 def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
                         scheduler_block_size: int | None = None,
                         hash_block_size: int | None = None) -> tuple[int, int]:
-    """(scheduler, hash) block sizes per §6.1, unless given explicitly.
+    """(scheduler, hash) block sizes per docs/semantics.md#block-sizes, unless given explicitly.
 
     One group: both are its block size. Several: scheduler = lcm of the block sizes;
     hash = gcd with caching on and every Mamba group in "align" mode, else = scheduler.

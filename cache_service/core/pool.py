@@ -5,7 +5,7 @@ registry of requests by id. Every method validates its whole input before it cha
 anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
 "No room" is a normal answer (``Allocation.ok == False``), never an exception.
 
-Semantics follow vLLM 0.33 (see docs/kv-cache-semantics.md). Two pool-level rules:
+Semantics follow vLLM 0.33 (docs/semantics.md). Two pool-level rules:
 
 * ``lookup`` remembers its hit for the request's next ``allocate``. If the pool's
   blocks changed in between (another allocate, free, preempt, reset or eviction), the
@@ -40,7 +40,7 @@ _TOKEN_LIMIT = 2**31
 @dataclass(frozen=True)
 class PoolOptions:
     """Pool-wide settings. ``scheduler_block_size`` / ``hash_block_size`` None = the
-    rules of semantics §6.1. ``vocab_size`` None accepts token ids in [0, 2**31)."""
+    rules of docs/semantics.md#block-sizes. ``vocab_size`` None accepts token ids in [0, 2**31)."""
 
     max_model_len: int
     enable_caching: bool = True
@@ -552,7 +552,7 @@ class Pool:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the broken invariant (semantics §2.4). O(pool)."""
+        """Raise AssertionError naming the broken invariant (docs/semantics.md#invariants). O(pool)."""
         pool = self._manager.pool
         pool.check_invariants()
         refs: dict[int, int] = {}

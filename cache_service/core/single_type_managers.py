@@ -9,7 +9,7 @@ already hashed; *its presence marks a request that has been allocated before*
 ``find_longest_cache_hit`` is a classmethod: it is stateless and runs jointly for all
 groups sharing one spec (a position only counts as a hit if every group has it).
 ``block_hashes`` passed to it are the request's hashes at the pool's hash block
-size; each manager views them at its own block size (§3.6: the coarse hash of
+size; each manager views them at its own block size (docs/semantics.md#coarse-hash-views: the coarse hash of
 block ``i`` is the fine hash at ``(i+1)*k - 1``).
 """
 
@@ -69,7 +69,7 @@ def _lookup(pool: BlockPool, block_hash: bytes, group_ids: Sequence[int]) -> lis
 
 
 class SingleTypeKVCacheManager:
-    """Base behaviour (§4.1-4.7); subclasses change skipping, hits and allocation."""
+    """Base behaviour (docs/semantics.md#per-group-type-rules); subclasses change skipping, hits and allocation."""
 
     #: False when ``get_num_skipped_tokens`` is always 0 (lets callers skip the call).
     frees_skipped_blocks: ClassVar[bool] = False
@@ -100,7 +100,7 @@ class SingleTypeKVCacheManager:
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    num_tokens_main_model: int,
                                    apply_admission_cap: bool = False) -> int:
-        """Free-pool blocks the next allocation would consume (§4.2). No mutation."""
+        """Free-pool blocks the next allocation would consume (docs/semantics.md#capacity-prediction). No mutation."""
         required = -(-num_tokens // self.block_size)
         if apply_admission_cap:
             cap = self.max_admission_blocks
@@ -139,7 +139,7 @@ class SingleTypeKVCacheManager:
                                   new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
-        """First allocation with a prefix hit: pin the hit blocks (§4.3)."""
+        """First allocation with a prefix hit: pin the hit blocks (docs/semantics.md#adopting-hits)."""
         table = self.req_to_blocks.get(request_id)
         assert not table, "hits are only adopted by a request without blocks"
         skipped = self.get_num_skipped_tokens(
@@ -156,7 +156,7 @@ class SingleTypeKVCacheManager:
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
-        """Fresh blocks for connector-provided tokens inside the window (§4.3)."""
+        """Fresh blocks for connector-provided tokens inside the window (docs/semantics.md#adopting-hits)."""
         total = num_local_computed_tokens + num_external_computed_tokens
         skipped = self.get_num_skipped_tokens(total)
         if skipped > 0:
@@ -192,11 +192,11 @@ class SingleTypeKVCacheManager:
 
     # -- caching -----------------------------------------------------------------------
     def block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which blocks of ``[start, end)`` are worth hashing; None = all (§5.4)."""
+        """Which blocks of ``[start, end)`` are worth hashing; None = all (docs/semantics.md#cacheable-tokens)."""
         return None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the table's full blocks among the first ``num_tokens`` tokens (§4.5)."""
+        """Hash the table's full blocks among the first ``num_tokens`` tokens (docs/semantics.md#caching-full-blocks)."""
         hashes = request.block_hashes
         hbs = self.pool.hash_block_size
         num_hashed = len(hashes) * hbs
@@ -252,7 +252,7 @@ class SingleTypeKVCacheManager:
             self.pool.free_blocks(freed)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release blocks that left the attention window (§4.7)."""
+        """Release blocks that left the attention window (docs/semantics.md#releasing-out-of-window-blocks)."""
         skipped = self.get_num_skipped_tokens(num_computed_tokens)
         if skipped <= 0:
             return
@@ -648,7 +648,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
 
 def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
-    """The manager type of a group spec (vLLM's registry, §5.1)."""
+    """The manager type of a group spec (vLLM's registry, docs/semantics.md#managers-per-type)."""
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager
     if isinstance(spec, ChunkedLocalAttentionSpec):

@@ -1,4 +1,4 @@
-"""Layer grouping and pool sizing: every worked example of kv-cache-semantics.md §1.3
+"""Layer grouping and pool sizing: every worked example of docs/semantics.md#grouping
 (vLLM's ``test_get_kv_cache_config_one_worker``, page P per layer), the Mamba hybrid
 preparation, and invariants over random layer mixes."""
 
@@ -62,7 +62,7 @@ def names(groups) -> list[list[str]]:
     return [list(g.layer_names) for g in groups]
 
 
-# --- §1.3 worked examples ---
+# --- docs/semantics.md#grouping worked examples ---
 
 @pytest.mark.parametrize("spec", [full(), swa()])
 def test_two_equal_layers_one_group(spec):

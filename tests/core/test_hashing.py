@@ -1,5 +1,5 @@
 """Block hashing: golden vectors from vLLM 0.33 (scripts/gen_hash_vectors.py) and the
-chaining / extra-key invariants of kv-cache-semantics.md §3."""
+chaining / extra-key invariants of docs/semantics.md#hashing and docs/hashing.md."""
 
 from __future__ import annotations
 

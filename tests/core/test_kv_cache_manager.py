@@ -1,4 +1,4 @@
-"""KVCacheManager: lookup cap, admission checks, stats, events (§6)."""
+"""KVCacheManager: lookup cap, admission checks, stats, events (docs/semantics.md#manager-api)."""
 
 from __future__ import annotations
 

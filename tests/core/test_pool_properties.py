@@ -1,4 +1,4 @@
-"""Stateful property tests: random operation sequences keep the pool invariants (§2.4).
+"""Stateful property tests: random operation sequences keep the pool invariants (docs/semantics.md#invariants).
 
 After every step: every block is free, cached-and-free or referenced; ref counts equal
 the number of tables holding the block; free + used == num_blocks - 1; no block is in

@@ -1,4 +1,4 @@
-"""Per-type managers: the truth tables and worked examples of semantics §4."""
+"""Per-type managers: the truth tables and worked examples of docs/semantics.md#per-group-type-rules."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_get_num_blocks_to_allocate_counts_evictable_hits(cls, spec) -> None:
 
 
 def test_admission_cap_limits_sliding_window_need() -> None:
-    # §1.1 example: bs 16, sw 64, in-flight 128 -> cdiv(191, 16) + 1 = 13 blocks.
+    # docs/semantics.md#specs-and-sizing example: bs 16, sw 64, in-flight 128 -> cdiv(191, 16) + 1 = 13 blocks.
     p = make_pool(64, swa(16, 64), max_model_len=4096, max_in_flight_tokens=128,
                   enable_caching=False)
     manager = p.manager.coordinator.managers[0]
@@ -146,7 +146,7 @@ def test_admission_cap_limits_sliding_window_need() -> None:
 
 
 def test_lookahead_slots_are_allocated_not_cached() -> None:
-    # §6.4: bs 4, 3 new + 2 lookahead -> 2 blocks; 3 + 4 -> 2 blocks.
+    # docs/semantics.md#allocate-slots: bs 4, 3 new + 2 lookahead -> 2 blocks; 3 + 4 -> 2 blocks.
     for lookahead in (2, 4):
         p = make_pool(16, full(4), max_model_len=64)
         p.add_request("r", [1, 2, 3])

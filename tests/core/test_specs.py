@@ -1,4 +1,4 @@
-"""Layer specs: page sizes and per-request worst cases (kv-cache-semantics.md §1.1), merge
+"""Layer specs: page sizes and per-request worst cases (docs/semantics.md#specs-and-sizing), merge
 rules and uniform-type detection."""
 
 from __future__ import annotations

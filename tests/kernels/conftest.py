@@ -28,7 +28,7 @@ if DEVICE == "cpu":
 
 import torch  # noqa: E402  (after the environment is set)
 
-# (rtol, atol) per (kind, dtype), from kernels-notes §2 and §6 item 3. "recurrence": outputs and
+# (rtol, atol) per (kind, dtype), from docs/kernels.md#tolerances. "recurrence": outputs and
 # states of the Mamba ops vs their token-by-token references; "attention": paged attention and
 # anything compared against a softmax over many keys.
 TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
@@ -53,7 +53,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "recu
 
 
 def rms_error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected||_rms / ||expected||_rms in fp32: robust for bf16 (kernels-notes §2)."""
+    """||actual - expected||_rms / ||expected||_rms in fp32: robust for bf16 (docs/kernels.md#tolerances)."""
     diff = (actual.float() - expected.float()).pow(2).mean().sqrt()
     return float(diff / expected.float().pow(2).mean().sqrt().clamp(min=1e-12))
 
