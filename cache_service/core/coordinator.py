@@ -139,7 +139,13 @@ class KVCacheCoordinator:
                     request_id, num_local_computed_tokens, num_external_computed_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
-                            num_encoder_tokens: int = 0) -> list[list[KVCacheBlock]]:
+                            num_encoder_tokens: int = 0,
+                            num_computed_tokens: int | None = None) -> list[list[KVCacheBlock]]:
+        """Grow every group's table. ``num_computed_tokens`` (the tokens before this step)
+        lets Mamba groups tell a state checkpoint from a stale state."""
+        if num_computed_tokens is not None:
+            for manager in self._stepping:
+                manager.note_step_start(request_id, num_computed_tokens)
         if not self._has_cross:
             return [m.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
                     for m in self.managers]

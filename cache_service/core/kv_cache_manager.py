@@ -197,7 +197,8 @@ class KVCacheManager:
         if hits is not self.empty_blocks or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(rid, hits, num_local,
                                                      num_external_computed_tokens)
-        new_blocks = coordinator.allocate_new_blocks(rid, need_slots, main, num_encoder_tokens)
+        new_blocks = coordinator.allocate_new_blocks(rid, need_slots, main, num_encoder_tokens,
+                                                     total_computed)
         if delay_cache_blocks or not self.enable_caching:
             return new_blocks
         n_cache = total_computed + num_new_tokens

@@ -191,8 +191,9 @@ class SingleTypeKVCacheManager:
         return self._append_new(request_id, n)
 
     # -- caching -----------------------------------------------------------------------
-    def block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
-        """Which blocks of ``[start, end)`` are worth hashing; None = all (docs/semantics.md#cacheable-tokens)."""
+    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
+        """Which blocks of ``[start, end)`` of the request's table may be hashed; None =
+        all (docs/semantics.md#cacheable-tokens)."""
         return None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -208,7 +209,7 @@ class SingleTypeKVCacheManager:
         self.pool.cache_full_blocks(request, self.req_to_blocks[rid],
                                     hash_view(hashes, hbs, self.block_size), cached, num_full,
                                     self.block_size, self.group_id,
-                                    self.block_mask(cached, num_full))
+                                    self.block_mask(rid, cached, num_full))
         self.num_cached_block[rid] = num_full
 
     # -- freeing -----------------------------------------------------------------------
@@ -341,7 +342,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not blocks[n - 1].is_null:
             self._null_out_range(request_id, 0, n, stop_at_null=True)
 
-    def block_mask(self, start_block: int, end_block: int) -> list[bool] | None:
+    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
         # Under hybrid alignment only the last `need` blocks of each aligned segment can
         # ever end a hit; the others are not worth a cache entry.
         bs = self.block_size
@@ -438,7 +439,12 @@ class MambaManager(SingleTypeKVCacheManager):
     """Mamba state. ``"none"``: one state block per request (block size is the model
     length). ``"align"``: positions on the block grid, only the running state is real;
     a state is cached where a chunk ends on a block boundary, and a state cached in
-    the current step cannot be adopted until ``new_step_starts``."""
+    the current step cannot be adopted until ``new_step_starts``.
+
+    A block that holds the state of a step that ended *inside* it, once a later step
+    runs past it, holds a state that is not the state at its boundary: it is recorded
+    in ``stale_states`` and never cached. The step's start comes from
+    ``note_step_start``. Why: docs/semantics.md#mamba-checkpoints-from-untrusted-schedulers"""
 
     frees_skipped_blocks = True
 
@@ -451,9 +457,15 @@ class MambaManager(SingleTypeKVCacheManager):
         self.last_state_block_idx: dict[str, int] = {}
         self.num_retired_blocks: dict[str, int] = {}
         self.allocated_reqs: set[str] = set()
+        self.step_start: dict[str, int] = {}
+        self.stale_states: dict[str, set[int]] = {}
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens - 1
+
+    def note_step_start(self, request_id: str, num_computed_tokens: int) -> None:
+        """The tokens computed before the allocation that follows (its state's position)."""
+        self.step_start[request_id] = num_computed_tokens
 
     def _cached_this_step(self, block: KVCacheBlock) -> bool:
         return (block.block_hash is not None and block.group_id == self.group_id
@@ -521,8 +533,14 @@ class MambaManager(SingleTypeKVCacheManager):
             return []
         prev_len = len(table)
         was_allocated = request_id in self.allocated_reqs
+        start = self.step_start.pop(request_id, None)
         if was_allocated:
-            self.last_state_block_idx[request_id] = prev_len - 1 - spec_blocks
+            state_idx = self.last_state_block_idx[request_id] = prev_len - 1 - spec_blocks
+            if (start is not None and state_idx >= 0 and start != (state_idx + 1) * self.block_size
+                    and not table[state_idx].is_null):
+                # The table grows past the block holding the state at `start`, which is
+                # not its boundary: a foreign scheduler's chunk ran past it.
+                self.stale_states.setdefault(request_id, set()).add(state_idx)
         elif prev_len > 0:
             # A new request that hit the cache: its last block holds the hit state.
             self.last_state_block_idx[request_id] = prev_len - 1
@@ -549,6 +567,12 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_reqs.add(request_id)
         returned.extend(new)
         return returned
+
+    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
+        stale = self.stale_states.get(request_id)
+        if not stale or not any(start_block <= i < end_block for i in stale):
+            return None
+        return [i not in stale for i in range(start_block, end_block)]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -590,6 +614,8 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
+        self.step_start.pop(request_id, None)
+        self.stale_states.pop(request_id, None)
         super().free(request_id)
 
     def new_step_starts(self) -> None:

@@ -2,11 +2,17 @@
 
     python scripts/oracle/make_trace.py CONFIG.json --ops 3000 --seed 1 > t.jsonl
 
-A loose scheduler: requests share prefixes (so there are hits), prefill in chunks
-(block-aligned where a Mamba group needs it), decode one token at a time, and are
-freed or preempted at random; ``step``, ``usage``, ``reset``, ``blocks`` and a few
-invalid operations are mixed in. A ``lookup`` is always followed by the same
-request's ``allocate`` (the pool re-runs stale lookups, vLLM does not).
+A loose scheduler: requests share prefixes (so there are hits), prefill in chunks,
+decode one token at a time, and are freed or preempted at random; ``step``, ``usage``,
+``reset``, ``blocks`` and a few invalid operations are mixed in. A ``lookup`` is always
+followed by the same request's ``allocate`` (the pool re-runs stale lookups, vLLM does
+not).
+
+With a Mamba ``align`` group the chunks follow vLLM's scheduler rule: a chunk that starts
+on a block boundary ends on one (or at the end of the sequence), and a chunk that starts
+inside a block does not run past that block's end. To apply it to the *real* progress
+(an allocation may fail), the generator runs every operation on this project's pool
+as it goes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import json
 import random
 import sys
 from typing import Any
+
+from cache_service.replay import Replayer, make_pool
 
 
 def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str, Any]]:
@@ -28,11 +36,20 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([1, 2, 3, 4, 6]) * bs)]
                 for _ in range(4)]
     ops: list[dict[str, Any]] = []
+    replayer = Replayer(make_pool(config))
     # id -> [num_tokens, computed, running]
     reqs: dict[str, list[int]] = {}
     next_id = 0
     explicit_steps = False
+    applied = 0
     while len(ops) < num_ops:
+        if align:
+            # Learn the real outcome of what was emitted so far (computed tokens).
+            for op in ops[applied:]:
+                out = replayer.apply(op)
+                if op.get("op") == "allocate" and op.get("req") in reqs and out.get("ok"):
+                    reqs[op["req"]][1] = out["num_computed_tokens"]
+            applied = len(ops)
         if len(reqs) > 6 and rng.random() < 0.3:
             ops.append({"op": "free", "req": rng.choice(list(reqs))})
             del reqs[ops[-1]["req"]]
@@ -68,8 +85,13 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 n = 1
             else:
                 n = rng.randrange(1, remaining + 1)
-                if align and computed + n < num_tokens and (computed + n) % bs:
-                    n = max(1, (computed + n) // bs * bs - computed)
+                if align and computed % bs:
+                    # Inside a block: stop at its end at the latest.
+                    n = min(n, bs - computed % bs)
+                elif align and computed + n < num_tokens and (computed + n) % bs:
+                    n = (computed + n) // bs * bs - computed
+                    if n <= 0:
+                        continue  # vLLM schedules nothing for it this step
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True
@@ -78,9 +100,9 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
             if rng.random() < 0.03:
                 op["use_lookup"] = False
             ops.append(op)
-            # The replay computes the outcome; the generator only needs a guess of
-            # progress, so it assumes success and corrects on "blocks" below.
-            reqs[rid][1] = computed + n
+            if not align:
+                # Without Mamba checkpoints a guess of progress is enough: assume success.
+                reqs[rid][1] = computed + n
             reqs[rid][2] = 1
         elif r < 0.75:
             if computed >= num_tokens and num_tokens < mml - 8:

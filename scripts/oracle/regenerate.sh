@@ -19,7 +19,7 @@ for name in "${!SCENARIO[@]}"; do
     --prefix-max 512 --num-prefixes 4 --max-concurrency 8 --max-batched-tokens 512 \
     --seed 7 --emit-trace "$name.bench.jsonl" --json > /dev/null
   # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
-  python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
+  PYTHONPATH="$TOOLS/../.." python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
   for kind in bench mixed; do
     python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.$kind.jsonl" --write
   done
