@@ -244,7 +244,8 @@ def event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
             block_hashes=event.block_hashes, token_ids=event.token_ids,
             block_size=event.block_size, lora_name=event.lora_name or "",
             group_idx=event.group_idx, kind=LAYER_KINDS.value(event.spec_kind) if event.spec_kind else 0,
-            sliding_window=event.sliding_window or 0, medium=event.medium)
+            sliding_window=event.sliding_window or 0, medium=event.medium,
+            prefix_lengths=event.prefix_lengths, start_token=event.start_token)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         return pb.KVEvent(sequence=sequence, block_stored=stored)

@@ -231,6 +231,8 @@ class Event:
     spec_kind: str = ""
     sliding_window: int = 0
     lora_name: str = ""
+    prefix_lengths: list[int] | None = None
+    start_token: int = 0
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -284,7 +286,8 @@ def event_from(e: pb.KVEvent) -> Event:
         return Event(e.sequence, kind, list(s.block_hashes),
                      s.parent_block_hash if s.HasField("parent_block_hash") else None,
                      list(s.token_ids), s.block_size, s.group_idx,
-                     LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name)
+                     LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name,
+                     list(s.prefix_lengths), s.start_token)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
                      group_idx=e.block_removed.group_idx)

@@ -179,7 +179,8 @@ class BlockPool:
         """Hash blocks ``[num_cached_blocks, num_full_blocks)`` of a request's table.
 
         ``block_hashes`` is the request's hash list viewed at ``block_size``. Null and
-        masked-out blocks are skipped. One BlockStored event covers the whole range.
+        masked-out blocks are skipped. One BlockStored event covers the whole range, if
+        anything was stored.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -195,7 +196,7 @@ class BlockPool:
             block.group_id = group_id
             insert(block_hash, group_id, block)
             stored.append(i)
-        if self.enable_events:
+        if self.enable_events and stored:
             self.events.append(self._stored_event(request, block_hashes, stored,
                                                   num_cached_blocks, num_full_blocks,
                                                   block_size, group_id))
@@ -221,6 +222,8 @@ class BlockPool:
             lora_name=lora,
             extra_keys=extra or None,
             group_idx=group_id,
+            prefix_lengths=[(i + 1) * block_size for i in stored],
+            start_token=start * block_size,
         )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:

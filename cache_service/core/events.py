@@ -14,11 +14,18 @@ from typing import Any, Union
 
 @dataclass
 class BlockStored:
-    """Blocks newly cached by one request in one group. ``parent_block_hash`` is the
-    logical parent in the request's hash chain (None when the range starts at block
-    0); ``token_ids`` covers the whole range; ``extra_keys`` has one untagged entry
-    per stored block (LoRA name, salt) or None. ``spec_kind`` / ``sliding_window``
-    are filled in from the group's spec when events are taken."""
+    """Blocks newly cached by one request in one group, from one caching call that
+    scanned the table positions ``[start_token / block_size, end)``. Only positions that
+    entered the cache are announced (null positions of sliding-window and Mamba tables,
+    masked ones and stale Mamba states are not), so ``block_hashes`` may have gaps:
+    ``prefix_lengths[i]`` is the prefix length (in tokens) whose hash is
+    ``block_hashes[i]``. ``parent_block_hash`` is the hash of the position just before
+    the range in the request's chain (None when the range starts at 0), cached or not;
+    ``token_ids`` are the tokens of the whole range, from ``start_token``. Never empty:
+    a call that caches nothing announces nothing. ``extra_keys`` has one untagged entry
+    per stored block (LoRA name, salt) or None. ``spec_kind`` / ``sliding_window`` are
+    filled in from the group's spec when events are taken. Each hash is one more cached
+    block under that key (duplicates are announced again): docs/protocol.md#kv-events."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -30,11 +37,14 @@ class BlockStored:
     spec_kind: str | None = None
     sliding_window: int | None = None
     medium: str = "GPU"
+    prefix_lengths: list[int] = field(default_factory=list)
+    start_token: int = 0
 
 
 @dataclass
 class BlockRemoved:
-    """One cache key dropped (eviction or explicit invalidation)."""
+    """One cached block left the cache (eviction or explicit invalidation): exactly one
+    hash. Another block cached under the same key keeps the key cached."""
 
     block_hashes: list[int]
     group_idx: int = 0

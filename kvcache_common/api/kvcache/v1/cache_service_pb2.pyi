@@ -531,7 +531,7 @@ class SubscribeEventsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -541,6 +541,8 @@ class BlockStored(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -550,7 +552,9 @@ class BlockStored(_message.Message):
     kind: LayerKind
     sliding_window: int
     medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ...) -> None: ...
+    prefix_lengths: _containers.RepeatedScalarFieldContainer[int]
+    start_token: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx", "medium")

@@ -1,0 +1,132 @@
+"""A router's prefix index, rebuilt from a pool's KV events alone.
+
+Feed it every event of ``SubscribeEvents`` (in sequence order) and it answers, for a token
+sequence, the hit length ``PeekPrefix`` would answer, without asking the server. It is the
+reference for routers in other languages: it uses only the pool's ``PoolConfig``, the
+events and the hash recipe of docs/hashing.md, with the hit rules of docs/protocol.md#kv-events.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from cache_service.core.hashing import external_block_hash, get_hash_fn, hash_request_tokens
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+
+_HASH_ALGOS = {pb.HASH_ALGO_UNSPECIFIED: "sha256", pb.HASH_ALGO_SHA256: "sha256",
+               pb.HASH_ALGO_SHA256_CBOR: "sha256_cbor"}
+# How a spec group's hit is searched, by layer kind.
+_CACHEABLE = {pb.LAYER_KIND_FULL_ATTENTION, pb.LAYER_KIND_SLIDING_WINDOW,
+              pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION, pb.LAYER_KIND_MAMBA}
+
+Present = Callable[[int], bool]
+
+
+class PrefixIndex:
+    """Cached keys per group, counted: +1 per stored hash, -1 per removed one."""
+
+    def __init__(self, config: pb.PoolConfig) -> None:
+        self.groups = list(config.groups)
+        self.hash_block_size = config.hash_block_size
+        self.enabled = config.options.enable_caching and bool(self.groups)
+        self._hash_fn = get_hash_fn(_HASH_ALGOS[config.options.hash_algo])
+        self.alignment = (config.scheduler_block_size if len(self.groups) > 1
+                          else self.groups[0].block_size if self.groups else 1)
+        self.counts: list[Counter[int]] = [Counter() for _ in self.groups]
+        # Groups with one spec are searched jointly; full attention first (stable).
+        specs: dict[tuple, list[int]] = {}
+        for g in self.groups:
+            key = (g.kind, g.block_size, g.sliding_window, g.attention_chunk_size,
+                   g.mamba_cache_mode)
+            specs.setdefault(key, []).append(g.index)
+        self.spec_groups = sorted(specs.values(), key=lambda ids: not self._is_full(ids[0]))
+
+    def _is_full(self, gid: int) -> bool:
+        return self.groups[gid].kind == pb.LAYER_KIND_FULL_ATTENTION
+
+    # -- the feed ------------------------------------------------------------------------
+    def apply(self, event: pb.KVEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "block_stored":
+            self.counts[event.block_stored.group_idx].update(event.block_stored.block_hashes)
+        elif kind == "block_removed":
+            counts = self.counts[event.block_removed.group_idx]
+            for h in event.block_removed.block_hashes:
+                counts[h] -= 1
+                if counts[h] <= 0:
+                    del counts[h]
+        else:
+            for counts in self.counts:
+                counts.clear()
+
+    def num_cached_keys(self) -> int:
+        return sum(len(c) for c in self.counts)
+
+    # -- hits ----------------------------------------------------------------------------
+    def hit_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                   lora_name: str | None = None, lora_path: str | None = None) -> int:
+        """The hit a request with this prompt would get (capped at ``len - 1`` tokens)."""
+        if not self.enabled or len(token_ids) < 2:
+            return 0
+        fine = [external_block_hash(h) for h in hash_request_tokens(
+            self._hash_fn, token_ids, self.hash_block_size, lora_name=lora_name,
+            lora_path=lora_path, cache_salt=cache_salt)]
+        limit = len(token_ids) - 1
+        searched: dict[int, int] = {}  # full spec group -> its (downward closed) hit
+        while True:
+            cur = limit
+            for ids in self.spec_groups:
+                if ids[0] in searched:
+                    cur = min(cur, searched[ids[0]])
+                    continue
+                cur = self._search(ids, fine, cur)
+                if self._is_full(ids[0]):
+                    searched[ids[0]] = cur
+            if cur >= limit:
+                return limit
+            limit = cur
+            if len(self.spec_groups) == 2 and self._is_full(self.spec_groups[0][0]):
+                return limit
+
+    def _search(self, ids: list[int], fine: list[int], limit: int) -> int:
+        group = self.groups[ids[0]]
+        bs = group.block_size
+        k = bs // self.hash_block_size
+        n = min(limit // bs, len(fine) // k)
+
+        def present(i: int) -> bool:
+            h = fine[(i + 1) * k - 1]
+            return all(h in self.counts[g] for g in ids)
+
+        if group.kind not in _CACHEABLE:
+            return 0
+        if group.kind == pb.LAYER_KIND_FULL_ATTENTION:
+            hit = next((i for i in range(n) if not present(i)), n) * bs
+            return hit - hit % self.alignment
+        if group.kind == pb.LAYER_KIND_SLIDING_WINDOW:
+            return self._sliding(present, n, bs, -(-(group.sliding_window - 1) // bs))
+        if group.kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
+            chunk = group.attention_chunk_size
+            start = limit // chunk * chunk // bs
+            end = limit // bs
+            return next((i for i in range(start, end) if not present(i)), end) * bs
+        # Mamba: the last checkpoint on an aligned boundary.
+        for i in range(n - 1, -1, -1):
+            if present(i) and (i + 1) * bs % self.alignment == 0:
+                return (i + 1) * bs
+        return 0
+
+    def _sliding(self, present: Present, n: int, bs: int, need: int) -> int:
+        """The last run of ``need`` cached positions ending on an aligned boundary, or
+        the run that starts at position 0."""
+        run = 0
+        for i in range(n - 1, -1, -1):
+            if not present(i):
+                run = 0
+            elif run or (i + 1) * bs % self.alignment == 0:
+                run += 1
+                if run >= need:
+                    return (i + run) * bs
+        hit = run * bs
+        return hit - hit % self.alignment
