@@ -14,7 +14,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.core import events as ev
 from cache_service.core import grouping
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.pool import PoolOptions
+from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -203,13 +203,39 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
     pool = entry.pool
     desc = entry.description
     groups = [group_to_proto(i, g) for i, g in enumerate(config.groups)]
+    options = options_to_proto(pool.options, desc.hybrid, desc.skip_capacity_check)
+    # Defaults filled in: the values the pool resolved and runs with.
+    options.scheduler_block_size = pool.scheduler_block_size
+    options.hash_block_size = pool.hash_block_size
+    options.max_in_flight_tokens = pool.max_new_tokens
+    recipe = pool.hash_recipe
     return pb.PoolConfig(
         pool_id=entry.pool_id, num_blocks=config.num_blocks, groups=groups,
         page_size_bytes=grouping.page_size_bytes(config),
         layer_page_size_bytes=max((g.page_size_bytes for g in groups), default=0),
         scheduler_block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
-        options=options_to_proto(pool.options, desc.hybrid, desc.skip_capacity_check),
-        layers=[layers.from_spec(name, spec) for name, spec in desc.layers])
+        options=options,
+        layers=[layers.from_spec(name, spec) for name, spec in desc.layers],
+        hash_recipe=pb.HashRecipe(hash_algo=HASH_ALGOS.value(recipe.hash_algo),
+                                  none_hash_seed=recipe.none_hash_seed,
+                                  none_hash=recipe.none_hash,
+                                  hash_block_size=recipe.hash_block_size))
+
+
+def check_hash_recipe(pool: Pool, recipe: pb.HashRecipe, field: str) -> None:
+    """The fields a client set in its ``HashRecipe`` must equal the pool's; errors name
+    ``<field>.<recipe field>``."""
+    if recipe.hash_algo and not HASH_ALGOS.name(recipe.hash_algo):
+        raise InvalidArgument(f"unknown hash_algo {recipe.hash_algo}",
+                              field=f"{field}.hash_algo")
+    try:
+        pool.check_hash_recipe(
+            hash_algo=HASH_ALGOS.name(recipe.hash_algo) if recipe.hash_algo else None,
+            none_hash_seed=recipe.none_hash_seed or None,
+            none_hash=recipe.none_hash or None,
+            hash_block_size=recipe.hash_block_size or None)
+    except KVCacheError as exc:
+        raise qualify(exc, field) from None
 
 
 # ---------------------------------------------------------------------------------------

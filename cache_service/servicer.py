@@ -107,6 +107,7 @@ class StepValidator:
         self.entry = entry
         self.pool = entry.pool
         self.max_model_len = self.pool.options.max_model_len
+        self.max_new_tokens = self.pool.max_new_tokens  # max_in_flight_tokens
         vocab = self.pool.options.vocab_size
         self.token_limit = vocab if vocab is not None else TOKEN_LIMIT
         # request id -> [exists, num_tokens, may_have_computed_tokens]
@@ -172,9 +173,9 @@ class StepValidator:
             if tokens:
                 self._append(st, rid, tokens, "append_token_ids")
             n = m.num_new_tokens
-            if n < 1 or n > self.max_model_len:
-                raise InvalidArgument(f"must be in [1, max_model_len={self.max_model_len}], "
-                                      f"got {n}", field="num_new_tokens")
+            if n < 1 or n > self.max_new_tokens:
+                raise InvalidArgument(f"must be in [1, max_in_flight_tokens="
+                                      f"{self.max_new_tokens}], got {n}", field="num_new_tokens")
             la = m.num_lookahead_tokens
             if la and (la < 0 or la > self.max_model_len):
                 raise InvalidArgument(f"must be in [0, max_model_len={self.max_model_len}], "
@@ -193,6 +194,8 @@ class StepValidator:
                 raise InvalidArgument(f"{len(m.token_ids)} tokens exceed max_model_len="
                                       f"{self.max_model_len}", field="token_ids")
             check_block_hashes(self.entry, m.block_hashes, len(m.token_ids), "block_hashes")
+            if m.HasField("hash_recipe"):
+                convert.check_hash_recipe(self.pool, m.hash_recipe, "hash_recipe")
             check_lora(m.lora_name, m.lora_path)
             st[:] = [True, len(m.token_ids), False]
         elif kind == _LOOKUP:
@@ -466,6 +469,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          lora_path=request.lora_path or None)
             hits = []
             for i, entry in enumerate(entries):
+                if request.HasField("hash_recipe"):
+                    convert.check_hash_recipe(entry.pool, request.hash_recipe, "hash_recipe")
                 if has_tokens:
                     vocab = entry.pool.options.vocab_size
                     _check_tokens(request.token_ids, vocab or TOKEN_LIMIT, "token_ids")

@@ -102,7 +102,8 @@ class StepBuilder:
 
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-            lora_name: str | None = None, lora_path: str | None = None) -> "StepBuilder":
+            lora_name: str | None = None, lora_path: str | None = None,
+            hash_recipe: pb.HashRecipe | None = None) -> "StepBuilder":
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -114,6 +115,8 @@ class StepBuilder:
             m.lora_name = lora_name
         if lora_path:
             m.lora_path = lora_path
+        if hash_recipe is not None:
+            m.hash_recipe.CopyFrom(hash_recipe)
         return self
 
     def lookup(self, request_id: str) -> "StepBuilder":
@@ -174,12 +177,14 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     @staticmethod
     def add(request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-            lora_name: str | None = None, lora_path: str | None = None) -> pb.Op:
-        """Register a request (its prompt tokens; optionally client-computed hashes). A
-        LoRA request hashes ``("lora", lora_name, lora_path)`` as vLLM does."""
+            lora_name: str | None = None, lora_path: str | None = None,
+            hash_recipe: pb.HashRecipe | None = None) -> pb.Op:
+        """Register a request (its prompt tokens; optionally client-computed hashes, and
+        the recipe they were computed with, checked against the pool's). A LoRA request
+        hashes ``("lora", lora_name, lora_path)`` as vLLM does."""
         return _one().add(request_id, token_ids, block_hashes=block_hashes,
-                          cache_salt=cache_salt, lora_name=lora_name,
-                          lora_path=lora_path).request.ops[0]
+                          cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
+                          hash_recipe=hash_recipe).request.ops[0]
 
     @staticmethod
     def lookup(request_id: str) -> pb.Op:

@@ -62,12 +62,17 @@ def get_hash_fn(algo: str) -> HashFn:
 _none_hashes: dict[tuple[HashFn, str], bytes] = {}
 
 
+def none_hash_seed() -> str:
+    """The seed of every chain: ``$PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``."""
+    return os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+
+
 def none_hash(hash_fn: HashFn) -> bytes:
     """The parent hash of every chain's first block: ``hash_fn(seed)``, seed =
     ``$PYTHONHASHSEED`` if set, else ``"vllm-none-hash"`` (so that independent processes
     agree). Cached per (hash function, seed): the seed is re-read so that a changed
     environment is never answered from a stale cache."""
-    seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    seed = none_hash_seed()
     key = (hash_fn, seed)
     h = _none_hashes.get(key)
     if h is None:

@@ -28,7 +28,12 @@ from cache_service.core.errors import (
     UnknownRequest,
 )
 from cache_service.core.events import KVEvent
-from cache_service.core.hashing import get_hash_fn, hash_request_tokens
+from cache_service.core.hashing import (
+    get_hash_fn,
+    hash_request_tokens,
+    none_hash,
+    none_hash_seed,
+)
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.single_type_managers import HitBlocks
@@ -51,6 +56,18 @@ class PoolOptions:
     max_in_flight_tokens: int | None = None
     enable_events: bool = True
     vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class HashRecipe:
+    """How the pool hashes blocks: a client that computes its own hashes (or a router that
+    predicts hits) must use the same. ``none_hash = hash_fn(none_hash_seed)`` is the parent
+    of every chain's first block (docs/hashing.md)."""
+
+    hash_algo: str
+    none_hash_seed: str
+    none_hash: bytes
+    hash_block_size: int
 
 
 @dataclass(slots=True)
@@ -145,6 +162,12 @@ class Pool:
         self._hash_fn = hash_fn if options.enable_caching else None
         self._digest_size = len(hash_fn(b""))
         self._token_limit = options.vocab_size if options.vocab_size is not None else _TOKEN_LIMIT
+        # Tokens one allocate may compute (the chunked-prefill budget the sliding-window and
+        # chunked-local admission caps were sized with).
+        self._max_new_tokens = min(options.max_in_flight_tokens or options.max_model_len,
+                                   options.max_model_len)
+        seed = none_hash_seed()
+        self._recipe = HashRecipe(options.hash_algo, seed, none_hash(hash_fn), hbs)
         self._manager = KVCacheManager(
             config, max_model_len=options.max_model_len, scheduler_block_size=sched,
             hash_block_size=hbs, max_in_flight_tokens=options.max_in_flight_tokens,
@@ -336,6 +359,31 @@ class Pool:
         self._pending[request_id] = (blocks, hit, self._epoch)
         return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
 
+    @property
+    def max_new_tokens(self) -> int:
+        """The most tokens one allocate may compute: ``max_in_flight_tokens`` (default
+        ``max_model_len``)."""
+        return self._max_new_tokens
+
+    @property
+    def hash_recipe(self) -> HashRecipe:
+        return self._recipe
+
+    def check_hash_recipe(self, *, hash_algo: str | None = None,
+                          none_hash_seed: str | None = None, none_hash: bytes | None = None,
+                          hash_block_size: int | None = None) -> None:
+        """Raise InvalidArgument naming the first declared value (None = not declared) that
+        differs from the pool's recipe: hashes computed otherwise would never hit."""
+        mine = self._recipe
+        for name, theirs in (("hash_algo", hash_algo), ("none_hash_seed", none_hash_seed),
+                             ("none_hash", none_hash), ("hash_block_size", hash_block_size)):
+            ours = getattr(mine, name)
+            if theirs is not None and theirs != ours:
+                shown = (lambda v: v.hex()) if name == "none_hash" else repr
+                raise InvalidArgument(f"the pool hashes with {name} {shown(ours)}, the client "
+                                      f"declared {shown(theirs)}: its hashes would never hit",
+                                      field=name)
+
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
@@ -348,6 +396,10 @@ class Pool:
             raise UnknownRequest(f"unknown request {request_id!r}", field="request_id")
         if type(num_new_tokens) is not int or num_new_tokens < 0:
             _check_int(num_new_tokens, "num_new_tokens", minimum=0)
+        if num_new_tokens > self._max_new_tokens:
+            raise InvalidArgument(f"{num_new_tokens} new tokens exceed max_in_flight_tokens "
+                                  f"{self._max_new_tokens} (split the chunk)",
+                                  field="num_new_tokens")
         if num_lookahead_tokens:
             _check_int(num_lookahead_tokens, "num_lookahead_tokens", minimum=0)
         if num_encoder_tokens:

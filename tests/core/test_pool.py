@@ -254,3 +254,23 @@ def test_lora_path_needs_a_lora_name(small_full_pool: Pool) -> None:
     assert exc.value.field == "lora_path" and snapshot(p) == before
     with pytest.raises(InvalidArgument):
         p.peek_prefix([1, 2, 3], lora_path="/adapters/x")
+
+
+def test_max_in_flight_tokens_bounds_one_allocate() -> None:
+    p = make_pool(64, full(4), max_model_len=256, max_in_flight_tokens=8)
+    p.add_request("a", list(range(20)))
+    before = snapshot(p)
+    with pytest.raises(InvalidArgument) as err:
+        p.allocate("a", 9)
+    assert err.value.field == "num_new_tokens" and snapshot(p) == before
+    assert p.max_new_tokens == 8 and p.allocate("a", 8).ok
+
+
+def test_hash_recipe_check_names_the_differing_field(small_full_pool: Pool) -> None:
+    recipe = small_full_pool.hash_recipe
+    assert (recipe.hash_algo, recipe.none_hash_seed, recipe.hash_block_size) == \
+        ("sha256", "vllm-none-hash", 4)
+    small_full_pool.check_hash_recipe(hash_algo="sha256", none_hash=recipe.none_hash)
+    with pytest.raises(InvalidArgument) as err:
+        small_full_pool.check_hash_recipe(hash_algo="sha256", hash_block_size=16)
+    assert err.value.field == "hash_block_size"

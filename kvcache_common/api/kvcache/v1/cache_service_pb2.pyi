@@ -139,7 +139,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes")
+    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes", "hash_recipe")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class PoolConfig(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
@@ -158,7 +159,20 @@ class PoolConfig(_message.Message):
     options: PoolOptions
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     layer_page_size_bytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ...) -> None: ...
+    hash_recipe: HashRecipe
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
+
+class HashRecipe(_message.Message):
+    __slots__ = ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size")
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    NONE_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    NONE_HASH_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    hash_algo: HashAlgo
+    none_hash_seed: str
+    none_hash: bytes
+    hash_block_size: int
+    def __init__(self, hash_algo: _Optional[_Union[HashAlgo, str]] = ..., none_hash_seed: _Optional[str] = ..., none_hash: _Optional[bytes] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("config", "created")
@@ -203,20 +217,22 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
     lora_name: str
     lora_path: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    hash_recipe: HashRecipe
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id",)
@@ -409,20 +425,22 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class PeekPrefixRequest(_message.Message):
-    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path")
+    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe")
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     cache_salt: str
     lora_name: str
     lora_path: str
-    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    hash_recipe: HashRecipe
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
 
 class PoolHit(_message.Message):
     __slots__ = ("pool_id", "hit_tokens")
