@@ -241,6 +241,23 @@ def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return all(k == "error" or ours.get(k) == v for k, v in theirs.items())
 
 
+PROVENANCE_PREFIX = "# provenance: "
+
+
+def read_expected(text: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+    """An ``*.expected.jsonl`` file: its provenance (the ``# provenance: {...}`` header
+    line: who produced the answers, with which config and command) and its results, one
+    per trace operation. Other ``#`` lines and blank lines are ignored."""
+    provenance = None
+    results = []
+    for line in text.splitlines():
+        if line.startswith(PROVENANCE_PREFIX):
+            provenance = json.loads(line[len(PROVENANCE_PREFIX):])
+        elif line.strip() and not line.startswith("#"):
+            results.append(json.loads(line))
+    return provenance, results
+
+
 def replay(pool: Pool, lines: Iterable[str], out: TextIO) -> int:
     """Replay ``lines``; returns the number of failed operations."""
     replayer = Replayer(pool)

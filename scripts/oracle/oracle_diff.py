@@ -2,15 +2,19 @@
 
     python scripts/oracle/oracle_diff.py CONFIG.json TRACE.jsonl [--expected F]
 
-Without ``--expected`` it runs shared/tools/vllm-oracle (venv in
-~/.cache/vllm-oracle-venv) on the trace with the scenario matching CONFIG, and with
-``--write`` stores its output as TRACE.expected.jsonl. Results are compared with
-``cache_service.replay.same_result`` (as tests/core/test_replay.py does).
+Without ``--expected`` it runs the vLLM oracle (VLLM_ORACLE, its venv python
+VLLM_ORACLE_PY) on the trace with the scenario matching CONFIG, and with ``--write``
+stores its output as TRACE.expected.jsonl, headed by a ``# provenance: {...}`` line (vLLM
+version, the oracle's resolved config and arguments, config and trace file with the
+trace's sha256, the command that generated the trace, the command that wrote the file).
+Results are compared with ``cache_service.replay.same_result`` (as tests/core/test_replay.py
+does).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
 import os
@@ -47,6 +51,26 @@ def run_oracle(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
+def provenance(config_path: Path, trace_path: Path, trace: str, config: dict[str, Any],
+               trace_command: str | None) -> dict[str, Any]:
+    args = oracle_args(config)
+    proc = subprocess.run([str(ORACLE_PY), str(ORACLE), *args, "--describe"],
+                          capture_output=True, text=True, check=True)
+    described = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "answers_by": "vLLM's own KVCacheManager, in process on a CPU (vllm_oracle.py)",
+        "vllm_version": described["vllm_version"],
+        "oracle_config": described,
+        "oracle_args": args,
+        "config": config_path.name,
+        "trace": trace_path.name,
+        "trace_sha256": hashlib.sha256(trace.encode()).hexdigest(),
+        "trace_generator": trace_command,
+        "command": f"python scripts/oracle/oracle_diff.py {config_path.name} {trace_path.name} "
+                   "--write",
+    }
+
+
 def run_ours(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
     from cache_service.replay import make_pool, replay  # noqa: PLC0415 (dev tool)
 
@@ -61,19 +85,24 @@ def main() -> int:
     p.add_argument("trace")
     p.add_argument("--expected", help="compare with this file instead of running the oracle")
     p.add_argument("--write", action="store_true", help="write TRACE.expected.jsonl")
+    p.add_argument("--trace-command", help="how TRACE was generated (for the provenance)")
     a = p.parse_args()
     config = json.loads(Path(a.config).read_text())
     trace = Path(a.trace).read_text()
     if a.expected:
-        theirs = [json.loads(x) for x in Path(a.expected).read_text().splitlines() if x.strip()]
+        from cache_service.replay import read_expected  # noqa: PLC0415 (dev tool)
+
+        _, theirs = read_expected(Path(a.expected).read_text())
     else:
         theirs = run_oracle(config, trace)
         if a.write:
             trace_path = Path(a.trace)
             expected = trace_path.with_name(trace_path.name.removesuffix(".jsonl")
                                             + ".expected.jsonl")
-            expected.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n"
-                                        for r in theirs))
+            stamp = provenance(Path(a.config), trace_path, trace, config, a.trace_command)
+            expected.write_text("# provenance: " + json.dumps(stamp, separators=(",", ":"))
+                                + "\n" + "".join(json.dumps(r, separators=(",", ":")) + "\n"
+                                                 for r in theirs))
     from cache_service.replay import same_result
 
     ours = run_ours(config, trace)

@@ -10,17 +10,22 @@ ORACLE="${VLLM_ORACLE:-$TOOLS/../../../shared/tools/vllm-oracle/vllm_oracle.py}"
 declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamba"
   [swa_mamba_nocache]="swa_mamba" [full_swa_mamba_nocache]="full_swa_mamba"
   [full_swa_mamba]="full_swa_mamba --enable-caching")
+BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
+  --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
+  --max-batched-tokens 512 --seed 7"
+export VLLM_ORACLE="$ORACLE" VLLM_ORACLE_PY="$PY" PYTHONPATH="$TOOLS/../.."
 for name in "${!SCENARIO[@]}"; do
   # A realistic scheduler workload (shared prefixes, chunked prefill, decode,
   # preemption) from the oracle's own bench, small enough to commit.
   # shellcheck disable=SC2086
-  "$PY" "$ORACLE" --bench --scenario ${SCENARIO[$name]} --num-blocks 128 --num-requests 12 \
-    --prompt-min 64 --prompt-max 900 --decode-min 4 --decode-max 40 --prefix-min 64 \
-    --prefix-max 512 --num-prefixes 4 --max-concurrency 8 --max-batched-tokens 512 \
-    --seed 7 --emit-trace "$name.bench.jsonl" --json > /dev/null
+  "$PY" "$ORACLE" --bench --scenario ${SCENARIO[$name]} $BENCH_ARGS \
+    --emit-trace "$name.bench.jsonl" --json > /dev/null
   # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
-  PYTHONPATH="$TOOLS/../.." python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
-  for kind in bench mixed; do
-    python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.$kind.jsonl" --write
-  done
+  python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
+  # The commands that generated each trace go into the answers' provenance header.
+  # shellcheck disable=SC2086
+  bench_cmd="vllm_oracle.py --bench --scenario ${SCENARIO[$name]} $(echo $BENCH_ARGS) --emit-trace $name.bench.jsonl"
+  mixed_cmd="python scripts/oracle/make_trace.py $name.json --ops 600 --seed 11"
+  python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.bench.jsonl" --write --trace-command "$bench_cmd"
+  python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.mixed.jsonl" --write --trace-command "$mixed_cmd"
 done

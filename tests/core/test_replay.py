@@ -11,9 +11,20 @@ from pathlib import Path
 import pytest
 from builders import SAMPLES
 
-from cache_service.replay import ConfigFileError, main, make_pool, replay, same_result
+from cache_service.replay import (
+    ConfigFileError,
+    main,
+    make_pool,
+    read_expected,
+    replay,
+    same_result,
+)
 
 TRACES = sorted(p for p in SAMPLES.glob("*.jsonl") if not p.name.endswith(".expected.jsonl"))
+
+
+def expected_path(trace: Path) -> Path:
+    return trace.with_name(trace.name.removesuffix(".jsonl") + ".expected.jsonl")
 
 
 def run(config: dict, trace: str) -> list[dict]:
@@ -32,9 +43,7 @@ def test_every_sample_config_has_traces() -> None:
 @pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.name)
 def test_sample_equals_vllm_oracle(trace: Path) -> None:
     config = json.loads((SAMPLES / f"{trace.name.split('.')[0]}.json").read_text())
-    expected = [json.loads(x) for x in
-                trace.with_name(trace.name.removesuffix(".jsonl") + ".expected.jsonl")
-                .read_text().splitlines()]
+    _, expected = read_expected(expected_path(trace).read_text())
     ours = run(config, trace.read_text())
     assert len(ours) == len(expected)
     bad = [i for i, (o, e) in enumerate(zip(ours, expected)) if not same_result(o, e)]

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from cache_service import convert
-from cache_service.client import CacheClient, CacheError, layers, ops
-from cache_service.replay import Replayer, load_config, make_pool
+from cache_service.client import CacheClient
+from cache_service.conformance import ServerReplayer, register
+from cache_service.replay import Replayer, make_pool
 
 SAMPLES = Path(__file__).resolve().parents[2] / "cache_service" / "replay_samples"
 CONFIGS = sorted(SAMPLES.glob("*.json"))
@@ -90,96 +90,6 @@ def run_replay_tool(config: Path, trace: list[dict[str, Any]]) -> list[dict[str,
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
-class ServerReplayer:
-    """Trace ops as RPCs against one pool, rendered like the replay tool."""
-
-    def __init__(self, client: CacheClient, pool_id: str) -> None:
-        self.client = client
-        self.pool = pool_id
-        self.auto_step = True
-
-    def step(self, op, *, begin_step: bool = False):
-        return self.client.step(self.pool, [op], begin_step=begin_step).results[0]
-
-    def apply(self, op: dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(op, dict):
-            return {"op": None, "error": "not an object"}
-        out: dict[str, Any] = {"op": op.get("op")}
-        if "req" in op:
-            out["req"] = op["req"]
-        try:
-            out.update(self._apply(op))
-        except CacheError as exc:
-            out["error"] = exc.code.name
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            # Not expressible as a protocol message (unknown op, missing or ill-typed
-            # field): the replay tool must reject it too.
-            out["error"] = f"not representable: {exc!r}"
-        return out
-
-    def _apply(self, op: dict[str, Any]) -> dict[str, Any]:
-        name, rid = op["op"], op.get("req", "")
-        if name == "add":
-            r = self.step(ops.add(rid, op.get("tokens", []), cache_salt=op.get("cache_salt")))
-            return {"num_tokens": r.num_tokens, "num_block_hashes": r.num_block_hashes}
-        if name == "append":
-            r = self.step(ops.append(rid, op.get("tokens", [])))
-            return {"num_tokens": r.num_tokens, "num_block_hashes": r.num_block_hashes}
-        if name == "lookup":
-            r = self.step(ops.lookup(rid))
-            out = {"hit_tokens": r.hit_tokens, "block_ids": r.block_ids}
-            if r.shared_prefix_boundary:
-                out["shared_prefix_boundary"] = r.shared_prefix_boundary
-            return out
-        if name == "allocate":
-            r = self.step(ops.allocate(
-                rid, op["num_new_tokens"], num_lookahead_tokens=op.get("num_lookahead_tokens", 0),
-                full_sequence_must_fit=op.get("full_sequence_must_fit", False),
-                use_lookup=op.get("use_lookup", True),
-                delay_cache_blocks=op.get("delay_cache_blocks", False)),
-                begin_step=self.auto_step)
-            if not r.ok:
-                return {"ok": False, "new_block_ids": None}
-            # The protocol sends no per-group tables when nothing was allocated.
-            new = r.new_block_ids or [[] for _ in r.block_ids]
-            return {"ok": True, "hit_tokens_used": r.hit_tokens_used,
-                    "num_computed_tokens": r.num_computed_tokens,
-                    "new_block_ids": new, "block_ids": r.block_ids}
-        if name in ("free", "preempt"):
-            r = self.step(ops.free(rid) if name == "free" else ops.preempt(rid))
-            return {"num_free_blocks": r.num_free_blocks}
-        if name == "step":
-            self.auto_step = False
-            self.step(ops.new_step())
-            return {}
-        if name == "usage":
-            s = self.client.stats(self.pool)
-            return {"usage": s.usage, "num_free_blocks": s.num_free_blocks,
-                    "num_cached_blocks": s.num_cached_blocks,
-                    "num_cached_blocks_per_group": s.num_cached_blocks_per_group}
-        if name == "reset":
-            return {"ok": self.client.reset_prefix_cache(self.pool)}
-        if name == "blocks":
-            s = self.client.get_request(self.pool, rid)
-            return {"block_ids": s.block_ids, "num_computed_tokens": s.num_computed_tokens,
-                    "num_tokens": s.num_tokens}
-        raise KeyError(f"unknown op {name!r}")
-
-
-def register(client: CacheClient, config: Path, pool_id: str) -> None:
-    """The sample config as a RegisterPool call: one layer per group, same num_blocks."""
-    data = json.loads(config.read_text())
-    core_config, options = load_config(data)
-    layer_specs = [layers.from_spec(f"layer{i}", g.spec)
-                   for i, g in enumerate(core_config.groups)]
-    client.register_pool(
-        pool_id, layer_specs, num_blocks=core_config.num_blocks,
-        max_model_len=options.max_model_len, enable_caching=options.enable_caching,
-        hash_algo=options.hash_algo, scheduler_block_size=options.scheduler_block_size,
-        hash_block_size=options.hash_block_size, watermark=options.watermark,
-        max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True)
-
-
 def traces() -> list[tuple[str, Path, list[dict[str, Any]]]]:
     out = []
     for i, config in enumerate(CONFIGS):
@@ -207,7 +117,7 @@ def test_server_replay_equals_the_replay_tool(client: CacheClient, name: str, co
     trace = [op for op in trace if not (isinstance(op, dict) and op.get("op") == "hashes")]
     expected = run_replay_tool(config, trace)
     pool_id = f"replay-{name}"
-    register(client, config, pool_id)
+    register(client, json.loads(config.read_text()), pool_id)
     replayer = ServerReplayer(client, pool_id)
     for i, (op, want) in enumerate(zip(trace, expected)):
         got = replayer.apply(op)

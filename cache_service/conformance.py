@@ -1,0 +1,218 @@
+"""Conformance runner: drive a live cache server with replay traces and diff its answers.
+
+    python -m cache_service.conformance --target HOST:PORT
+    python -m cache_service.conformance --target HOST:PORT --config C.json --trace T.jsonl \
+        [--expected T.expected.jsonl]
+
+Without ``--trace`` it runs every bundled sample (``cache_service/replay_samples``) against
+vLLM 0.33's recorded answers. With ``--trace`` it runs that trace; the answers it is diffed
+against are ``--expected``, else ``T.expected.jsonl`` next to the trace, else this project's
+replay tool (the reference implementation). Each trace gets its own pool (deleted after).
+One trace operation becomes one ``Step`` (queries use GetPoolStats, GetRequest,
+ResetPrefixCache), rendered like the replay tool; results are compared with
+``cache_service.replay.same_result``. Exit status: 0 if every answer matched, 1 if any
+differed, 2 for bad arguments. docs/conformance.md explains the kit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from cache_service.client import CacheClient, CacheError, layers, ops
+from cache_service.replay import load_config, make_pool, read_expected, replay, same_result
+
+SAMPLES = Path(__file__).resolve().parent / "replay_samples"
+
+
+class ServerReplayer:
+    """Trace operations as RPCs against one pool, rendered like the replay tool."""
+
+    def __init__(self, client: CacheClient, pool_id: str) -> None:
+        self.client = client
+        self.pool = pool_id
+        self.auto_step = True  # until the trace's first "step", every allocate begins one
+
+    def step(self, op, *, begin_step: bool = False):
+        return self.client.step(self.pool, [op], begin_step=begin_step).results[0]
+
+    def apply(self, op: Any) -> dict[str, Any]:
+        if not isinstance(op, dict):
+            return {"op": None, "error": "not an object"}
+        out: dict[str, Any] = {"op": op.get("op")}
+        if "req" in op:
+            out["req"] = op["req"]
+        try:
+            out.update(self._apply(op))
+        except CacheError as exc:
+            out["error"] = exc.code.name
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # Not expressible as a protocol message (unknown op, missing or ill-typed
+            # field): the reference rejects it too.
+            out["error"] = f"not representable: {exc!r}"
+        return out
+
+    def _apply(self, op: dict[str, Any]) -> dict[str, Any]:
+        name, rid = op["op"], op.get("req", "")
+        if name == "add":
+            r = self.step(ops.add(rid, op.get("tokens", []), cache_salt=op.get("cache_salt")))
+            return {"num_tokens": r.num_tokens, "num_block_hashes": r.num_block_hashes}
+        if name == "append":
+            r = self.step(ops.append(rid, op.get("tokens", [])))
+            return {"num_tokens": r.num_tokens, "num_block_hashes": r.num_block_hashes}
+        if name == "lookup":
+            r = self.step(ops.lookup(rid))
+            out = {"hit_tokens": r.hit_tokens, "block_ids": r.block_ids}
+            if r.shared_prefix_boundary:
+                out["shared_prefix_boundary"] = r.shared_prefix_boundary
+            return out
+        if name == "allocate":
+            r = self.step(ops.allocate(
+                rid, op["num_new_tokens"], num_lookahead_tokens=op.get("num_lookahead_tokens", 0),
+                full_sequence_must_fit=op.get("full_sequence_must_fit", False),
+                use_lookup=op.get("use_lookup", True),
+                delay_cache_blocks=op.get("delay_cache_blocks", False)),
+                begin_step=self.auto_step)
+            if not r.ok:
+                return {"ok": False, "new_block_ids": None}
+            # The protocol sends no per-group tables when nothing was allocated.
+            new = r.new_block_ids or [[] for _ in r.block_ids]
+            return {"ok": True, "hit_tokens_used": r.hit_tokens_used,
+                    "num_computed_tokens": r.num_computed_tokens,
+                    "new_block_ids": new, "block_ids": r.block_ids}
+        if name in ("free", "preempt"):
+            r = self.step(ops.free(rid) if name == "free" else ops.preempt(rid))
+            return {"num_free_blocks": r.num_free_blocks}
+        if name == "step":
+            self.auto_step = False
+            self.step(ops.new_step())
+            return {}
+        if name == "usage":
+            s = self.client.stats(self.pool)
+            return {"usage": s.usage, "num_free_blocks": s.num_free_blocks,
+                    "num_cached_blocks": s.num_cached_blocks,
+                    "num_cached_blocks_per_group": s.num_cached_blocks_per_group}
+        if name == "reset":
+            return {"ok": self.client.reset_prefix_cache(self.pool)}
+        if name == "blocks":
+            s = self.client.get_request(self.pool, rid)
+            return {"block_ids": s.block_ids, "num_computed_tokens": s.num_computed_tokens,
+                    "num_tokens": s.num_tokens}
+        raise KeyError(f"unknown op {name!r}")
+
+
+def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
+    """A replay config as a RegisterPool call: one layer per group, same num_blocks."""
+    core_config, options = load_config(config)
+    layer_specs = [layers.from_spec(f"layer{i}", g.spec)
+                   for i, g in enumerate(core_config.groups)]
+    client.register_pool(
+        pool_id, layer_specs, num_blocks=core_config.num_blocks,
+        max_model_len=options.max_model_len, enable_caching=options.enable_caching,
+        hash_algo=options.hash_algo, scheduler_block_size=options.scheduler_block_size,
+        hash_block_size=options.hash_block_size, watermark=options.watermark,
+        max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True)
+
+
+def parse_trace(text: str) -> list[Any]:
+    """Trace operations ("#" lines and blank lines skipped)."""
+    return [json.loads(line) for line in text.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def reference_answers(config: dict[str, Any], trace: Sequence[Any]) -> list[dict[str, Any]]:
+    """The replay tool's answers (this project's allocator core) for a trace."""
+    out = io.StringIO()
+    replay(make_pool(config), [json.dumps(op) for op in trace], out)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def run_trace(client: CacheClient, name: str, config: dict[str, Any], trace: Sequence[Any],
+              expected: Sequence[dict[str, Any]]) -> list[str]:
+    """Replay ``trace`` on a fresh pool; the differences from ``expected``, one line each."""
+    if len(expected) != len(trace):
+        return [f"{name}: {len(trace)} operations but {len(expected)} expected answers"]
+    pool_id = f"conformance-{os.getpid()}-{name}"[:128]
+    register(client, config, pool_id)
+    replayer = ServerReplayer(client, pool_id)
+    diffs = []
+    try:
+        for i, (op, want) in enumerate(zip(trace, expected)):
+            if isinstance(op, dict) and op.get("op") == "hashes":
+                continue  # a replay-tool query the protocol lacks: not compared
+            got = replayer.apply(op)
+            if not same_result(got, want):
+                diffs.append(f"{name} op {i} {json.dumps(op)[:200]}\n"
+                             f"    server:   {json.dumps(got)[:400]}\n"
+                             f"    expected: {json.dumps(want)[:400]}")
+    finally:
+        client.delete_pool(pool_id)
+    return diffs
+
+
+def bundled() -> list[tuple[str, Path, Path, Path]]:
+    """(name, config, trace, expected answers) of every bundled sample."""
+    out = []
+    for trace in sorted(SAMPLES.glob("*.jsonl")):
+        if not trace.name.endswith(".expected.jsonl"):
+            name = trace.name.removesuffix(".jsonl")
+            out.append((name, SAMPLES / f"{name.split('.')[0]}.json", trace,
+                        trace.with_name(f"{name}.expected.jsonl")))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cache_service.conformance",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="HOST:PORT of the server")
+    p.add_argument("--token", help="bearer token (servers started with --auth-token)")
+    p.add_argument("--config", type=Path, help="replay config JSON (with --trace)")
+    p.add_argument("--trace", type=Path, help="a JSON-lines trace; default: the bundled samples")
+    p.add_argument("--expected", type=Path,
+                   help="expected answers; default: TRACE.expected.jsonl if present, else the "
+                        "replay tool's answers")
+    a = p.parse_args(argv)
+    if (a.trace is None) != (a.config is None) or (a.expected and not a.trace):
+        p.print_usage(sys.stderr)
+        print("give --config and --trace together (and --expected only with them)",
+              file=sys.stderr)
+        return 2
+    if a.trace is None:
+        jobs = bundled()
+    else:
+        default = a.trace.with_name(a.trace.name.removesuffix(".jsonl") + ".expected.jsonl")
+        expected = a.expected or (default if default.is_file() else None)
+        jobs = [(a.trace.name.removesuffix(".jsonl"), a.config, a.trace, expected)]
+    failed = 0
+    with CacheClient(a.target, token=a.token, default_timeout=60) as client:
+        for name, config_path, trace_path, expected_path in jobs:
+            try:
+                config = json.loads(config_path.read_text())
+                trace = parse_trace(trace_path.read_text())
+                if expected_path is None:
+                    source, want = "replay tool", reference_answers(config, trace)
+                else:
+                    provenance, want = read_expected(expected_path.read_text())
+                    source = (f"vLLM {provenance['vllm_version']}" if provenance
+                              else expected_path.name)
+            except (OSError, ValueError, KeyError) as exc:
+                print(f"{name}: cannot read inputs: {exc}", file=sys.stderr)
+                return 2
+            diffs = run_trace(client, name, config, trace, want)
+            failed += bool(diffs)
+            print(f"{name}: {len(trace)} ops vs {source}: "
+                  f"{'ok' if not diffs else f'{len(diffs)} differ'}")
+            for line in diffs[:5]:
+                print("  " + line)
+    print(f"{len(jobs) - failed}/{len(jobs)} traces conform")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
