@@ -3,9 +3,10 @@
 One asyncio event loop runs the gRPC server (grpc.aio), the /metrics endpoint and owns every
 pool, so allocator state needs no locks. Lifecycle:
 
-1. listen (``--port 0`` picks a free port), then log ONE JSON line
-   ``{"event": "serving", "port": ..., "metrics_port": ...}`` — supervisors and tests wait
-   for it;
+1. listen (``--port 0`` picks a free port), health SERVING, then log ONE JSON line
+   ``{"event": "serving", "port": ..., "metrics_port": ...}`` at any ``--log-level`` — it
+   means "health is SERVING", as the executor's does; supervisors and tests wait for it. A
+   port in use ends the process at once: exit code 2 and one line on stderr;
 2. on SIGTERM/SIGINT: health goes NOT_SERVING, event streams end, new calls get
    UNAVAILABLE ("retry elsewhere"), in-flight calls get ``drain_seconds`` to finish, then the
    server stops (cancelling health watchers and anything still running); exit code 0.
@@ -14,8 +15,10 @@ pool, so allocator state needs no locks. Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -62,6 +65,36 @@ def configure_logging(level: str) -> None:
             min(logging.INFO, getattr(logging, level.upper()))))
 
 
+def port_in_use(host: str, port: int, flag: str = "--port") -> str | None:
+    """Why ``host:port`` cannot be listened on (one line naming ``--host`` or ``flag``), or
+    None. Checked before gRPC binds: its own failure is a bare RuntimeError after a C-core
+    log line. Binds like gRPC does (SO_REUSEADDR), so a port in TIME_WAIT counts as free."""
+    if port <= 0:  # ephemeral, or disabled (-1)
+        return None
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host: cannot resolve {host!r} ({exc.strerror})"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"{flag}: {host}:{port} is already in use (another server "
+                            f"running? pick another port, or --port 0 for a free one)")
+                return f"--host: cannot listen on {host}:{port} ({exc.strerror})"
+    return None
+
+
+def exit_with_error(prog: str, message: str, code: int) -> int:
+    """One line ``<prog>: error: <message>`` on stderr (argparse's format); returns ``code``."""
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     """Channel arguments set explicitly (message sizes, keepalive, ping policy)."""
     return [
@@ -81,6 +114,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
+    busy = (port_in_use(settings.host, settings.port)
+            or port_in_use(settings.host, settings.metrics_port, "--metrics-port"))
+    if busy:
+        return exit_with_error("kvcache-server", busy, 2)
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer)
     prom_registry, rpc_metrics = new_registry(registry.stats)

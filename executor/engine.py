@@ -634,7 +634,7 @@ def check_engine_config(config: EngineConfig, mamba_align_block: int) -> None:
         raise SettingError(f"{config.max_tokens_per_step} is below the Mamba block size "
                            f"{mamba_align_block}; prefill could never progress (raise it to at "
                            f"least {mamba_align_block}, or use --mamba-cache-mode none)",
-                           field="max_tokens_per_step")
+                           field="--max-tokens-per-step")
 
 
 def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0, align_block: int = 0) -> int:

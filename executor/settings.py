@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NoReturn, get_args, get_origin
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from executor.presets import DEFAULT_PRESET
+from executor.presets import DEFAULT_PRESET, PRESETS
 
 
 class ExecutorSettings(BaseSettings):
@@ -21,7 +21,7 @@ class ExecutorSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 = ephemeral (reported "
-                      "in the 'serving' log line)")
+                      "in the 'listening' and 'serving' log lines)")
     metrics_port: int = Field(-1, ge=-1, le=65535, description="Prometheus /metrics port; "
                               "0 = ephemeral, -1 = disabled")
     cache_service: str = Field("127.0.0.1:50051", description="cache service address HOST:PORT")
@@ -32,8 +32,9 @@ class ExecutorSettings(BaseSettings):
     hf_checkpoint: Path | None = Field(None, description="a Hugging Face checkpoint directory "
                                        "(config.json + safetensors; overrides --preset)")
     seed: int | None = Field(None, description="random-weight seed (default: the preset's)")
-    max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own); "
-                               "the pool must fit one request of this length")
+    max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own; "
+                               "a checkpoint's, at most 4096); the pool must fit one request "
+                               "of this length")
     device: str = Field("cpu", description="torch device for the model and the cache ('cpu', "
                         "'cuda', 'cuda:1'); CUDA runs the kernels' Triton implementations")
     cache_memory_mb: float = Field(32.0, gt=0, description="KV-cache memory budget (MiB)")
@@ -49,9 +50,31 @@ class ExecutorSettings(BaseSettings):
                                  "requests to finish")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
+        return name
+
+
+def _choices(name: str) -> list[str] | None:
+    """The values a flag accepts when they are a closed set (shown by --help)."""
+    if name == "preset":
+        return sorted(PRESETS)
+    annotation = ExecutorSettings.model_fields[name].annotation
+    return list(get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a mistake prints ONE line (no usage block): ``prog: error: ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvcache-executor",
         description="Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, "
         "metrics): runs a hybrid model on a paged cache managed by the cache service. Every "
@@ -59,8 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     for name, info in ExecutorSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = "KVCACHE_EXECUTOR_" + name.upper()
-        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
-                            help=f"{info.description} [env {env}; default {info.default}]")
+        extra: dict = {"metavar": name.upper()}
+        if info.annotation is bool:  # a bare flag means true; "--flag false" still works
+            extra = {"nargs": "?", "const": "true", "metavar": "true|false"}
+        elif (choices := _choices(name)) is not None:
+            extra = {"choices": choices}
+        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS,
+                            help=f"{info.description} [env {env}; default {info.default}]", **extra)
     return parser
 
 
@@ -69,6 +97,8 @@ def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
     given = vars(parser.parse_args(argv))
     try:
         return ExecutorSettings(**given)
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise
+    except ValidationError as exc:  # one line: the first offending flag (or env variable)
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        flag = "--" + name.replace("_", "-") if name else "settings"
+        parser.error(f"{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
