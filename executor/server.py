@@ -1,4 +1,4 @@
-"""``kvcache-executor`` / ``python -m executor``: the executor service.
+"""The executor service (``kvcache-executor``, started by :mod:`executor.cli`).
 
 Lifecycle:
 
@@ -24,13 +24,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import signal
-import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
@@ -47,14 +45,14 @@ from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
 from cache_service.metrics import serve_metrics
 import cache_service.server as service_server
-from cache_service.server import configure_logging, exit_with_error, port_in_use
+from cache_service.server import exit_with_error
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.config import ModelConfig
 from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
 from executor.errors import (CacheUnavailable, ExecutorError, InvalidArgument, NotReady,
-                             RequestFailed, SettingError)
+                             RequestFailed)
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
@@ -62,7 +60,6 @@ from executor.sampling import SamplingParams, sample
 from executor.settings import ExecutorSettings, parse_settings
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
-PROG = "kvcache-executor"
 log = structlog.get_logger("executor.server")
 
 # The one place where executor errors become gRPC statuses (most specific first).
@@ -335,7 +332,9 @@ class EngineCollector:
                 ("cached_tokens", m.cached_tokens, "prompt tokens served from the prefix cache"),
                 ("computed_tokens", m.computed_tokens, "tokens run through the model"),
                 ("generated_tokens", m.generated_tokens, "tokens sampled"),
-                ("preemptions", m.preemptions, "requests preempted"),
+                ("preemptions", m.preemptions, "running requests preempted for lack of blocks"),
+                ("admission_rollbacks", m.admission_rollbacks,
+                 "admitted candidates undone to keep FCFS (sent as preempt ops)"),
                 ("finished_requests", m.finished, "requests finished"),
                 ("reregistrations", m.reregistrations, "pool re-registrations")):
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
@@ -351,10 +350,6 @@ class EngineCollector:
 def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> "Executor":
     """The model and the executor the settings describe; raises SettingError (or another
     InvalidArgument) naming the setting that cannot work. Nothing listens yet."""
-    busy = (port_in_use(settings.host, settings.port)
-            or port_in_use(settings.host, settings.metrics_port, "--metrics-port"))
-    if busy:
-        raise SettingError(busy)
     model = (model or build_model(settings)).to(settings.device)
     return Executor(settings, model)
 
@@ -373,7 +368,7 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
     except RuntimeError:  # taken since prepare() checked it
         port = 0
     if port == 0:
-        return exit_with_error(PROG, f"--port: cannot listen on {settings.host}:{settings.port}", 2)
+        return exit_with_error("kvcache-executor", f"--port: cannot listen on {settings.host}:{settings.port}", 2)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -420,20 +415,3 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
         metrics_server.close()
     service_server.lifecycle.info("stopped", exit_code=exit_code)
     return exit_code
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: parse flags/env, build and check the model and settings (anything that
-    cannot work: one line naming the setting, exit 2), serve."""
-    settings = parse_settings(argv)
-    configure_logging(settings.log_level)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        ex = prepare(settings)
-    except InvalidArgument as exc:
-        return exit_with_error(PROG, str(exc), 2)
-    return asyncio.run(serve(settings, ex))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

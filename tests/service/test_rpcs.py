@@ -405,6 +405,41 @@ def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
     assert "kvcache_pool_evictions_total" in body
 
 
+def _metric(body: str, name: str, method: str) -> float:
+    """The value of series ``name`` of ``kvcache.v1.CacheService/method`` (0 if absent)."""
+    for line in body.splitlines():
+        if line.startswith(name + "{") and f'grpc_method="{method}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_long_lived_stream_shows_in_the_metrics_while_it_runs(server, client: CacheClient,
+                                                                new_pool) -> None:
+    """An open StepStream's messages are counted as they pass (and the call as started),
+    not only when the stream ends."""
+    info = new_pool()
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+
+    before = scrape()
+    stream = client.step_stream()
+    try:
+        for i in range(3):
+            stream.step(info.pool_id, [ops.add(f"r{i}", [1, 2, 3])])
+        during = scrape()
+    finally:
+        stream.close()
+    for name in ("grpc_server_msg_received_total", "grpc_server_msg_sent_total"):
+        assert _metric(during, name, "StepStream") - _metric(before, name, "StepStream") == 3, name
+    assert _metric(during, "grpc_server_started_total", "StepStream") \
+        - _metric(before, "grpc_server_started_total", "StepStream") == 1
+    # still open: not handled yet
+    assert _metric(during, "grpc_server_handled_total", "StepStream") \
+        == _metric(before, "grpc_server_handled_total", "StepStream")
+
+
 def test_client_computed_hashes_hit_like_server_hashed_tokens(client: CacheClient,
                                                               new_pool) -> None:
     from cache_service.core.hashing import hash_request_tokens, sha256_cbor
