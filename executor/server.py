@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -174,13 +174,15 @@ class Executor:
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
 
-    def start(self, on_ready: Any, on_fatal: Any) -> None:
+    def start(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
+        """Registers and brings up the engine on a thread; then ``on_ready()``, or
+        ``on_fatal(one line saying why)`` if the executor can never serve."""
         t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal), name="executor-register",
                              daemon=True)
         t.start()
         self._threads.append(t)
 
-    def _bring_up(self, on_ready: Any, on_fatal: Any) -> None:
+    def _bring_up(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         delay = 0.1
         while not self._closing.is_set():
             try:
@@ -188,7 +190,8 @@ class Executor:
                 break
             except CacheError as exc:  # the service rejected our description: cannot serve
                 log.error("registration_failed", error=str(exc), field=exc.field)
-                on_fatal()
+                on_fatal(f"the cache service refused the pool ({exc.message}); check "
+                         f"--num-blocks / --cache-memory-mb / --max-model-len / --block-size")
                 return
             except CacheUnavailable as exc:
                 log.warning("cache_service_unreachable", target=self.settings.cache_service,
@@ -197,11 +200,16 @@ class Executor:
                 delay = min(delay * 2, 2.0)
         else:
             return
-        groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
-                             device=self.settings.device)
-        self.runner = ModelRunner(self.model, cache)
-        self.engine = Engine(self.runner, self.link, engine_config(self.settings))
+        try:  # a failure here must end the process, not leave it up and never SERVING
+            groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
+            cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
+                                 device=self.settings.device)
+            self.runner = ModelRunner(self.model, cache)
+            self.engine = Engine(self.runner, self.link, engine_config(self.settings))
+        except Exception as exc:
+            log.exception("bring_up_failed")
+            on_fatal(f"cannot serve the pool the cache service answered: {exc}")
+            return
         t = threading.Thread(target=self.engine.run, name="executor-engine", daemon=True)
         t.start()
         self._threads.append(t)
@@ -393,10 +401,11 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
 
     stop = asyncio.Event()
     exit_code = 0
+    why = ""
 
-    def fatal() -> None:
-        nonlocal exit_code
-        exit_code = 1
+    def fatal(message: str) -> None:
+        nonlocal exit_code, why
+        exit_code, why = 1, message
         loop.call_soon_threadsafe(stop.set)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -414,4 +423,4 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
     if metrics_server is not None:
         metrics_server.close()
     service_server.lifecycle.info("stopped", exit_code=exit_code)
-    return exit_code
+    return exit_with_error("kvcache-executor", why, exit_code) if why else exit_code

@@ -75,6 +75,16 @@ def test_a_setting_that_cannot_work_stops_the_start() -> None:
     assert done.stdout == ""  # no "listening" / "serving" line
 
 
+def test_a_pool_the_cache_service_refuses_ends_the_process(cache_service) -> None:
+    """Found only at registration (after listening): the process exits 1 with one line, instead
+    of staying up and never SERVING."""
+    done = run("-m", "executor", "--port", "0", "--cache-service", cache_service.target,
+               "--preset", "hybrid-fsm", "--num-blocks", "3")
+    assert done.returncode == 1, done.stdout[-2000:]
+    line = one_error_line(done, "kvcache-executor")
+    assert "the cache service refused the pool (num_blocks: " in line and "--num-blocks" in line
+
+
 def test_help_lists_the_choices() -> None:
     done = run("-m", "executor", "--help")
     assert done.returncode == 0
