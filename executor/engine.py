@@ -116,7 +116,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Chunk:
+class ScheduledChunk:
     """Scheduled work: compute ``req``'s tokens ``[start, start + n)`` in this step's forward."""
 
     req: Request
@@ -125,7 +125,7 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class Allocation:
+class PendingAllocate:
     """An ``allocate`` of ``n`` slots for ``req`` in a batch; its answer is at ``op_index``."""
 
     req: Request
@@ -344,25 +344,25 @@ class Engine:
             raise
         self.free_blocks_hint = result.num_free_blocks
 
-        scheduled: list[Chunk] = []
-        failed: list[Allocation] = []  # no room: their tokens are appended, the retry allocates
+        scheduled: list[ScheduledChunk] = []
+        failed: list[PendingAllocate] = []  # no room: their tokens are appended, the retry allocates
         if decoding:
             decoded = result.results[decoding.op_index]
             assert isinstance(decoded, DecodeResult)
             ok, grown = decoded.ok, decoded.new_block_ids
             for i, req in enumerate(decoding.requests):
                 if not ok[i]:
-                    failed.append(Allocation(req, 1, -1))
+                    failed.append(PendingAllocate(req, 1, -1))
                     continue
                 if i in grown:
                     req.tables = [t + new for t, new in zip(req.tables, grown[i])]
-                scheduled.append(Chunk(req, req.num_computed, 1))
+                scheduled.append(ScheduledChunk(req, req.num_computed, 1))
         for alloc in planned:
             answer = result.results[alloc.op_index]
             assert isinstance(answer, AllocateResult)
             if answer.ok:
                 alloc.req.tables = answer.block_ids
-                scheduled.append(Chunk(alloc.req, alloc.req.num_computed, alloc.n))
+                scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
             else:
                 failed.append(alloc)
         if failed:
@@ -381,7 +381,7 @@ class Engine:
         self.metrics.step_seconds += time.perf_counter() - t0
 
     def _plan_running(self, step_ops: list, rollback: StepRollback, budget: int
-                      ) -> tuple[DecodeBatch | None, list[Allocation], int]:
+                      ) -> tuple[DecodeBatch | None, list[PendingAllocate], int]:
         """Append the running requests' ops to ``step_ops`` (oldest first); returns the decode
         batch, the generic allocations and the budget left.
 
@@ -412,11 +412,11 @@ class Engine:
         if decode.requests:
             decode.op_index = len(step_ops)
             step_ops.append(ops.decode([r.request_id for r in decode.requests], decode.token_ids))
-        planned: list[Allocation] = []
+        planned: list[PendingAllocate] = []
         for req, pending, n in generic:
             if pending:
                 step_ops.append(ops.append(req.request_id, pending))
-            planned.append(Allocation(req, n, len(step_ops)))
+            planned.append(PendingAllocate(req, n, len(step_ops)))
             step_ops.append(ops.allocate(req.request_id, n))
         return (decode if decode.requests else None), planned, budget
 
@@ -445,7 +445,7 @@ class Engine:
             budget -= 1  # a candidate computes at least one token
         return candidates
 
-    def _preempt_and_retry(self, scheduled: list[Chunk], failed: list[Allocation]) -> list[Chunk]:
+    def _preempt_and_retry(self, scheduled: list[ScheduledChunk], failed: list[PendingAllocate]) -> list[ScheduledChunk]:
         """vLLM's policy: while a running request gets no room, preempt the newest running
         request and retry; a request that is itself the newest is preempted. If a round's call
         fails, the victim's preempt is sent with the next step and the requests still without
@@ -456,7 +456,7 @@ class Engine:
             self._to_waiting(victim)
             scheduled = [c for c in scheduled if c.req is not victim]
             survivors = [a for a in failed if a.req is not victim]
-            retry = [Allocation(a.req, a.n, i) for i, a in enumerate(survivors, start=1)]
+            retry = [PendingAllocate(a.req, a.n, i) for i, a in enumerate(survivors, start=1)]
             round_ops += [ops.allocate(a.req.request_id, a.n) for a in retry]
             try:
                 result = self.link.step(round_ops)
@@ -471,7 +471,7 @@ class Engine:
                 assert isinstance(answer, AllocateResult)
                 if answer.ok:
                     alloc.req.tables = answer.block_ids
-                    scheduled.append(Chunk(alloc.req, alloc.req.num_computed, alloc.n))
+                    scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
                 else:
                     failed.append(alloc)
         order = {id(r): i for i, r in enumerate(self.running)}
@@ -487,12 +487,12 @@ class Engine:
         self.metrics.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, candidates: list[Candidate], first: Sequence[object], budget: int) -> list[Chunk]:
+    def _admit(self, candidates: list[Candidate], first: Sequence[object], budget: int) -> list[ScheduledChunk]:
         """The admission call (``lookup`` + ``allocate(full_sequence_must_fit)`` per
         candidate); returns the admitted chunks. If the call fails the candidates stay
         waiting (nothing applied; they look up again next step)."""
         admit_ops = []
-        plan: list[Allocation] = []
+        plan: list[PendingAllocate] = []
         unit = min(g.block_size for g in self.layout)
         for cand in candidates:
             req = cand.req
@@ -506,7 +506,7 @@ class Engine:
             if n <= 0:
                 break
             admit_ops.append(ops.lookup(req.request_id))
-            plan.append(Allocation(req, n, len(admit_ops)))
+            plan.append(PendingAllocate(req, n, len(admit_ops)))
             admit_ops.append(ops.allocate(req.request_id, n, full_sequence_must_fit=True))
             budget -= n
         if not plan:
@@ -517,7 +517,7 @@ class Engine:
             log.warning("admission_call_failed", error=str(exc))
             return []
         self.free_blocks_hint = result.num_free_blocks
-        admitted: list[Chunk] = []
+        admitted: list[ScheduledChunk] = []
         rollback: list[Request] = []
         stopped = False
         for alloc in plan:
@@ -540,7 +540,7 @@ class Engine:
                 req.stats.cached_tokens = start
                 self.metrics.prompt_tokens += len(req.prompt)
                 self.metrics.cached_tokens += start
-            admitted.append(Chunk(req, start, alloc.n))
+            admitted.append(ScheduledChunk(req, start, alloc.n))
         if rollback:
             self.metrics.admission_rollbacks += len(rollback)
             try:
@@ -551,7 +551,7 @@ class Engine:
                 self.to_preempt += [r.request_id for r in rollback]
         return admitted
 
-    def _execute(self, scheduled: list[Chunk]) -> None:
+    def _execute(self, scheduled: list[ScheduledChunk]) -> None:
         tokens, chunks = [], []
         for c in scheduled:
             tokens.append(c.req.tokens[c.start:c.start + c.n])
