@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
 
 from cache_service import convert  # noqa: E402
-from cache_service.launch import start_cache_service  # noqa: E402
+from kvcache_common.launch import start_cache_service  # noqa: E402
 from cache_service.client import (  # noqa: E402
     AsyncCacheClient,
     CacheClient,
@@ -58,8 +58,8 @@ from cache_service.client import (  # noqa: E402
     layers,
     register_request,
 )
-from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
-from cache_service.pools import PoolRegistry, build_pool  # noqa: E402
+from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
+from cache_service.registry import PoolRegistry, build_pool  # noqa: E402
 from cache_service.servicer import CacheServicer  # noqa: E402
 
 PROMPT = 512

@@ -15,10 +15,7 @@ pool, so allocator state needs no locks. Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import errno
-import logging
 import signal
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -27,72 +24,21 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.interceptors import CallInterceptor
-from cache_service.metrics import new_registry, serve_metrics
-from cache_service.pools import PoolRegistry
+from cache_service.metrics import new_registry
+from kvcache_common.cli import exit_with_error
+from kvcache_common.listen import port_in_use
+from kvcache_common.logs import configure_logging, lifecycle
+from kvcache_common.metrics_http import serve_metrics
+from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 log = structlog.get_logger("cache_service.server")
-#: Lifecycle lines ("serving", "draining", "stopped") print at any --log-level: supervisors
-#: and tests wait for them.
-lifecycle = structlog.get_logger("cache_service.lifecycle")
-
-
-def configure_logging(level: str) -> None:
-    """structlog JSON lines on stdout, one per event, with the call's request id."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        cache_logger_on_first_use=True,
-    )
-    global lifecycle
-    lifecycle = structlog.wrap_logger(
-        structlog.PrintLogger(sys.stdout),
-        wrapper_class=structlog.make_filtering_bound_logger(
-            min(logging.INFO, getattr(logging, level.upper()))))
-
-
-def port_in_use(host: str, port: int, flag: str = "--port") -> str | None:
-    """Why ``host:port`` cannot be listened on (one line naming ``--host`` or ``flag``), or
-    None. Checked before gRPC binds: its own failure is a bare RuntimeError after a C-core
-    log line. Binds like gRPC does (SO_REUSEADDR), so a port in TIME_WAIT counts as free."""
-    if port <= 0:  # ephemeral, or disabled (-1)
-        return None
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"--host: cannot resolve {host!r} ({exc.strerror})"
-    for family, kind, proto, _, address in addresses:
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    return (f"{flag}: {host}:{port} is already in use (another server "
-                            f"running? pick another port, or --port 0 for a free one)")
-                return f"--host: cannot listen on {host}:{port} ({exc.strerror})"
-    return None
-
-
-def exit_with_error(prog: str, message: str, code: int) -> int:
-    """One line ``<prog>: error: <message>`` on stderr (argparse's format); returns ``code``."""
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-    return code
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
@@ -154,11 +100,11 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    lifecycle.info("serving", host=settings.host, port=port, metrics_port=metrics_port,
+    lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=token is not None)
 
     await stop.wait()
-    lifecycle.info("draining", grace_seconds=settings.drain_seconds)
+    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.
     await health_servicer.enter_graceful_shutdown()
@@ -175,7 +121,7 @@ async def serve(settings: Settings) -> int:
     await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
     if metrics_server is not None:
         metrics_server.close()
-    lifecycle.info("stopped")
+    lifecycle().info("stopped")
     return 0
 
 

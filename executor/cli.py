@@ -13,7 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from cache_service.server import configure_logging, exit_with_error, port_in_use
+from kvcache_common.cli import exit_with_error
+from kvcache_common.listen import port_in_use
+from kvcache_common.logs import configure_logging
 from executor.errors import InvalidArgument
 from executor.settings import parse_settings
 

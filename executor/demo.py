@@ -14,7 +14,7 @@ line) until that executor is SERVING, i.e. registered with its cache service.
 The model is a preset: a tiny random-weight model on the CPU (a few layers, hidden 128), so
 the tokens are not text; what the demo shows is what the cache saves. Children never outlive
 the demo: they get SIGTERM when it dies, even by SIGKILL (PR_SET_PDEATHSIG, see
-``cache_service.launch``).
+``kvcache_common.launch``).
 """
 
 from __future__ import annotations

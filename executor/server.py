@@ -39,13 +39,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from cache_service.api.kvcache.v1 import executor_pb2 as epb
-from cache_service.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from cache_service.metrics import serve_metrics
-import cache_service.server as service_server
-from cache_service.server import exit_with_error
+from kvcache_common.cli import exit_with_error
+from kvcache_common.logs import lifecycle
+from kvcache_common.metrics_http import serve_metrics
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
@@ -391,13 +391,13 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
                  model=ex.model.config.name, pool_id=ex.plan.pool_id,
                  cache_service=settings.cache_service)
     # Lifecycle lines print at any --log-level (supervisors and launchers wait for them).
-    service_server.lifecycle.info("listening", **where)
+    lifecycle().info("listening", **where)
 
     async def mark_serving() -> None:
         if not ex.draining:
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-            service_server.lifecycle.info("serving", **where)
+            lifecycle().info("serving", **where)
 
     stop = asyncio.Event()
     exit_code = 0
@@ -412,7 +412,7 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
         loop.add_signal_handler(sig, stop.set)
     ex.start(lambda: asyncio.run_coroutine_threadsafe(mark_serving(), loop), fatal)
     await stop.wait()
-    service_server.lifecycle.info("draining", grace_seconds=settings.drain_seconds)
+    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     ex.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.drain_seconds
@@ -422,5 +422,5 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
     await asyncio.to_thread(ex.close)
     if metrics_server is not None:
         metrics_server.close()
-    service_server.lifecycle.info("stopped", exit_code=exit_code)
+    lifecycle().info("stopped", exit_code=exit_code)
     return exit_with_error("kvcache-executor", why, exit_code) if why else exit_code

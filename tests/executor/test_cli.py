@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cache_service.launch import start_cache_service
+from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor
 
 pytestmark = pytest.mark.timeout(120)

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import CacheClient, CacheError, ops
-from cache_service.launch import start_cache_service
+from kvcache_common.launch import start_cache_service
 
 from .conftest import full_layers
 
