@@ -79,7 +79,7 @@ def main() -> int:
             procs.append(p)
             return p
 
-        on, off = executor(), executor("--enable-prefix-caching", "false")
+        on, off = executor(), executor("--no-enable-prefix-caching")
         for label, p in (("caching on", on), ("caching off", off)):
             asyncio.run(run_workload(p.target, prompts[:4], label="warm-up", **kw))  # first-call costs
             before = scrape(p.metrics_port)

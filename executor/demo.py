@@ -241,10 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with console.status("starting the cache service and executors ..."):
                 cache = start_cache_service()
                 procs.append(cache)
-                variants = [("caching on", "true")] + ([] if args.no_compare else [("caching off", "false")])
+                variants = [("caching on", "--enable-prefix-caching")] + (
+                    [] if args.no_compare else [("caching off", "--no-enable-prefix-caching")])
                 targets = []
                 for label, flag in variants:
-                    ex = start_executor(cache.target, "--preset", args.preset, "--enable-prefix-caching", flag,
+                    ex = start_executor(cache.target, "--preset", args.preset, flag,
                                         "--max-num-seqs", str(max(args.concurrency, 1)))
                     procs.append(ex)
                     targets.append((label, ex.target))

@@ -1,17 +1,21 @@
 """Executor settings: flags over ``KVCACHE_EXECUTOR_*`` environment variables over defaults
-(same mechanism as ``cache_service.settings``: the parser is built from the model's fields)."""
+(the same command-line mechanism as ``cache_service.settings``: :func:`kvcache_common.cli.parse_cli`).
+"""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, NoReturn, get_args, get_origin
+from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from executor.presets import DEFAULT_PRESET, PRESETS
+from kvcache_common.cli import parse_cli
+
+#: The preset names as a Literal, so that --help lists them and a wrong one names the choices.
+PresetName = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
 
 
 class ExecutorSettings(BaseSettings):
@@ -26,7 +30,8 @@ class ExecutorSettings(BaseSettings):
                               "0 = ephemeral, -1 = disabled")
     cache_service: str = Field("127.0.0.1:50051", description="cache service address HOST:PORT")
     pool_id: str = Field("", description="pool id to register; empty = '<model>-<random>'")
-    preset: str = Field(DEFAULT_PRESET, description="model preset (see executor.presets)")
+    preset: PresetName = Field(DEFAULT_PRESET, description="model preset: a tiny random-weight "
+                               "model (see executor.presets)")
     model_config_json: Path | None = Field(None, description="a ModelConfig JSON file "
                                            "(overrides --preset)")
     hf_checkpoint: Path | None = Field(None, description="a Hugging Face checkpoint directory "
@@ -50,55 +55,11 @@ class ExecutorSettings(BaseSettings):
                                  "requests to finish")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, name: str) -> str:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(sorted(PRESETS))}")
-        return name
-
-
-def _choices(name: str) -> list[str] | None:
-    """The values a flag accepts when they are a closed set (shown by --help)."""
-    if name == "preset":
-        return sorted(PRESETS)
-    annotation = ExecutorSettings.model_fields[name].annotation
-    return list(get_args(annotation)) if get_origin(annotation) is Literal else None
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a mistake prints ONE line (no usage block): ``prog: error: ...``."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(
-        prog="kvcache-executor",
-        description="Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, "
-        "metrics): runs a hybrid model on a paged cache managed by the cache service. Every "
-        "flag can also be set with the environment variable shown; flags win.")
-    for name, info in ExecutorSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "KVCACHE_EXECUTOR_" + name.upper()
-        extra: dict = {"metavar": name.upper()}
-        if info.annotation is bool:  # a bare flag means true; "--flag false" still works
-            extra = {"nargs": "?", "const": "true", "metavar": "true|false"}
-        elif (choices := _choices(name)) is not None:
-            extra = {"choices": choices}
-        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS,
-                            help=f"{info.description} [env {env}; default {info.default}]", **extra)
-    return parser
-
 
 def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    try:
-        return ExecutorSettings(**given)
-    except ValidationError as exc:  # one line: the first offending flag (or env variable)
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else ""
-        flag = "--" + name.replace("_", "-") if name else "settings"
-        parser.error(f"{flag}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+    """Settings from ``argv`` (flags) and the environment; a bad value exits with a usage
+    error naming the flag (booleans are ``--x`` / ``--no-x``)."""
+    return parse_cli(ExecutorSettings, argv, prog="kvcache-executor", description=(
+        "Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, metrics): runs "
+        "a hybrid model on a paged cache managed by the cache service. Every flag can also be "
+        "set with the environment variable shown; flags win."))

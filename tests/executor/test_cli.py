@@ -54,14 +54,11 @@ def test_a_port_in_use_is_one_line(busy_port: int, module: str, prog: str, flags
 
 
 def test_an_unknown_preset_is_one_line_from_a_flag_or_the_environment() -> None:
-    done = run("-m", "executor", "--preset", "gemma-9000")
-    assert done.returncode == 2
-    line = one_error_line(done, "kvcache-executor")
-    assert "--preset" in line and "'gemma-9000'" in line and "hybrid-fsm" in line
-    done = run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"})
-    assert done.returncode == 2
-    line = one_error_line(done, "kvcache-executor")
-    assert line.startswith("kvcache-executor: error: --preset: unknown preset 'gemma-9000'"), line
+    for done in (run("-m", "executor", "--preset", "gemma-9000"),
+                 run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"})):
+        assert done.returncode == 2
+        line = one_error_line(done, "kvcache-executor")
+        assert line.startswith("kvcache-executor: error: --preset: ") and "'hybrid-fsm'" in line, line
 
 
 def test_a_setting_that_cannot_work_stops_the_start() -> None:
@@ -90,14 +87,14 @@ def test_help_lists_the_choices() -> None:
     assert done.returncode == 0
     assert "--preset {gemma3-like,hybrid-fsm,jamba-like,nemotron-h-like,plamo2-like}" in done.stdout
     assert "--mamba-cache-mode {align,none}" in done.stdout
-    assert "--enable-prefix-caching [true|false]" in done.stdout
+    assert "[--enable-prefix-caching | --no-enable-prefix-caching]" in done.stdout
 
 
 def test_a_bare_boolean_flag_means_true() -> None:
     from executor.settings import parse_settings
 
     assert parse_settings(["--enable-prefix-caching"]).enable_prefix_caching is True
-    assert parse_settings(["--enable-prefix-caching", "false"]).enable_prefix_caching is False
+    assert parse_settings(["--no-enable-prefix-caching"]).enable_prefix_caching is False
 
 
 def test_serving_means_serving_at_every_log_level() -> None:
