@@ -57,7 +57,7 @@ from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
-from executor.settings import ExecutorSettings, parse_settings
+from executor.settings import ExecutorSettings
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 log = structlog.get_logger("executor.server")

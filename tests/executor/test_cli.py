@@ -6,7 +6,6 @@ readiness line at any log level, and a killed demo leaves no servers behind."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
