@@ -13,7 +13,7 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_tensor
+from kernels.validation import check_tensor
 
 
 def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float = 1e-6,
@@ -35,7 +35,7 @@ def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float = 
     if which == "reference":
         return reference.gated_rms_norm(x, z, weight, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").gated_rms_norm(x, z, weight, **kwargs)
+        return load_triton_module("triton_norm").gated_rms_norm(x, z, weight, **kwargs)
     return _gated_rms_norm_torch(x, z, weight, **kwargs)
 
 

@@ -5,7 +5,7 @@ Math (kernels-notes §1.1-1.2), per channel d (group g = d // (Dm // G)) and sta
     s_t[d, j] = exp(dt_t[d] * A[d, j]) * s_{t-1}[d, j] + dt_t[d] * u_t[d] * B_t[g, j]
     out_t[d] = (sum_j s_t[d, j] * C_t[g, j] + D[d] * u_t[d]) * silu(z_t[d])
 ssm_states [num_slots, Dm, N] give each sequence's start state and receive its final state (see
-kernels.conv1d for the padding / has_initial_state rules). Unlike SSD the decay differs per state
+kernels.mamba_state for the padding / has_initial_state rules). Unlike SSD the decay differs per state
 index, so there is no cheap chunked matmul form: the CPU path walks the tokens, vectorized over
 channels and state, and precomputes decays and inputs a block of tokens at a time.
 """
@@ -18,7 +18,8 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_batch, check_state_indices, check_tensor, start_states, store_states
+from kernels.mamba_state import start_states, store_states
+from kernels.validation import check_batch, check_state_indices, check_tensor
 from kernels.ssd import process_dt
 
 # Tokens whose decays and inputs are materialised at once ([block, Dm, N] fp32 temporaries).
@@ -61,7 +62,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
     if which == "reference":
         return reference.selective_scan(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").selective_scan(*args, **kwargs)
+        return load_triton_module("triton_selective_scan").selective_scan(*args, **kwargs)
     return _selective_scan_torch(*args, **kwargs)
 
 
@@ -78,7 +79,7 @@ def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     if which == "reference":
         return reference.selective_state_update(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").selective_state_update(*args, **kwargs)
+        return load_triton_module("triton_selective_scan").selective_state_update(*args, **kwargs)
     return _selective_state_update_torch(*args, **kwargs)
 
 

@@ -8,7 +8,7 @@ The prefill evaluates this in chunks of Q tokens: a masked Q x Q "attention" ins
 chunk-end states passed from chunk to chunk, and the carried state's contribution to every token.
 Chunks never cross a sequence boundary (a sequence's last chunk is short), so the result depends on
 Q only through rounding. ssm_states [num_slots, H, P, N] give each sequence's start state (see
-kernels.conv1d for the padding / has_initial_state rules) and receive its final state.
+kernels.mamba_state for the padding / has_initial_state rules) and receive its final state.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_batch, check_state_indices, check_tensor, start_states, store_states
+from kernels.mamba_state import start_states, store_states
+from kernels.validation import check_batch, check_state_indices, check_tensor
 
 DEFAULT_DT_LIMIT: tuple[float, float] = (0.0, float("inf"))
 
@@ -85,7 +86,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     if which == "reference":
         return reference.ssd_scan(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").ssd_scan(*args, **kwargs)
+        return load_triton_module("triton_ssd").ssd_scan(*args, **kwargs)
     return _ssd_scan_torch(*args, **kwargs)
 
 
@@ -102,7 +103,7 @@ def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm
     if which == "reference":
         return reference.ssd_state_update(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").ssd_state_update(*args, **kwargs)
+        return load_triton_module("triton_ssd").ssd_state_update(*args, **kwargs)
     return _ssd_state_update_torch(*args, **kwargs)
 
 
