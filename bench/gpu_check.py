@@ -13,7 +13,7 @@ It runs, in this order, each step guarded so that a failure is recorded and the 
 4. prefill attention (8 x 4,096 tokens, causal, bf16): TFLOP/s vs 790 (target >= 35%), with SDPA
    on the same data for reference; then (4b) decode and prefill under a few other tile sizes,
    warps and pipeline depths, to pick `_tile_config`'s defaults from data;
-5. the Mamba checks from bench/gpu_check_mamba.py ``run(device, dry_run)`` when that file exists.
+5. the Mamba checks from bench/gpu_check_mamba.py ``run(device, dry_run)``.
 Every timed kernel is first checked against an independent result (rms error ratio). Prints one
 table and writes bench/results/gpu_check.json (or --out). ``--dry-run`` shrinks every shape
 to seconds, runs the Triton kernels in the CPU interpreter when there is no GPU, and limits the
@@ -34,12 +34,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
+# Run from a checkout, installed or not: `kernels` (imported by the steps) and bench/_common.py
+# come from this tree.
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-import torch  # noqa: E402
-
-COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (kernels-notes §4.1)
+COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (a 2 GiB bf16 copy on the H200)
 BF16_CEILING_TFLOPS = 790.0   # measured H200 bf16 matmul
 DECODE_TARGET = 0.70          # of the copy bandwidth measured in the same run
 PREFILL_TARGET = 0.35         # of 790 TFLOP/s
@@ -308,10 +310,6 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
 
 
 def run_mamba(device: str, dry_run: bool) -> list[dict]:
-    path = REPO / "bench" / "gpu_check_mamba.py"
-    if not path.exists():
-        return [dict(check="mamba", device=device, note="bench/gpu_check_mamba.py not present", ok=True)]
-    sys.path.insert(0, str(path.parent))
     import gpu_check_mamba
 
     rows = gpu_check_mamba.run(device, dry_run)
@@ -385,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
-    from _common import print_table, write_results  # bench/_common.py (rich); bench/ is on sys.path
+    from _common import print_table, write_results  # bench/_common.py needs rich: import it late
 
     def pct(x):
         return None if x is None else f"{100 * x:.1f}%"
