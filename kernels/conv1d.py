@@ -1,6 +1,6 @@
 """Causal depthwise conv1d with a cached state: the short convolution in front of every Mamba mixer.
 
-Semantics (kernels-notes §1.4), for packed tokens x [T, C] and weight [C, W]:
+Semantics, for packed tokens x [T, C] and weight [C, W]:
     out[t, c] = act(bias[c] + sum_k weight[c, k] * x[t - (W-1) + k, c])
 so weight[:, W-1] multiplies the current token. Positions before a sequence come from its cache
 slot (has_initial_state True) or are zeros. Afterwards the slot holds the last W-1 RAW inputs of

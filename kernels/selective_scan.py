@@ -1,6 +1,6 @@
 """Mamba-1 selective scan over packed sequences, and its single-token state update.
 
-Math (kernels-notes §1.1-1.2), per channel d (group g = d // (Dm // G)) and state index j, fp32:
+Math, per channel d (group g = d // (Dm // G)) and state index j, fp32:
     dt_t = softplus(delta_t + delta_bias)
     s_t[d, j] = exp(dt_t[d] * A[d, j]) * s_{t-1}[d, j] + dt_t[d] * u_t[d] * B_t[g, j]
     out_t[d] = (sum_j s_t[d, j] * C_t[g, j] + D[d] * u_t[d]) * silu(z_t[d])

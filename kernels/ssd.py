@@ -1,6 +1,6 @@
 """Mamba-2 SSD: chunked prefill scan over packed sequences, and the single-token state update.
 
-Math (kernels-notes §1.3), per head h with group g = h // (H // G), fp32:
+Math, per head h with group g = h // (H // G), fp32:
     dt'_t = clamp(softplus(dt_t + dt_bias)),  a_t = dt'_t * A_h  (log decay, <= 0)
     S_t = exp(a_t) * S_{t-1} + dt'_t * x_t (outer) B_t[g]         (S is [P, N])
     y_t = S_t C_t[g] + D * x_t

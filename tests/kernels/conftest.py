@@ -21,16 +21,15 @@ import os
 import sys
 
 import pytest
+import torch  # does not import triton: TRITON_INTERPRET below still precedes that
 
 DEVICE = os.environ.get("KERNELS_TEST_DEVICE", "cpu")
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch  # noqa: E402  (after the environment is set)
-
-# (rtol, atol) per (kind, dtype), from kernels-notes §2 and §6 item 3. "recurrence": outputs and
-# states of the Mamba ops vs their token-by-token references; "attention": paged attention and
-# anything compared against a softmax over many keys.
+# (rtol, atol) per (kind, dtype). "recurrence": outputs and states of the Mamba ops vs their
+# token-by-token references; "attention": paged attention and anything compared against a softmax
+# over many keys.
 TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
     ("recurrence", torch.float32): (6e-4, 2e-3),
     ("recurrence", torch.float16): (3e-3, 5e-3),
@@ -53,7 +52,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "recu
 
 
 def rms_error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected||_rms / ||expected||_rms in fp32: robust for bf16 (kernels-notes §2)."""
+    """||actual - expected||_rms / ||expected||_rms in fp32: robust for bf16."""
     diff = (actual.float() - expected.float()).pow(2).mean().sqrt()
     return float(diff / expected.float().pow(2).mean().sqrt().clamp(min=1e-12))
 
@@ -121,8 +120,8 @@ def _compiled_triton_kernels() -> list[str]:
 
 
 # ==================================================================================================
-# Mamba kernels' shared helpers (owned by the Mamba-kernels engineer): packed batches with cache
-# slots, and the "untouched slots stay bit-identical" check.
+# Mamba helpers: packed batches with cache slots, and the "untouched slots stay bit-identical"
+# check.
 # ==================================================================================================
 
 
