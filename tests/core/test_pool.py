@@ -6,7 +6,7 @@ import json
 from importlib import resources
 
 import pytest
-from builders import full, make_pool, swa
+from builders import full, make_pool, snapshot, swa
 
 from cache_service.core.errors import (
     ConfigError,
@@ -18,14 +18,6 @@ from cache_service.core.errors import (
 from cache_service.core.events import BlockStored
 from cache_service.core.hashing import get_hash_fn, hash_request_tokens
 from cache_service.core.pool import Pool
-
-
-def snapshot(p: Pool):
-    """Everything observable about a pool, to prove a rejected call changed nothing."""
-    free = [b.block_id for b in p.manager.pool.free_block_queue.get_all_free_blocks()]
-    reqs = {rid: (p.request_info(rid), p.block_ids(rid), p.block_hashes(rid))
-            for rid in p.request_ids()}
-    return p.stats(), free, reqs, dict(p._pending)
 
 
 def test_lifecycle(small_full_pool: Pool) -> None:

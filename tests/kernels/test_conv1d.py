@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import causal_conv1d, causal_conv1d_update
-from tests.kernels.conftest import assert_close, assert_only_slots_changed, mamba_batch, randn
+from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
 
 NAN = float("nan")
 

@@ -11,7 +11,7 @@ import pytest
 
 from cache_service.client import CacheClient, CacheError, DecodeResult, StepBuilder, ops
 
-from .conftest import hybrid_layers
+from .builders import hybrid_layers
 
 
 def request_state(client: CacheClient, pool_id: str, rids: list[str]) -> list:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import CacheClient, CacheError, ops
 from cache_service.launch import start_cache_service
 
-from .conftest import full_layers
+from .builders import full_layers
 
 
 def _watch_health(target: str, seen: list[str], stop: threading.Event) -> None:

@@ -24,16 +24,13 @@ from cache_service.client import (
 )
 from cache_service.pools import build_pool
 
-from .conftest import EVENT_BUFFER, full_layers, hybrid_layers
+from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options
 
 
 def local_pool(pool_id: str, layer_specs, **kwargs):
     """The in-process twin of a pool registered with the same arguments."""
-    kwargs.setdefault("max_model_len", 1024)
-    if "available_memory_bytes" not in kwargs:
-        kwargs.setdefault("num_blocks", 256)
     return build_pool(convert.description_from_proto(
-        register_request(pool_id, layer_specs, **kwargs)))
+        register_request(pool_id, layer_specs, **pool_options(**kwargs))))
 
 
 def test_register_pool_answers_the_groups_and_is_idempotent(client: CacheClient,
