@@ -45,20 +45,17 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
-
-from cache_service.core.hashing import get_hash_fn  # noqa: E402
-from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes  # noqa: E402
-from cache_service.core.pool import Pool, PoolOptions  # noqa: E402
-from cache_service.core.request import Request, RequestStatus  # noqa: E402
-from cache_service.core.specs import (  # noqa: E402
+from _common import print_table, ratio, summarize_ns, write_results
+from cache_service.core.hashing import get_hash_fn
+from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
+from cache_service.core.pool import Pool, PoolOptions
+from cache_service.core.request import Request, RequestStatus
+from cache_service.core.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -542,7 +539,6 @@ def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
 
 _VLLM_CONSTRUCT = """
 import gc, json, sys, time, tracemalloc
-sys.path.insert(0, {dir!r})
 import vllm_oracle as vo
 cfg = vo.OracleConfig(scenario="full", num_blocks={n}, block_size={bs}, max_model_len={mml})
 kv, sbs, hbs = vo.build_kv_cache_config(cfg)

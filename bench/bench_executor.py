@@ -23,18 +23,14 @@ import os
 import re
 import sys
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # We start servers after using grpc.aio; gRPC's fork handlers can deadlock that fork().
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from _common import print_table, ratio, write_results  # noqa: E402
-
-from executor.demo import make_workload, run_workload  # noqa: E402
-from executor.launch import start_cache_service, start_executor  # noqa: E402
-from executor.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
+from _common import print_table, ratio, write_results
+from executor.demo import make_workload, run_workload
+from executor.launch import start_cache_service, start_executor
+from executor.presets import DEFAULT_PRESET, PRESETS
 
 
 def scrape(metrics_port: int) -> dict[str, float]:

@@ -43,14 +43,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
-
-from cache_service import convert  # noqa: E402
-from cache_service.launch import start_cache_service  # noqa: E402
-from cache_service.client import (  # noqa: E402
+from _common import print_table, ratio, summarize_ns, write_results
+from cache_service import convert
+from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest
+from cache_service.client import (
     AsyncCacheClient,
     CacheClient,
     DecodeResult,
@@ -58,9 +54,9 @@ from cache_service.client import (  # noqa: E402
     layers,
     register_request,
 )
-from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
-from cache_service.pools import PoolRegistry, build_pool  # noqa: E402
-from cache_service.servicer import CacheServicer  # noqa: E402
+from cache_service.launch import start_cache_service
+from cache_service.pools import PoolRegistry, build_pool
+from cache_service.servicer import CacheServicer
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096
@@ -122,9 +118,9 @@ def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
         result = client.step_batch(decode_batch(pool_id, n, step, mode))
         ok = all_ok(result)
         if mode == TABLES:
-            result.results[-1].block_ids  # a scheduler reads the tables it sends on
+            _ = result.results[-1].block_ids  # a scheduler reads the tables it sends on (decoded here)
         elif mode == DECODE:
-            result.results[0].new_block_ids  # ... or the new blocks
+            _ = result.results[0].new_block_ids  # ... or the new blocks
         elapsed = time.perf_counter_ns() - t0
         assert ok, "a decode allocation found no room; enlarge the pool"
         if step >= warmup:

@@ -24,6 +24,7 @@ every step ran and every correctness check passed (performance targets are repor
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -285,11 +286,9 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
         starts = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
         baseline = None
         for index, tiles in enumerate(variants):
-            def call(t=tiles):
-                return triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts,
-                                                        scale=head_size ** -0.5, sliding_window=None,
-                                                        softcap=None, num_splits=1, tiles=t[:4],
-                                                        skip_masks="masked" not in t)
+            call = functools.partial(triton_attention.paged_attention, q, k_cache, v_cache, tables, seq_lens,
+                                     starts, scale=head_size ** -0.5, sliding_window=None, softcap=None,
+                                     num_splits=1, tiles=tiles[:4], skip_masks="masked" not in tiles)
             out = call()
             baseline = out if baseline is None else baseline
             error = _rms_ratio(out, baseline)
@@ -305,7 +304,7 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
                              shape=f"{batch} x {length}, splits 1" + (" (the current default)" if index == 0 else ""),
                              ms=seconds * 1e3, value=value, unit=unit, fraction=fraction, rms_error=error,
                              ok=error < 1e-2 and not out.isnan().any().item()))
-        del k_cache, v_cache
+        del k_cache, v_cache, call  # free this shape's caches before the next one's
     return rows
 
 
@@ -333,7 +332,7 @@ def _guard(name: str, fn: Callable[[], list[dict] | dict], device: str) -> list[
     try:
         result = fn()
         rows = result if isinstance(result, list) else [result]
-    except Exception as exc:  # noqa: BLE001 - recorded in the results, the other steps still run
+    except Exception as exc:  # recorded in the results; the other steps still run
         traceback.print_exc()
         rows = [dict(check=name, device=device, error=f"{type(exc).__name__}: {exc}", ok=False)]
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {time.perf_counter() - begin:.1f} s", flush=True)

@@ -135,7 +135,8 @@ def check_ssd_prefill(device: torch.device, dry_run: bool) -> dict:
     return {"check": "ssd_prefill_tflops", "device": str(device), "dry_run": dry_run,
             "shape": f"{seqs}x{length} tokens h={heads} p={head_dim} n={state} g={groups} bf16 chunk {q}",
             "ms": seconds * 1e3, "TFLOPs": tflops, "fraction_of_peak": tflops / PEAK_BF16_TFLOPS,
-            "peak": "790 TFLOP/s bf16", "impl": impl, "oracle": oracle, "rms_error_vs_oracle": error, "ok": error < 2e-2}
+            "peak": "790 TFLOP/s bf16", "impl": impl, "oracle": oracle, "rms_error_vs_oracle": error,
+            "ok": error < 2e-2}
 
 
 def run(device: str, dry_run: bool) -> list[dict]:

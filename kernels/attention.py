@@ -80,10 +80,13 @@ def _require(condition: bool, field: str, message: str) -> None:
 
 
 def _check_cache_pair(k_cache: Tensor, v_cache: Tensor) -> None:
-    _require(k_cache.dim() == 4, "k_cache", f"expected [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
-    _require(v_cache.dim() == 4, "v_cache", f"expected [num_blocks, block_size, Hkv, Dv], got shape {tuple(v_cache.shape)}")
+    _require(k_cache.dim() == 4, "k_cache",
+             f"expected [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    _require(v_cache.dim() == 4, "v_cache",
+             f"expected [num_blocks, block_size, Hkv, Dv], got shape {tuple(v_cache.shape)}")
     _require(k_cache.shape[:3] == v_cache.shape[:3], "v_cache",
-             f"blocks, block size and heads must match k_cache {tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape[:3])}")
+             f"blocks, block size and heads must match k_cache {tuple(k_cache.shape[:3])}, "
+             f"got {tuple(v_cache.shape[:3])}")
     _require(k_cache.is_floating_point() and v_cache.is_floating_point(), "k_cache", "caches must be floating point")
 
 
@@ -139,13 +142,15 @@ def _check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         _require(kv_lens[b] >= q_lens[b], "seq_lens",
                  f"request {b} has {q_lens[b]} queries but only {kv_lens[b]} keys (seq_lens counts this step's tokens)")
         _require(kv_lens[b] <= block_tables.shape[1] * block_size, "seq_lens",
-                 f"request {b} needs {kv_lens[b]} keys but block_tables has room for {block_tables.shape[1] * block_size}")
+                 f"request {b} needs {kv_lens[b]} keys but block_tables has room for "
+                 f"{block_tables.shape[1] * block_size}")
     if batch:
         used = _needed_table_entries(kv_lens, q_lens, block_size, sliding_window, block_tables.shape[1])
         entries = block_tables[used]
         if entries.numel():
             _require(int(entries.min()) >= 0 and int(entries.max()) < num_blocks, "block_tables",
-                     f"entries the queries read must lie in [0, {num_blocks}), got {int(entries.min())}..{int(entries.max())}")
+                     f"entries the queries read must lie in [0, {num_blocks}), "
+                     f"got {int(entries.min())}..{int(entries.max())}")
 
 
 def _needed_table_entries(kv_lens: list[int], q_lens: list[int], block_size: int, sliding_window: int | None,

@@ -19,8 +19,8 @@ from torch import Tensor
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
 from kernels.mamba_state import start_states, store_states
-from kernels.validation import check_batch, check_state_indices, check_tensor
 from kernels.ssd import process_dt
+from kernels.validation import check_batch, check_state_indices, check_tensor
 
 # Tokens whose decays and inputs are materialised at once ([block, Dm, N] fp32 temporaries).
 _TOKEN_BLOCK = 64

@@ -28,9 +28,8 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, channels, group_size, e
             v = v * gate
     inv = tl.rsqrt(tl.sum(v * v, axis=0) / group_size + eps)
     y = v * inv * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    if HAS_Z:
-        if NORM_BEFORE_GATE:
-            y = y * gate
+    if HAS_Z and NORM_BEFORE_GATE:
+        y = y * gate
     tl.store(out_ptr + row * channels + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 

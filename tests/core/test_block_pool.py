@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from builders import dummy_request, fake_hash, table_ids
 
 from cache_service.core.block_pool import BlockPool
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_service.core.hashing import external_block_hash
+
+from builders import dummy_request, fake_hash, table_ids
 
 
 def pool(n: int = 10, *, caching: bool = True, events: bool = False, groups: int = 1) -> BlockPool:
@@ -102,7 +103,7 @@ def test_eviction_on_reuse_emits_events_in_order() -> None:
     p.free_blocks([b, a])
     (stored,) = p.take_events()
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [external_block_hash(fake_hash(0)), external_block_hash(fake_hash(1))]
+    assert stored.block_hashes == [external_block_hash(fake_hash(i)) for i in range(2)]
     assert stored.parent_block_hash is None and stored.token_ids == list(range(8))
     assert stored.block_size == 4 and stored.extra_keys == [None, None]
     got = p.get_new_blocks(2)  # evicts both, in queue order b, a

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import builders
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +26,8 @@ from cache_service.core.specs import (
     UniformTypeKVCacheSpecs,
     cdiv,
 )
+
+import builders
 
 BS = 16
 # The worked examples' attention layers: one KV head of 64 dims, 2-byte dtype (page P below).
@@ -195,7 +196,8 @@ def test_budget_errors(kwargs, field):
 
 
 def test_memory_for_one_request_counts_every_group_and_the_null_block():
-    specs = layers(full(), full(), swa(window=64), swa(window=64))  # 2 groups of 2 layers: 2P per block
+    # 2 groups of 2 layers: 2P per block
+    specs = layers(full(), full(), swa(window=64), swa(window=64))
     limits = SizingLimits(max_model_len=1024, max_in_flight_tokens=256)
     groups = get_kv_cache_groups(specs)
     need_blocks = cdiv(1024, BS) + (cdiv(64 - 1 + 256, BS) + 1)

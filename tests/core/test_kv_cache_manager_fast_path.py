@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from builders import SAMPLE_CONFIGS, SMALL_BLOCK, small_config, snapshot_with_events
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
+
+from builders import SAMPLE_CONFIGS, SMALL_BLOCK, small_config, snapshot_with_events
 
 CASES = [(name, mixed) for name in SAMPLE_CONFIGS for mixed in (False, True)]
 
@@ -58,7 +59,7 @@ def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObje
     fast, general = twin_pools(name, mixed)
     limit = fast.options.max_model_len
     n_added = 0
-    for step in range(30):
+    for _ in range(30):
         for _ in range(data.draw(st.integers(0, 1), label="admissions")):
             rid = f"r{n_added}"
             n_added += 1

@@ -6,7 +6,6 @@ import json
 from importlib import resources
 
 import pytest
-from builders import full, make_pool, snapshot, swa
 
 from cache_service.core.errors import (
     ConfigError,
@@ -18,6 +17,8 @@ from cache_service.core.errors import (
 from cache_service.core.events import BlockStored
 from cache_service.core.hashing import get_hash_fn, hash_request_tokens
 from cache_service.core.pool import Pool
+
+from builders import full, make_pool, snapshot, swa
 
 
 def test_lifecycle(small_full_pool: Pool) -> None:

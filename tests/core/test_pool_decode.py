@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from builders import SAMPLE_CONFIGS, full, make_pool, small_config, snapshot_with_events, swa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError, UnknownRequest
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
+
+from builders import SAMPLE_CONFIGS, full, make_pool, small_config, snapshot_with_events, swa
 
 
 def twin_pools(name: str) -> tuple[Pool, Pool]:

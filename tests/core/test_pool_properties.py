@@ -8,7 +8,6 @@ two groups. When all requests are freed nothing is left referenced.
 from __future__ import annotations
 
 import pytest
-from builders import SAMPLE_CONFIGS, SMALL_MAX_LEN, small_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,6 +21,8 @@ from hypothesis.stateful import (
 
 from cache_service.core.errors import FailedPrecondition
 from cache_service.replay import make_pool
+
+from builders import SAMPLE_CONFIGS, SMALL_MAX_LEN, small_config
 
 PREFIXES = [[7] * 8, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], []]
 

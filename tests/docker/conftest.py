@@ -11,11 +11,11 @@ a private network.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -229,10 +229,8 @@ class Containers:
     def remove_all(self) -> None:
         """Force-remove every container started here that a test has not removed itself."""
         for container in self._started:
-            try:
+            with contextlib.suppress(docker.errors.NotFound):
                 container.get_wrapped_container().remove(force=True)
-            except docker.errors.NotFound:
-                pass
         self._started.clear()
 
 

@@ -16,9 +16,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_helpers import assert_close, randn
-
 from kernels import paged_attention, write_kv_cache
+
+from kernel_helpers import assert_close, randn
 
 NAN = float("nan")
 # The fixtures used with @given (device) hold no state between examples.

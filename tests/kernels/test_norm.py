@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import gated_rms_norm
+
 from kernel_helpers import assert_close, randn
 
 

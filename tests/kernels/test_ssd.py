@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import ssd_scan, ssd_state_update
+
 from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
 
 NAN = float("nan")

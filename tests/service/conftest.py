@@ -22,7 +22,6 @@ from cache_service.launch import ServerProcess, start_cache_service
 from .builders import EVENT_BUFFER, full_layers, pool_options
 
 
-
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     with start_cache_service("--metrics-port", "0", "--event-buffer", str(EVENT_BUFFER),

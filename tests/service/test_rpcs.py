@@ -238,7 +238,7 @@ def test_steps_match_the_in_process_core(client: CacheClient, new_pool,
                 hits[op.lookup.request_id] = result.hit_tokens
             expected.append(result)
         got = client.step(info.pool_id, batch)
-        for op, want, have in zip(batch, expected, got.results):
+        for want, have in zip(expected, got.results):
             if isinstance(have, AllocateResult):
                 assert have.ok == want.ok
                 assert have.block_ids == [list(g) for g in want.block_ids]
