@@ -360,9 +360,8 @@ def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
                                                    hash_algo=args.hash_fn,
                                                    enable_events=False)))
     if side == "naive":
-        mgr = NaiveManager(args.num_blocks, args.block_size, len(config.groups),
-                           args.max_model_len)
-        return ManagerDriver(mgr, hash_fn, hbs)
+        return ManagerDriver(NaiveManager(args.num_blocks, args.block_size, len(config.groups),
+                                          args.max_model_len), hash_fn, hbs)
     raise ValueError(side)
 
 

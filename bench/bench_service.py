@@ -42,11 +42,13 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from _common import print_table, ratio, summarize_ns, write_results
 from cache_service import convert
 from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest
 from cache_service.client import (
+    AllocateResult,
     AsyncCacheClient,
     CacheClient,
     DecodeResult,
@@ -118,9 +120,13 @@ def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
         result = client.step_batch(decode_batch(pool_id, n, step, mode))
         ok = all_ok(result)
         if mode == TABLES:
-            _ = result.results[-1].block_ids  # a scheduler reads the tables it sends on (decoded here)
+            tables = result.results[-1]
+            assert isinstance(tables, AllocateResult)
+            _ = tables.block_ids  # a scheduler reads the tables it sends on (decoded here)
         elif mode == DECODE:
-            _ = result.results[0].new_block_ids  # ... or the new blocks
+            decoded = result.results[0]
+            assert isinstance(decoded, DecodeResult)
+            _ = decoded.new_block_ids  # ... or the new blocks
         elapsed = time.perf_counter_ns() - t0
         assert ok, "a decode allocation found no room; enlarge the pool"
         if step >= warmup:
@@ -254,7 +260,7 @@ def main() -> int:
     try:
         with CacheClient(target, default_timeout=60) as client:
             for n in sizes:
-                case = {
+                case: dict[str, Any] = {
                     "running_requests": n,
                     "core": bench_core(n, args.steps, args.warmup),
                     "core_decode": bench_core(n, args.steps, args.warmup, decode=True),

@@ -116,7 +116,8 @@ def run_tests(device: str, dry_run: bool, timeout: int) -> dict:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
             tail, rc = proc.stdout[-3000:] + proc.stderr[-2000:], proc.returncode
         except subprocess.TimeoutExpired as exc:
-            tail, rc = f"pytest timed out after {timeout} s: {(exc.stdout or '')[-3000:]}", -1
+            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            tail, rc = f"pytest timed out after {timeout} s: {partial[-3000:]}", -1
         elapsed = time.perf_counter() - begin
         counts = dict(tests=0, failures=0, errors=0, skipped=0)
         failed: list[str] = []
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_shapes = [(2, 40)] if dry_run else [(64, 8192), (8, 65536)]
     for batch, kv_len in decode_shapes:
         rows += _guard(f"decode_attention {batch}x{kv_len}",
-                       lambda b=batch, n=kv_len: check_decode(device, dry_run, b, n, copy_gbps), args.device)
+                       functools.partial(check_decode, device, dry_run, batch, kv_len, copy_gbps), args.device)
     rows += _guard("prefill_attention", lambda: check_prefill(device, dry_run), args.device)
     if not args.skip_sweep:
         rows += _guard("tile_sweep", lambda: sweep_tiles(device, dry_run), args.device)
@@ -391,6 +392,7 @@ def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
         return "yes" if row.get("ok") else "NO"
 
     table = []
+    value: str | None
     for r in rows:
         if r["check"] == "kernel_tests":
             value = f"{r.get('passed', 0)} passed / {r.get('failures', 0)} failed / {r.get('errors', 0)} errors"

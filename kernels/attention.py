@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           sliding_window, softcap)
     chosen = select_impl(impl, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    kwargs = dict(scale=float(scale), sliding_window=sliding_window, softcap=softcap)
+    kwargs: dict[str, Any] = dict(scale=float(scale), sliding_window=sliding_window, softcap=softcap)
     if chosen == "reference":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs)
     if chosen == "torch":
@@ -193,7 +194,7 @@ def _paged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     out = q.new_zeros(num_tokens, num_q_heads, v_cache.shape[-1])
     starts = query_start_loc.tolist()
     kv_lens = seq_lens.tolist()
-    attend = dict(scale=scale, sliding_window=sliding_window, softcap=softcap)
+    attend: dict[str, Any] = dict(scale=scale, sliding_window=sliding_window, softcap=softcap)
     decode = [b for b in range(len(kv_lens)) if starts[b + 1] - starts[b] == 1]
     for group in _decode_groups(decode, kv_lens, k_cache, v_cache, sliding_window):
         rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=q.device)
@@ -204,8 +205,8 @@ def _paged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         if q_len <= 1:
             continue
         for first in range(0, q_len, _PREFILL_TILE):
-            rows = slice(starts[b] + first, starts[b] + min(q_len, first + _PREFILL_TILE))
-            out[rows] = _prefill_tile(q[rows], k_cache, v_cache, block_tables[b], kv_lens[b] - q_len + first,
+            tile = slice(starts[b] + first, starts[b] + min(q_len, first + _PREFILL_TILE))
+            out[tile] = _prefill_tile(q[tile], k_cache, v_cache, block_tables[b], kv_lens[b] - q_len + first,
                                       **attend)
     return out
 

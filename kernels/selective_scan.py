@@ -12,6 +12,8 @@ channels and state, and precomputes decays and inputs a block of tokens at a tim
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -58,7 +60,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
     which = select_impl(impl, u, delta, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, z, delta_bias)
     args = (u, delta, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
-    kwargs = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+    kwargs: dict[str, Any] = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
     if which == "reference":
         return reference.selective_scan(*args, **kwargs)
     if which == "triton":
@@ -75,7 +77,7 @@ def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     check_state_indices(state_indices, x.shape[0], ssm_states.shape[0])
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, z, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
-    kwargs = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    kwargs: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     if which == "reference":
         return reference.selective_state_update(*args, **kwargs)
     if which == "triton":

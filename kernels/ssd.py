@@ -13,6 +13,8 @@ kernels.mamba_state for the padding / has_initial_state rules) and receive its f
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -81,7 +83,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     which = select_impl(impl, x, dt, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
-    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+    kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
                   chunk_size=chunk_size)
     if which == "reference":
         return reference.ssd_scan(*args, **kwargs)
@@ -99,7 +101,7 @@ def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm
     check_state_indices(state_indices, x.shape[0], ssm_states.shape[0])
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
-    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
+    kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
     if which == "reference":
         return reference.ssd_state_update(*args, **kwargs)
     if which == "triton":

@@ -87,13 +87,14 @@ def _selective(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_st
         return out
     block_n = pow2(state_size, 2)
     block_d = min(pow2(channels, 16), max(16, 2048 // block_n))
-    decode = query_start_loc is None
+    decode = query_start_loc is None or has_initial_state is None
+    # decode (one token per row, continuing from its slot) reads neither: any tensor will do
+    starts = state_indices if query_start_loc is None else query_start_loc.contiguous()
+    initial = state_indices if has_initial_state is None else has_initial_state.to(torch.int32).contiguous()
     _selective_scan_kernel[(batch, triton.cdiv(channels, block_d))](
         u, delta, A.contiguous(), B, C, D.contiguous() if D is not None else u,
         z.contiguous() if z is not None else u, delta_bias.contiguous() if delta_bias is not None else u,
-        ssm_states, query_start_loc.contiguous() if not decode else state_indices,
-        state_indices.to(torch.int64).contiguous(),
-        has_initial_state.to(torch.int32).contiguous() if not decode else state_indices, out,
+        ssm_states, starts, state_indices.to(torch.int64).contiguous(), initial, out,
         channels, state_size, channels // groups, groups, *ssm_states.stride(),
         BLOCK_D=block_d, BLOCK_N=block_n, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus), ALL_TOKENS_ONE_ROW=decode)

@@ -7,6 +7,8 @@ keep are in kernels.triton_common. tl.dot operands are kept >= 16 in every dimen
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -258,7 +260,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     chunk_start = starts[chunk_seq] + (torch.arange(num_chunks, device=device) - first_chunk[chunk_seq]) * q
     chunk_len = torch.minimum(starts[chunk_seq + 1] - chunk_start, torch.full_like(chunk_start, q))
 
-    f32 = dict(dtype=torch.float32, device=device)
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
     step = torch.empty(num_chunks, heads, q, **f32)
     cum = torch.empty(num_chunks, heads, q, **f32)
     local = torch.empty(num_chunks, heads, head_dim, state_size, **f32)

@@ -6,6 +6,7 @@ threads, so every test process uses one thread.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -15,10 +16,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # servers, so the handlers are not needed. Must be set before grpc is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-try:
+if importlib.util.find_spec("torch") is not None:  # the cache-service tiers run without torch
     import torch
-except ImportError:  # the cache-service tiers run without torch
-    torch = None
 
-if torch is not None:
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ from cache_service.core.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -45,7 +46,7 @@ def chunked(bs: int = 16, chunk: int = 64, *, head: int = 1) -> ChunkedLocalAtte
     return ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, head_size=head)
 
 
-def mamba(bs: int = 16, mode: str = "align", *, state: int = 1) -> MambaSpec:
+def mamba(bs: int = 16, mode: MambaCacheMode = "align", *, state: int = 1) -> MambaSpec:
     """One fp32 state of ``state`` elements per block."""
     return MambaSpec(block_size=bs, shapes=((state,),), dtypes=("float32",), mamba_cache_mode=mode)
 

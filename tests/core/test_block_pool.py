@@ -110,6 +110,7 @@ def test_eviction_on_reuse_emits_events_in_order() -> None:
     assert table_ids(got) == [b.block_id, a.block_id]
     events = p.take_events()
     assert [type(e) for e in events] == [BlockRemoved, BlockRemoved]
+    assert isinstance(events[0], BlockRemoved)  # (for the type checker)
     assert events[0].block_hashes == [external_block_hash(fake_hash(1))]
     assert p.num_evictions == 2 and p.num_cached_keys == 0
     assert p.take_events() == []
@@ -124,6 +125,7 @@ def test_stored_event_parent_and_extra_keys() -> None:
     p.cache_full_blocks(req, blocks, req.block_hashes, 0, 1, 4, 0)
     p.cache_full_blocks(req, blocks, req.block_hashes, 1, 3, 4, 0)
     first, second = p.take_events()
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
     assert first.extra_keys == [("adapter", "salt")] and first.lora_name == "adapter"
     assert second.parent_block_hash == external_block_hash(fake_hash(0))
     assert second.token_ids == list(range(4, 12))

@@ -45,7 +45,7 @@ def test_prefix_hit_and_stats(small_full_pool: Pool) -> None:
     assert look.hit_tokens == 8 and look.block_ids == [[1, 2]]
     res = p.allocate("b", 3)
     assert res.hit_tokens_used == 8 and res.num_computed_tokens == 11
-    assert res.block_ids[0][:2] == [1, 2]
+    assert res.block_ids is not None and res.block_ids[0][:2] == [1, 2]
     s = p.stats()
     assert (s.prefix_requests, s.prefix_queries, s.prefix_hits) == (2, 21, 8)
     assert s.num_cached_blocks == 2 and s.num_requests == 2
@@ -113,7 +113,8 @@ def test_events_are_taken_once(small_full_pool: Pool) -> None:
     p.add_request("a", list(range(8)))
     p.allocate("a", 8)
     events = p.take_events()
-    assert [type(e) for e in events] == [BlockStored] and events[0].spec_kind == "full_attention"
+    assert [type(e) for e in events] == [BlockStored]
+    assert isinstance(events[0], BlockStored) and events[0].spec_kind == "full_attention"
     assert p.take_events() == []
 
 

@@ -30,7 +30,7 @@ def loop_decode(pool: Pool, rids: list[str], tokens: list[int]) -> tuple[list[bo
         pool.append_tokens(rid, [token])
         r = pool.allocate(rid, 1, include_tables=False)
         ok.append(r.ok)
-        if r.ok and any(r.new_block_ids):
+        if r.ok and r.new_block_ids and any(r.new_block_ids):
             grown[i] = r.new_block_ids
     return ok, grown
 

@@ -63,6 +63,7 @@ class PoolMachine(RuleBasedStateMachine):
                                  full_sequence_must_fit=must_fit)
         after = self.pool.request_info(rid)
         if res.ok:
+            assert res.block_ids is not None and res.new_block_ids is not None
             assert after.num_computed_tokens == info.num_computed_tokens + res.hit_tokens_used + n
             assert after.status == "RUNNING"
             for ids, new in zip(res.block_ids, res.new_block_ids):

@@ -18,6 +18,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -209,8 +210,10 @@ class Containers:
                      .with_network(self.network).with_network_aliases(alias)
                      .with_kwargs(healthcheck=FAST_HEALTHCHECK, hostname=alias))
         if publish is not None:
-            # with_bind_ports() cannot name a host address; docker-py takes (address, port).
-            container.ports[f"{publish}/tcp"] = ("127.0.0.1", None)
+            # with_bind_ports() cannot name a host address; docker-py takes (address, port),
+            # which testcontainers' annotation of the mapping does not list.
+            ports: dict[str, Any] = container.ports
+            ports[f"{publish}/tcp"] = ("127.0.0.1", None)
         container.start()
         self._started.append(container)
         wait_healthy(container.get_wrapped_container())
