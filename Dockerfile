@@ -66,7 +66,7 @@ ENV KVCACHE_HOST=0.0.0.0 \
 EXPOSE 50051 9400
 # The probe asks grpc.health.v1 on the port in $KVCACHE_PORT (read at probe time).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-m", "cache_service.healthcheck", "--port-env", "KVCACHE_PORT", "--default-port", "50051"]
+    CMD ["python", "-m", "kvcache_common.healthcheck", "--port-env", "KVCACHE_PORT", "--default-port", "50051"]
 # Exec form: the server is PID 1 and receives SIGTERM itself (it drains, then exits 0).
 ENTRYPOINT ["kvcache-server"]
 CMD []
@@ -91,7 +91,7 @@ ENV KVCACHE_EXECUTOR_HOST=0.0.0.0 \
 EXPOSE 50061
 # SERVING only once the executor has registered its pool with the cache service.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "cache_service.healthcheck", "--port-env", "KVCACHE_EXECUTOR_PORT", "--default-port", "50061"]
+    CMD ["python", "-m", "kvcache_common.healthcheck", "--port-env", "KVCACHE_EXECUTOR_PORT", "--default-port", "50061"]
 # The same image runs the demo client: `docker run --entrypoint kvcache-demo IMAGE --target ...`.
 ENTRYPOINT ["kvcache-executor"]
 CMD []

@@ -46,7 +46,6 @@ from typing import Any
 
 from _common import print_table, ratio, summarize_ns, write_results
 from cache_service import convert
-from cache_service.api.kvcache.v1.cache_service_pb2 import StepRequest
 from cache_service.client import (
     AllocateResult,
     AsyncCacheClient,
@@ -56,9 +55,10 @@ from cache_service.client import (
     layers,
     register_request,
 )
-from cache_service.launch import start_cache_service
-from cache_service.pools import PoolRegistry, build_pool
+from cache_service.registry import PoolRegistry, build_pool
 from cache_service.servicer import CacheServicer
+from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest
+from kvcache_common.launch import start_cache_service
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096

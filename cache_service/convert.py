@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.core import events as ev
 from cache_service.core import grouping
 from cache_service.core.errors import InvalidArgument, KVCacheError
@@ -25,29 +25,17 @@ from cache_service.core.specs import (
     SlidingWindowSpec,
     layer_spec,
 )
-from cache_service.pools import PoolDescription, PoolEntry
-from cache_service._errors import qualify
+from cache_service.registry import PoolDescription, PoolEntry
+from cache_service.status import qualify
+from cache_service.client._builders import layers
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
 
-KIND_TO_PROTO: dict[str, int] = {
-    "full_attention": pb.LAYER_KIND_FULL_ATTENTION,
-    "sliding_window": pb.LAYER_KIND_SLIDING_WINDOW,
-    "chunked_local_attention": pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION,
-    "mamba": pb.LAYER_KIND_MAMBA,
-    "cross_attention": pb.LAYER_KIND_CROSS_ATTENTION,
-}
 _ATTENTION_CLASSES: dict[int, type] = {
     pb.LAYER_KIND_FULL_ATTENTION: FullAttentionSpec,
     pb.LAYER_KIND_SLIDING_WINDOW: SlidingWindowSpec,
     pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec,
     pb.LAYER_KIND_CROSS_ATTENTION: CrossAttentionSpec,
 }
-_MAMBA_MODE_TO_CORE = {pb.MAMBA_CACHE_MODE_UNSPECIFIED: "none", pb.MAMBA_CACHE_MODE_NONE: "none",
-                       pb.MAMBA_CACHE_MODE_ALIGN: "align"}
-_MAMBA_MODE_TO_PROTO = {"none": pb.MAMBA_CACHE_MODE_NONE, "align": pb.MAMBA_CACHE_MODE_ALIGN}
-_HASH_TO_CORE = {pb.HASH_ALGO_UNSPECIFIED: "sha256", pb.HASH_ALGO_SHA256: "sha256",
-                 pb.HASH_ALGO_SHA256_CBOR: "sha256_cbor"}
-_HASH_TO_PROTO = {"sha256": pb.HASH_ALGO_SHA256, "sha256_cbor": pb.HASH_ALGO_SHA256_CBOR}
-
 # Bounds that keep arithmetic sane and memory bounded for hostile input.
 MAX_COUNT = 1 << 40
 
@@ -89,17 +77,17 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
                     _non_negative(dim, f"mamba_states[{j}].shape[{k}]", positive=True,
                                   limit=1 << 31)
                 shapes.append(tuple(state.shape))
-            if layer.mamba_cache_mode not in _MAMBA_MODE_TO_CORE:
+            if layer.mamba_cache_mode and not MAMBA_CACHE_MODES.name(layer.mamba_cache_mode):
                 raise InvalidArgument(f"unknown mamba_cache_mode {layer.mamba_cache_mode}",
                                       field="mamba_cache_mode")
             return MambaSpec(
                 block_size=layer.block_size, shapes=tuple(shapes),
                 dtypes=tuple(s.dtype for s in layer.mamba_states), page_size_padded=padded,
                 mamba_type=layer.mamba_type or "mamba2",
-                mamba_cache_mode=_MAMBA_MODE_TO_CORE[layer.mamba_cache_mode])
+                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none")
         cls = _ATTENTION_CLASSES.get(kind)
         if cls is None:
-            raise InvalidArgument(f"kind must be one of {sorted(KIND_TO_PROTO)}, got {kind}",
+            raise InvalidArgument(f"kind must be one of {sorted(LAYER_KINDS.names())}, got {kind}",
                                   field="kind")
         if layer.mamba_states:
             raise InvalidArgument("only mamba layers take state tensors", field="mamba_states")
@@ -123,27 +111,6 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
         raise qualify(exc, path) from None
 
 
-def layer_spec_to_proto(name: str, spec: KVCacheSpec) -> pb.LayerSpec:
-    """The ``LayerSpec`` a core spec was built from (defaults filled in)."""
-    out = pb.LayerSpec(name=name, kind=KIND_TO_PROTO[spec.kind], block_size=spec.block_size,
-                       page_size_padded=getattr(spec, "page_size_padded", None) or 0)
-    if isinstance(spec, MambaSpec):
-        out.mamba_states.extend(pb.MambaState(shape=list(s), dtype=d)
-                                for s, d in zip(spec.shapes, spec.dtypes))
-        out.mamba_cache_mode = _MAMBA_MODE_TO_PROTO[spec.mamba_cache_mode]
-        out.mamba_type = spec.mamba_type
-        return out
-    out.num_kv_heads = spec.num_kv_heads
-    out.head_size = spec.head_size
-    out.head_size_v = spec.head_size_v or 0
-    out.dtype = spec.dtype
-    if isinstance(spec, SlidingWindowSpec):
-        out.sliding_window = spec.sliding_window
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        out.attention_chunk_size = spec.attention_chunk_size
-    return out
-
-
 def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     """Core pool options and the ``hybrid`` flag from ``PoolOptions`` (the service-only
     ``skip_capacity_check`` is read by :func:`description_from_proto`)."""
@@ -155,12 +122,12 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     if not 0.0 <= opts.watermark < 1.0:  # also rejects NaN
         raise InvalidArgument(f"must be in [0, 1), got {opts.watermark}",
                               field=f"{p}.watermark")
-    if opts.hash_algo not in _HASH_TO_CORE:
+    if opts.hash_algo and not HASH_ALGOS.name(opts.hash_algo):
         raise InvalidArgument(f"unknown hash_algo {opts.hash_algo}", field=f"{p}.hash_algo")
     core = PoolOptions(
         max_model_len=opts.max_model_len,
         enable_caching=opts.enable_caching if opts.HasField("enable_caching") else True,
-        hash_algo=_HASH_TO_CORE[opts.hash_algo],
+        hash_algo=HASH_ALGOS.name(opts.hash_algo) or "sha256",
         scheduler_block_size=opts.scheduler_block_size or None,
         hash_block_size=opts.hash_block_size or None,
         watermark=opts.watermark,
@@ -175,7 +142,7 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
                      skip_capacity_check: bool = False) -> pb.PoolOptions:
     return pb.PoolOptions(skip_capacity_check=skip_capacity_check,
         max_model_len=opts.max_model_len, enable_caching=opts.enable_caching,
-        hash_algo=_HASH_TO_PROTO[opts.hash_algo],
+        hash_algo=HASH_ALGOS.value(opts.hash_algo),
         scheduler_block_size=opts.scheduler_block_size or 0,
         hash_block_size=opts.hash_block_size or 0, watermark=opts.watermark,
         max_in_flight_tokens=opts.max_in_flight_tokens or 0,
@@ -217,7 +184,7 @@ def layer_page_size_bytes(group: Any) -> int:
 def group_to_proto(index: int, group: Any) -> pb.KVCacheGroup:
     spec = group.spec
     out = pb.KVCacheGroup(index=index, layer_names=list(group.layer_names),
-                          kind=KIND_TO_PROTO[spec.kind], block_size=spec.block_size,
+                          kind=LAYER_KINDS.value(spec.kind), block_size=spec.block_size,
                           page_size_bytes=layer_page_size_bytes(group))
     window = getattr(spec, "sliding_window", None)
     if window:
@@ -226,7 +193,7 @@ def group_to_proto(index: int, group: Any) -> pb.KVCacheGroup:
     if chunk:
         out.attention_chunk_size = chunk
     if isinstance(spec, MambaSpec):
-        out.mamba_cache_mode = _MAMBA_MODE_TO_PROTO[spec.mamba_cache_mode]
+        out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
     return out
 
 
@@ -242,7 +209,7 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
         layer_page_size_bytes=max((g.page_size_bytes for g in groups), default=0),
         scheduler_block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
         options=options_to_proto(pool.options, desc.hybrid, desc.skip_capacity_check),
-        layers=[layer_spec_to_proto(name, spec) for name, spec in desc.layers])
+        layers=[layers.from_spec(name, spec) for name, spec in desc.layers])
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,7 +224,7 @@ def tables(block_ids: Sequence[Sequence[int]] | None) -> list[pb.BlockTable]:
 
 
 def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
-    """``PoolStats`` from the core's stats object."""
+    """``PoolStats`` message from the core's stats object."""
     return pb.PoolStats(
         num_blocks=s.num_blocks, num_free_blocks=s.num_free_blocks,
         num_cached_blocks=s.num_cached_blocks, usage=s.usage, num_requests=s.num_requests,
@@ -276,7 +243,7 @@ def event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
         stored = pb.BlockStored(
             block_hashes=event.block_hashes, token_ids=event.token_ids,
             block_size=event.block_size, lora_name=event.lora_name or "",
-            group_idx=event.group_idx, kind=KIND_TO_PROTO.get(event.spec_kind or "", 0),
+            group_idx=event.group_idx, kind=LAYER_KINDS.value(event.spec_kind) if event.spec_kind else 0,
             sliding_window=event.sliding_window or 0, medium=event.medium)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash

@@ -10,13 +10,11 @@ dashboards work: ``grpc_server_started_total``, ``grpc_server_handled_total``,
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
 # Sub-millisecond resolution: a batched Step is expected to take 0.2-2 ms.
@@ -53,7 +51,7 @@ class RpcMetrics:
 
 class PoolCollector:
     """Scrape-time gauges/counters of every pool, read from ``stats_of()``: an iterable of
-    (pool_id, core ``PoolStats``). Prefix-cache counts include re-admissions after
+    (pool_id, core ``PoolCounters``). Prefix-cache counts include re-admissions after
     preemption."""
 
     def __init__(self, stats_of: Callable[[], Iterable[tuple[str, Any]]]) -> None:
@@ -115,30 +113,3 @@ def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]]) -> tuple[
     rpc = RpcMetrics(registry)
     registry.register(PoolCollector(stats_of))
     return registry, rpc
-
-
-async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
-    """Serves ``GET /metrics`` (text exposition) on the running loop; answers 404 for any
-    other path. Minimal HTTP/1.0: one request per connection."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=5)
-            parts = head.split(b"\r\n", 1)[0].split()
-            path = parts[1].split(b"?", 1)[0] if len(parts) >= 2 else b""
-            if len(parts) >= 2 and parts[0] == b"GET" and path in (b"/metrics", b"/"):
-                body, status, ctype = generate_latest(registry), b"200 OK", \
-                    CONTENT_TYPE_LATEST.encode()
-            else:
-                body, status, ctype = b"not found\n", b"404 Not Found", b"text/plain"
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: " + ctype +
-                         b"\r\nContent-Length: " + str(len(body)).encode() +
-                         b"\r\nConnection: close\r\n\r\n" + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
-                asyncio.LimitOverrunError):
-            pass
-        finally:
-            writer.close()
-
-    return await asyncio.start_server(handle, host, port)

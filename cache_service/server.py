@@ -14,7 +14,6 @@ pool, so allocator state needs no locks. Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -24,42 +23,19 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.interceptors import CallInterceptor
-from cache_service.metrics import new_registry, serve_metrics
-from cache_service.pools import PoolRegistry
+from cache_service.metrics import new_registry
+from kvcache_common.logs import configure_logging, lifecycle
+from kvcache_common.metrics_http import serve_metrics
+from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
 log = structlog.get_logger("cache_service.server")
-#: Lifecycle lines ("serving", "draining", "stopped") print at any --log-level: supervisors
-#: and tests wait for them.
-lifecycle = structlog.get_logger("cache_service.lifecycle")
-
-
-def configure_logging(level: str) -> None:
-    """structlog JSON lines on stdout, one per event, with the call's request id."""
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
-        cache_logger_on_first_use=True,
-    )
-    global lifecycle
-    lifecycle = structlog.wrap_logger(
-        structlog.PrintLogger(sys.stdout),
-        wrapper_class=structlog.make_filtering_bound_logger(
-            min(logging.INFO, getattr(logging, level.upper()))))
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
@@ -117,11 +93,11 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    lifecycle.info("serving", host=settings.host, port=port, metrics_port=metrics_port,
+    lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=token is not None)
 
     await stop.wait()
-    lifecycle.info("draining", grace_seconds=settings.drain_seconds)
+    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.
     await health_servicer.enter_graceful_shutdown()
@@ -138,7 +114,7 @@ async def serve(settings: Settings) -> int:
     await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
     if metrics_server is not None:
         metrics_server.close()
-    lifecycle.info("stopped")
+    lifecycle().info("stopped")
     return 0
 
 

@@ -17,9 +17,9 @@ import grpc
 import structlog
 
 from cache_service import convert
-from cache_service._errors import ResourceExhausted, Unavailable, qualify, to_status
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from cache_service.status import ResourceExhausted, Unavailable, qualify, to_status
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.core.errors import (
     DuplicateRequest,
     FailedPrecondition,
@@ -27,9 +27,9 @@ from cache_service.core.errors import (
     KVCacheError,
     UnknownRequest,
 )
-from cache_service.core.pool import DecodeResult
+from cache_service.core.pool import DecodeOutcome
 from cache_service.event_feed import SequenceOutOfRange
-from cache_service.pools import PoolEntry, PoolRegistry, check_pool_id
+from cache_service.registry import PoolEntry, PoolRegistry, check_pool_id
 
 MAX_REQUEST_ID_LEN = 256
 HASH_LEN = 32  # sha256 digests
@@ -247,7 +247,7 @@ class StepValidator:
                                       f"max_model_len {limit}", field=f"token_ids[{i}]")
 
 
-def write_decode(out: pb.DecodeResult, result: DecodeResult) -> None:
+def write_decode(out: pb.DecodeResult, result: DecodeOutcome) -> None:
     """Fills a DecodeResult's packed arrays (the layout documented in the proto)."""
     out.ok.extend(result.ok)
     grown = result.new_block_ids

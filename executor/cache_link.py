@@ -12,9 +12,9 @@ from typing import Sequence
 
 import grpc
 
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult, StepStream
-from cache_service.convert import layer_spec_to_proto
+from cache_service.client import layers
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
 
@@ -40,7 +40,7 @@ class PoolPlan:
     vocab_size: int = 0
 
     def layer_protos(self) -> list[pb.LayerSpec]:
-        return [layer_spec_to_proto(n, s) for n, s in self.specs.items()]
+        return [layers.from_spec(n, s) for n, s in self.specs.items()]
 
 
 def group_layouts(info: PoolInfo) -> list[GroupLayout]:

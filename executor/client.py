@@ -8,8 +8,8 @@ from typing import Sequence
 
 import grpc
 
-from cache_service.api.kvcache.v1 import executor_pb2 as epb
-from cache_service.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Start executors as subprocesses on loopback (ephemeral ports) for the demo, the benchmarks
-and the tests, on top of :mod:`cache_service.launch` (which starts the cache service)."""
+and the tests, on top of :mod:`kvcache_common.launch` (which starts the cache service)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from cache_service.launch import ServerProcess, start_cache_service, start_process
+from kvcache_common.launch import ServerProcess, start_cache_service, start_process
 
 __all__ = ["ServerProcess", "start_cache_service", "start_executor", "wait_ready"]
 

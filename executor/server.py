@@ -34,11 +34,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from cache_service.api.kvcache.v1 import executor_pb2 as epb
-from cache_service.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 from cache_service.client import CacheError
-from cache_service.metrics import serve_metrics
-from cache_service.server import configure_logging
+from kvcache_common.metrics_http import serve_metrics
+from kvcache_common.logs import configure_logging
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
 from executor.cache_link import CacheLink, CacheUnavailable, PoolPlan, group_layouts

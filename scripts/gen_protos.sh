@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Regenerates the Python stubs of EVERY .proto under proto/ into cache_service/api/
+# Regenerates the Python stubs of EVERY .proto under proto/ into kvcache_common/api/
 # (messages *_pb2.py, typing stubs *_pb2.pyi, services *_pb2_grpc.py), so that they import
-# as cache_service.api.kvcache.v1.cache_service_pb2.
-#   bash scripts/gen_protos.sh [OUT_DIR]      (default: cache_service/api)
+# as kvcache_common.api.kvcache.v1.cache_service_pb2.
+#   bash scripts/gen_protos.sh [OUT_DIR]      (default: kvcache_common/api)
 # tests/service/test_protos.py runs it into a temp dir and fails on drift; commit the output.
 # protoc writes imports relative to proto/ ("from kvcache.v1 import x_pb2"); they are
 # rewritten to absolute package imports below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-cache_service/api}"
+out="${1:-kvcache_common/api}"
 mkdir -p "$out"
 # Drop stale generated files (a removed .proto must not leave stubs behind).
 find "$out" \( -name '*_pb2.py' -o -name '*_pb2.pyi' -o -name '*_pb2_grpc.py' \) -delete

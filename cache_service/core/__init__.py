@@ -16,11 +16,11 @@ from cache_service.core.errors import (
 )
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.pool import (
-    AllocateResult,
-    LookupResult,
+    Allocation,
+    PrefixHit,
     Pool,
     PoolOptions,
-    PoolStats,
+    PoolCounters,
     RequestInfo,
 )
 from cache_service.core.specs import (
@@ -36,10 +36,10 @@ from cache_service.core.specs import (
 )
 
 __all__ = [
-    "AllBlocksCleared", "AllocateResult", "AlreadyExists", "BlockRemoved", "BlockStored",
+    "AllBlocksCleared", "Allocation", "AlreadyExists", "BlockRemoved", "BlockStored",
     "ChunkedLocalAttentionSpec", "ConfigError", "CrossAttentionSpec", "DuplicateRequest",
     "FailedPrecondition", "FullAttentionSpec", "InvalidArgument", "KVCacheConfig",
-    "KVCacheError", "KVCacheGroupSpec", "KVCacheSpec", "KVEvent", "LookupResult",
-    "MambaSpec", "NotFound", "Pool", "PoolOptions", "PoolStats", "RequestInfo",
+    "KVCacheError", "KVCacheGroupSpec", "KVCacheSpec", "KVEvent", "PrefixHit",
+    "MambaSpec", "NotFound", "Pool", "PoolOptions", "PoolCounters", "RequestInfo",
     "SizingLimits", "SlidingWindowSpec", "UnknownRequest",
 ]

@@ -1,7 +1,7 @@
 """The one exception hierarchy of the allocator core.
 
 Every error the core raises for bad input is a :class:`KVCacheError`. The gRPC
-boundary (``cache_service/_errors.py``) maps each class to one status code, so the
+boundary (``cache_service/status.py``) maps each class to one status code, so the
 core never imports gRPC. A method that raises leaves the state as it was.
 
 Running out of blocks is *not* an error: allocation answers ``None`` ("no room")

@@ -3,7 +3,7 @@
 A :class:`Pool` is one :class:`KVCacheManager` (one coordinator, one block pool) plus a
 registry of requests by id. Every method validates its whole input before it changes
 anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
-"No room" is a normal answer (``AllocateResult.ok == False``), never an exception.
+"No room" is a normal answer (``Allocation.ok == False``), never an exception.
 
 Semantics follow vLLM 0.33 (see docs/kv-cache-semantics.md). Two pool-level rules:
 
@@ -64,7 +64,7 @@ class RequestInfo:
 
 
 @dataclass(slots=True)
-class LookupResult:
+class PrefixHit:
     """The longest usable prefix hit; ``block_ids`` per group (null block = 0)."""
 
     hit_tokens: int
@@ -73,7 +73,7 @@ class LookupResult:
 
 
 @dataclass(slots=True)
-class AllocateResult:
+class Allocation:
     """``new_block_ids`` (None when not ok): blocks added by this call, per group;
     ``block_ids``: the request's whole table per group after the call (None when the
     caller asked for no tables: copying long tables dominates the cost of a decode step)."""
@@ -86,7 +86,7 @@ class AllocateResult:
 
 
 @dataclass(slots=True)
-class DecodeResult:
+class DecodeOutcome:
     """Outcome of :meth:`Pool.decode`. ``ok[i]`` answers ``request_ids[i]`` (False = no
     room: nothing allocated for it). ``new_block_ids`` maps the index of every request that
     got at least one new block to its new blocks per group; most decode steps add none,
@@ -97,7 +97,7 @@ class DecodeResult:
 
 
 @dataclass(slots=True)
-class PoolStats:
+class PoolCounters:
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -324,7 +324,7 @@ class Pool:
         return self._manager.get_block_ids(request_id)
 
     # -- lookup / allocate ----------------------------------------------------------------
-    def lookup(self, request_id: str) -> LookupResult:
+    def lookup(self, request_id: str) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
         references; remembered for the request's next ``allocate``."""
         req = self._get(request_id)
@@ -334,12 +334,12 @@ class Pool:
                 f"tokens; only requests with nothing computed can look up", field="request_id")
         blocks, hit, boundary = self._manager.get_computed_blocks(req)
         self._pending[request_id] = (blocks, hit, self._epoch)
-        return LookupResult(hit, [[b.block_id for b in g] for g in blocks], boundary)
+        return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                 include_tables: bool = True) -> AllocateResult:
+                 include_tables: bool = True) -> Allocation:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
@@ -359,7 +359,7 @@ class Pool:
     def _allocate(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                   full_sequence_must_fit: bool = False, use_lookup: bool = True,
                   delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                  include_tables: bool = True) -> AllocateResult:
+                  include_tables: bool = True) -> Allocation:
         """:meth:`allocate` of a registered request with checked counts."""
         request_id = req.request_id
         manager = self._manager
@@ -383,7 +383,7 @@ class Pool:
             full_sequence_must_fit=full_sequence_must_fit)
         if new is None:
             self._allocation_failures += 1
-            return AllocateResult(False, None,
+            return Allocation(False, None,
                                   self._table_ids(request_id) if include_tables else None,
                                   req.num_computed_tokens, 0)
         if req.status != RequestStatus.RUNNING:
@@ -391,11 +391,11 @@ class Pool:
             manager.record_prefix_cache_stats(req, hit)
             req.status = RequestStatus.RUNNING
         req.num_computed_tokens += hit + num_new_tokens
-        return AllocateResult(True, [[b.block_id for b in g] for g in new],
+        return Allocation(True, [[b.block_id for b in g] for g in new],
                               self._table_ids(request_id) if include_tables else None,
                               req.num_computed_tokens, hit)
 
-    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeResult:
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeOutcome:
         """The decode step of many requests: for each ``i`` in order, the same as
         ``append_tokens(request_ids[i], [token_ids[i]])`` then
         ``allocate(request_ids[i], 1, include_tables=False)`` (same outcome, statistics and
@@ -427,7 +427,7 @@ class Pool:
                 ok[i] = r.ok
                 if r.ok and any(r.new_block_ids):
                     grown[i] = r.new_block_ids
-        return DecodeResult(ok, grown)
+        return DecodeOutcome(ok, grown)
 
     def check_decode_args(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
         """The checks of :meth:`decode` that need no request state: at least one request,
@@ -517,10 +517,10 @@ class Pool:
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
         return hit
 
-    def stats(self) -> PoolStats:
+    def stats(self) -> PoolCounters:
         pool = self._manager.pool
         s = self._manager.stats  # cumulative: the pool never takes (resets) them
-        return PoolStats(
+        return PoolCounters(
             num_blocks=pool.num_blocks, num_free_blocks=pool.get_num_free_blocks(),
             num_cached_blocks=pool.num_cached_keys, usage=pool.get_usage(),
             prefix_queries=s.queries, prefix_hits=s.hits, prefix_requests=s.requests,

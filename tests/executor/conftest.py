@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from executor.model import HybridModel
-from cache_service.launch import ServerProcess
+from kvcache_common.launch import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,7 @@ def models() -> Iterator[dict[str, HybridModel]]:
 @pytest.fixture(scope="session")
 def cache_service() -> Iterator[ServerProcess]:
     """One real cache service for the whole executor tier."""
-    from cache_service.launch import start_cache_service
+    from kvcache_common.launch import start_cache_service
 
     with start_cache_service() as srv:
         yield srv

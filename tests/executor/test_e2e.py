@@ -15,10 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from cache_service.client import CacheClient, ops
 from executor.client import ExecutorClient, generate_request
-from cache_service.launch import start_cache_service
+from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor, wait_ready
 from executor.presets import PRESETS
 

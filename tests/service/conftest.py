@@ -2,7 +2,7 @@
 user starts it: ``python -m cache_service --port 0``), clients, and pool factories.
 
 Tests that need their own server (auth, TLS, SIGTERM) start one with
-``cache_service.launch.start_cache_service``.
+``kvcache_common.launch.start_cache_service``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Any
 import grpc
 import pytest
 
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client import CacheClient, PoolInfo
-from cache_service.launch import ServerProcess, start_cache_service
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.launch import ServerProcess, start_cache_service
 
 from .builders import EVENT_BUFFER, full_layers, pool_options
 

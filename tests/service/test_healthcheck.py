@@ -1,4 +1,4 @@
-"""cache_service.healthcheck, the probe both images use as HEALTHCHECK, against a real gRPC
+"""kvcache_common.healthcheck, the probe both images use as HEALTHCHECK, against a real gRPC
 health server on loopback. Needs no Docker engine, so it runs in every environment."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service import healthcheck
+from kvcache_common import healthcheck
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import AllocateResult, CacheClient, CacheError, ops
-from cache_service.launch import start_cache_service
+from kvcache_common.launch import start_cache_service
 
 from .builders import full_layers, result_of
 

@@ -20,17 +20,16 @@ def _generated_files(root: Path) -> dict[str, Path]:
 
 def test_generated_stubs_have_not_drifted(tmp_path: Path) -> None:
     # Generate into a scratch copy of the layout so the module path matches.
-    out = tmp_path / "cache_service" / "api"
     script = REPO / "scripts" / "gen_protos.sh"
     work = tmp_path / "repo"
     (work / "scripts").mkdir(parents=True)
     shutil.copy(script, work / "scripts" / "gen_protos.sh")
     shutil.copytree(REPO / "proto", work / "proto")
-    subprocess.run(["bash", "scripts/gen_protos.sh", "cache_service/api"], cwd=work,
+    subprocess.run(["bash", "scripts/gen_protos.sh", "kvcache_common/api"], cwd=work,
                    check=True, capture_output=True, text=True)
-    out = work / "cache_service" / "api"
+    out = work / "kvcache_common" / "api"
     fresh = _generated_files(out)
-    committed = _generated_files(REPO / "cache_service" / "api")
+    committed = _generated_files(REPO / "kvcache_common" / "api")
     assert fresh, "the script generated nothing"
     assert sorted(fresh) == sorted(committed), "stub files differ: run scripts/gen_protos.sh"
     drifted = [name for name in fresh if not filecmp.cmp(fresh[name], committed[name],
@@ -47,7 +46,7 @@ def test_buf(command: list[str]) -> None:
 
 
 def test_stubs_import_under_the_package_path() -> None:
-    from cache_service.api.kvcache.v1 import cache_service_pb2, cache_service_pb2_grpc
+    from kvcache_common.api.kvcache.v1 import cache_service_pb2, cache_service_pb2_grpc
 
     service = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"]
     assert service.full_name == "kvcache.v1.CacheService"

@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from cache_service.launch import ServerProcess
+from kvcache_common.launch import ServerProcess
 
 DYNAMIC_CLIENT = r'''
 import json, sys

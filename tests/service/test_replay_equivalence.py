@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from cache_service import convert
-from cache_service.client import CacheClient, CacheError, ops
+from cache_service.client import CacheClient, CacheError, layers, ops
 from cache_service.replay import Replayer, load_config, make_pool
 
 SAMPLES = Path(__file__).resolve().parents[2] / "cache_service" / "replay_samples"
@@ -170,7 +170,7 @@ def register(client: CacheClient, config: Path, pool_id: str) -> None:
     """The sample config as a RegisterPool call: one layer per group, same num_blocks."""
     data = json.loads(config.read_text())
     core_config, options = load_config(data)
-    layer_specs = [convert.layer_spec_to_proto(f"layer{i}", g.spec)
+    layer_specs = [layers.from_spec(f"layer{i}", g.spec)
                    for i, g in enumerate(core_config.groups)]
     client.register_pool(
         pool_id, layer_specs, num_blocks=core_config.num_blocks,

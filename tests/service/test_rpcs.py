@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from cache_service import convert
-from cache_service.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import (
     AddResult,
     AllocateResult,
@@ -24,7 +24,7 @@ from cache_service.client import (
     ops,
     register_request,
 )
-from cache_service.pools import build_pool
+from cache_service.registry import build_pool
 
 from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options, result_of
 
@@ -132,7 +132,7 @@ def test_lora_path_is_hashed_like_vllm(client: CacheClient, new_pool) -> None:
 def test_steps_drain_the_pool_events_without_subscribers() -> None:
     """The core queues KV events until taken: every Step must move them into the bounded
     feed even when nobody subscribes, so memory stays bounded however long a pool runs."""
-    from cache_service.pools import PoolRegistry
+    from cache_service.registry import PoolRegistry
     from cache_service.servicer import CacheServicer
 
     registry = PoolRegistry(event_buffer=EVENT_BUFFER)
@@ -388,7 +388,7 @@ def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
     with pytest.raises(CacheError):
         client.get_request(info.pool_id, "nobody")
     with grpc.insecure_channel(server.target) as channel:
-        from cache_service.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+        from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
         stub = pb_grpc.CacheServiceStub(channel)
         _, call = stub.GetPoolStats.with_call(pb.GetPoolStatsRequest(pool_id=info.pool_id),

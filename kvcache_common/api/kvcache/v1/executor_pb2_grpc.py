@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from cache_service.api.kvcache.v1 import executor_pb2 as kvcache_dot_v1_dot_executor__pb2
+from kvcache_common.api.kvcache.v1 import executor_pb2 as kvcache_dot_v1_dot_executor__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -3,7 +3,7 @@ and make sure it dies with its parent.
 
 Used by the demo, the benchmarks and every test tier::
 
-    from cache_service.launch import start_cache_service
+    from kvcache_common.launch import start_cache_service
 
     with start_cache_service("--metrics-port", "0") as srv:
         client = CacheClient(srv.target)

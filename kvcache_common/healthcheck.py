@@ -1,4 +1,4 @@
-"""A tiny gRPC health probe: ``python -m cache_service.healthcheck``.
+"""A tiny gRPC health probe: ``python -m kvcache_common.healthcheck``.
 
 Asks a server's ``grpc.health.v1.Health/Check`` and exits 0 only when the answer is SERVING
 (1 otherwise: not serving, unknown service, unreachable, timeout). Both docker images use it as
@@ -45,7 +45,7 @@ def resolve_target(target: str | None, port_env: str, default_port: int) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The probe's command line."""
     parser = argparse.ArgumentParser(
-        prog="python -m cache_service.healthcheck",
+        prog="python -m kvcache_common.healthcheck",
         description="Exit 0 if the gRPC server's health service answers SERVING, else 1.",
     )
     parser.add_argument("--target", default=None,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cache_service.core.errors import AlreadyExists, NotFound
 from cache_service.core.pool import PoolOptions
 from cache_service.core.specs import FullAttentionSpec, SlidingWindowSpec
-from cache_service.pools import PoolDescription, PoolRegistry, first_difference
+from cache_service.registry import PoolDescription, PoolRegistry, first_difference
 
 
 def description(**changes) -> PoolDescription:

@@ -69,14 +69,3 @@ def to_status(exc: Exception) -> grpc.Status:
         details.append(any_detail)
     return rpc_status.to_status(status_pb2.Status(
         code=getattr(code_pb2, code.name), message=message, details=details))
-
-
-def field_violations(status: status_pb2.Status) -> list[tuple[str, str]]:
-    """(field, description) pairs of a status's BadRequest details (for clients/tests)."""
-    out = []
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            out.extend((v.field, v.description) for v in bad.field_violations)
-    return out

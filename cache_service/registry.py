@@ -163,7 +163,7 @@ class PoolRegistry:
             entry.feed.close()
 
     def stats(self) -> list[tuple[str, Any]]:
-        """(pool_id, PoolStats) of every pool, for metrics."""
+        """(pool_id, PoolCounters) of every pool, for metrics."""
         return [(entry.pool_id, entry.pool.stats()) for entry in self]
 
 

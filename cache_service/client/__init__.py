@@ -1,0 +1,56 @@
+"""Typed Python client of ``kvcache.v1.CacheService``.
+
+    from cache_service.client import AsyncCacheClient, CacheClient, StepBuilder, layers, ops
+
+    async with AsyncCacheClient("127.0.0.1:50051") as client:
+        pool = await client.register_pool(
+            "llama", [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=8,
+                                            head_size=128) for i in range(32)],
+            num_blocks=1024, max_model_len=8192)
+        step = await client.step("llama", [ops.add("r1", prompt), ops.lookup("r1"),
+                                           ops.allocate("r1", len(prompt))], begin_step=True)
+        table = step.results[2].block_ids     # one list of block ids per group
+
+One :meth:`~AsyncCacheClient.step` per scheduler step carries every op of the step (a batch
+with an invalid op is rejected whole, nothing applied); for big batches build them in place
+with :class:`StepBuilder` and send them with ``step_batch``. The running requests' decode
+step is cheapest as ONE ``ops.decode(request_ids, token_ids)`` op (or ``client.decode(...)``
+when the step has nothing else), answered by a :class:`DecodeResult`. Results are
+dataclasses or views, not protos.
+Errors raise :class:`CacheError` (status code, message, offending field). Every call has a
+deadline (``timeout``, default ``default_timeout``); calls are retried only on UNAVAILABLE
+(server draining or not reachable yet), with bounded exponential backoff — a Step that
+failed with UNAVAILABLE was not applied by this server. :class:`CacheClient` is the same
+API, blocking.
+"""
+
+from cache_service.client._async import AsyncCacheClient, AsyncStepStream
+from cache_service.client._builders import StepBuilder, layers, ops, register_request
+from cache_service.client._errors import CacheError
+from cache_service.client._results import (
+    AddResult,
+    AllocateResult,
+    AppendResult,
+    DecodeResult,
+    Event,
+    FreeResult,
+    GroupInfo,
+    LookupResult,
+    NewStepResult,
+    OpResult,
+    PoolInfo,
+    PoolStats,
+    PreemptResult,
+    RequestState,
+    StepResult,
+    step_result,
+)
+from cache_service.client._sync import CacheClient, StepStream
+
+__all__ = [
+    "AddResult", "AllocateResult", "AppendResult", "AsyncCacheClient", "AsyncStepStream",
+    "CacheClient", "CacheError", "DecodeResult", "Event", "FreeResult", "GroupInfo",
+    "LookupResult", "NewStepResult", "OpResult", "PoolInfo", "PoolStats", "PreemptResult",
+    "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",
+    "register_request", "step_result",
+]

@@ -1,0 +1,273 @@
+"""Builders of protocol messages: layer specs (:class:`layers`), Step ops (:class:`ops`),
+whole Step batches built in place (:class:`StepBuilder`), RegisterPool and PeekPrefix requests.
+
+:class:`StepBuilder` is the one place that maps op arguments to message fields; ``ops.*``
+builds a one-op batch with it and returns that op, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.core.specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
+
+
+class layers:  # noqa: N801 - a namespace of builders, used as layers.full_attention(...)
+    """Builders of ``LayerSpec`` messages for :meth:`AsyncCacheClient.register_pool`."""
+
+    @staticmethod
+    def full_attention(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+                       dtype: str = "bfloat16", head_size_v: int = 0) -> pb.LayerSpec:
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_FULL_ATTENTION,
+                            block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_size=head_size, dtype=dtype, head_size_v=head_size_v)
+
+    @staticmethod
+    def sliding_window(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+                       sliding_window: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_SLIDING_WINDOW,
+                            block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_size=head_size, dtype=dtype, sliding_window=sliding_window)
+
+    @staticmethod
+    def chunked_local(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+                      attention_chunk_size: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION,
+                            block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_size=head_size, dtype=dtype,
+                            attention_chunk_size=attention_chunk_size)
+
+    @staticmethod
+    def mamba(name: str, *, block_size: int, shapes: Sequence[Sequence[int]],
+              dtypes: Sequence[str], mamba_cache_mode: str = "none",
+              mamba_type: str = "mamba2") -> pb.LayerSpec:
+        return pb.LayerSpec(
+            name=name, kind=pb.LAYER_KIND_MAMBA, block_size=block_size,
+            mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
+            mamba_cache_mode=MAMBA_CACHE_MODES.value(mamba_cache_mode), mamba_type=mamba_type)
+
+    @staticmethod
+    def from_spec(name: str, spec: KVCacheSpec) -> pb.LayerSpec:
+        """The ``LayerSpec`` message of a core layer spec (defaults filled in): how the
+        executor, which sizes its cache with the core's spec arithmetic, describes its
+        layers, and how the service echoes registered layers back."""
+        out = pb.LayerSpec(name=name, kind=LAYER_KINDS.value(spec.kind),
+                           block_size=spec.block_size,
+                           page_size_padded=getattr(spec, "page_size_padded", None) or 0)
+        if isinstance(spec, MambaSpec):
+            out.mamba_states.extend(pb.MambaState(shape=list(s), dtype=d)
+                                    for s, d in zip(spec.shapes, spec.dtypes))
+            out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
+            out.mamba_type = spec.mamba_type
+            return out
+        assert isinstance(spec, AttentionSpec)
+        out.num_kv_heads = spec.num_kv_heads
+        out.head_size = spec.head_size
+        out.head_size_v = spec.head_size_v or 0
+        out.dtype = spec.dtype
+        if isinstance(spec, SlidingWindowSpec):
+            out.sliding_window = spec.sliding_window
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            out.attention_chunk_size = spec.attention_chunk_size
+        return out
+
+
+class StepBuilder:
+    """Builds one StepRequest in place — about 4x cheaper than a list of ``ops.*``
+    messages, which matters for a 256-request decode step. Send it with
+    ``client.step_batch(builder)``. Methods mirror :class:`ops` and return the builder::
+
+        batch = StepBuilder("llama", begin_step=True)
+        for rid in running:  # decode: append the last token and allocate its slot
+            batch.allocate(rid, 1, append_token_ids=[last_token[rid]])
+        result = client.step_batch(batch)
+    """
+
+    __slots__ = ("request", "_add")
+
+    def __init__(self, pool_id: str, *, begin_step: bool = False) -> None:
+        self.request = pb.StepRequest(pool_id=pool_id, begin_step=begin_step)
+        self._add = self.request.ops.add
+
+    def __len__(self) -> int:
+        return len(self.request.ops)
+
+    def add(self, request_id: str, token_ids: Sequence[int], *,
+            block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+            lora_name: str | None = None, lora_path: str | None = None) -> "StepBuilder":
+        m = self._add().add_request
+        m.request_id = request_id
+        m.token_ids.extend(token_ids)
+        if block_hashes:
+            m.block_hashes.extend(block_hashes)
+        if cache_salt:
+            m.cache_salt = cache_salt
+        if lora_name:
+            m.lora_name = lora_name
+        if lora_path:
+            m.lora_path = lora_path
+        return self
+
+    def lookup(self, request_id: str) -> "StepBuilder":
+        self._add().lookup.request_id = request_id
+        return self
+
+    def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+                 full_sequence_must_fit: bool = False, use_lookup: bool = True,
+                 delay_cache_blocks: bool = False, block_table: bool = True,
+                 append_token_ids: Sequence[int] = ()) -> "StepBuilder":
+        m = self._add().allocate
+        m.request_id = request_id
+        m.num_new_tokens = num_new_tokens
+        if append_token_ids:
+            m.append_token_ids.extend(append_token_ids)
+        if num_lookahead_tokens:
+            m.num_lookahead_tokens = num_lookahead_tokens
+        if full_sequence_must_fit:
+            m.full_sequence_must_fit = True
+        if not use_lookup:
+            m.skip_lookup = True
+        if delay_cache_blocks:
+            m.delay_cache_blocks = True
+        if not block_table:
+            m.skip_block_table = True
+        return self
+
+    def append(self, request_id: str, token_ids: Sequence[int]) -> "StepBuilder":
+        m = self._add().append_tokens
+        m.request_id = request_id
+        m.token_ids.extend(token_ids)
+        return self
+
+    def free(self, request_id: str) -> "StepBuilder":
+        self._add().free.request_id = request_id
+        return self
+
+    def preempt(self, request_id: str) -> "StepBuilder":
+        self._add().preempt.request_id = request_id
+        return self
+
+    def new_step(self) -> "StepBuilder":
+        self._add().new_step.SetInParent()
+        return self
+
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> "StepBuilder":
+        """See :meth:`ops.decode`."""
+        m = self._add().decode
+        m.request_ids.extend(request_ids)
+        m.token_ids.extend(token_ids)
+        return self
+
+
+class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
+    """Builders of single Step operations (``kvcache.v1.Op``); arguments as the methods of
+    :class:`StepBuilder`, which fills the fields."""
+
+    @staticmethod
+    def add(request_id: str, token_ids: Sequence[int], *,
+            block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+            lora_name: str | None = None, lora_path: str | None = None) -> pb.Op:
+        """Register a request (its prompt tokens; optionally client-computed hashes). A
+        LoRA request hashes ``("lora", lora_name, lora_path)`` as vLLM does."""
+        return _one().add(request_id, token_ids, block_hashes=block_hashes,
+                          cache_salt=cache_salt, lora_name=lora_name,
+                          lora_path=lora_path).request.ops[0]
+
+    @staticmethod
+    def lookup(request_id: str) -> pb.Op:
+        """Find the request's prefix-cache hit (used by its next allocate)."""
+        return _one().lookup(request_id).request.ops[0]
+
+    @staticmethod
+    def allocate(request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
+                 full_sequence_must_fit: bool = False, use_lookup: bool = True,
+                 delay_cache_blocks: bool = False, block_table: bool = True,
+                 append_token_ids: Sequence[int] = ()) -> pb.Op:
+        """Allocate slots for ``num_new_tokens``; ``block_table=False`` omits the whole
+        table from the result (only the new blocks come back); ``append_token_ids`` are
+        appended first (a decode step in one op)."""
+        return _one().allocate(
+            request_id, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit, use_lookup=use_lookup,
+            delay_cache_blocks=delay_cache_blocks, block_table=block_table,
+            append_token_ids=append_token_ids).request.ops[0]
+
+    @staticmethod
+    def append(request_id: str, token_ids: Sequence[int]) -> pb.Op:
+        """Append decoded output tokens."""
+        return _one().append(request_id, token_ids).request.ops[0]
+
+    @staticmethod
+    def free(request_id: str) -> pb.Op:
+        """Free and forget a finished request."""
+        return _one().free(request_id).request.ops[0]
+
+    @staticmethod
+    def preempt(request_id: str) -> pb.Op:
+        """Free a request's blocks but keep it for re-admission."""
+        return _one().preempt(request_id).request.ops[0]
+
+    @staticmethod
+    def new_step() -> pb.Op:
+        """Begin a scheduler step."""
+        return _one().new_step().request.ops[0]
+
+    @staticmethod
+    def decode(request_ids: Sequence[str], token_ids: Sequence[int]) -> pb.Op:
+        """The decode step of many running requests: ``token_ids[i]`` is appended to
+        ``request_ids[i]`` and one slot allocated (as ``allocate(rid, 1, block_table=False,
+        append_token_ids=[token])`` each), in one compact op. Answered by a
+        :class:`DecodeResult`."""
+        return _one().decode(request_ids, token_ids).request.ops[0]
+
+
+def _one() -> StepBuilder:
+    return StepBuilder("")
+
+
+def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
+                     num_blocks: int | None = None,
+                     available_memory_bytes: int | None = None, max_model_len: int,
+                     enable_caching: bool = True, hash_algo: str = "sha256",
+                     watermark: float = 0.0, vocab_size: int | None = None,
+                     scheduler_block_size: int | None = None,
+                     hash_block_size: int | None = None,
+                     max_in_flight_tokens: int | None = None, enable_events: bool = True,
+                     hybrid: bool = True,
+                     skip_capacity_check: bool = False) -> pb.RegisterPoolRequest:
+    """The RegisterPool message for the keyword arguments of ``register_pool``."""
+    if (num_blocks is None) == (available_memory_bytes is None):
+        raise ValueError("give exactly one of num_blocks and available_memory_bytes")
+    options = pb.PoolOptions(
+        max_model_len=max_model_len, enable_caching=enable_caching,
+        hash_algo=HASH_ALGOS.value(hash_algo), watermark=watermark, vocab_size=vocab_size or 0,
+        scheduler_block_size=scheduler_block_size or 0, hash_block_size=hash_block_size or 0,
+        max_in_flight_tokens=max_in_flight_tokens or 0, enable_events=enable_events,
+        hybrid=hybrid, skip_capacity_check=skip_capacity_check)
+    req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
+    if num_blocks is not None:
+        req.num_blocks = num_blocks
+    else:
+        req.available_memory_bytes = available_memory_bytes  # type: ignore[assignment]
+    return req
+
+
+def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
+                  block_hashes: Sequence[bytes], cache_salt: str | None,
+                  lora_name: str | None, lora_path: str | None) -> pb.PeekPrefixRequest:
+    return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
+                                block_hashes=block_hashes, cache_salt=cache_salt or "",
+                                lora_name=lora_name or "", lora_path=lora_path or "")
+
+
+def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
+                   begin_step: bool) -> pb.StepRequest:
+    return StepBuilder(pool_id, begin_step=begin_step).decode(request_ids, token_ids).request

@@ -1,0 +1,300 @@
+"""What the client returns: dataclasses and lazy views over response messages (never
+protobuf messages), and the functions that build them from responses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Union
+
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.enums import LAYER_KINDS
+
+
+
+@dataclass(frozen=True)
+class AddResult:
+    num_tokens: int
+    num_block_hashes: int
+
+
+@dataclass(frozen=True)
+class AppendResult:
+    num_tokens: int
+    num_block_hashes: int
+
+
+class _MessageView:
+    """A read-only view over one result message; subclasses convert fields on access, so a
+    scheduler pays only for what it reads."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, message: Any) -> None:
+        self._m = message
+
+
+class LookupResult(_MessageView):
+    """A lookup's hit. A view over the response message: tables convert on access."""
+
+    __slots__ = ()
+
+    @property
+    def hit_tokens(self) -> int:
+        return self._m.hit_tokens
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        return tables_from(self._m.block_ids)
+
+    @property
+    def shared_prefix_boundary(self) -> int:
+        return self._m.shared_prefix_boundary
+
+    def __repr__(self) -> str:
+        return (f"LookupResult(hit_tokens={self.hit_tokens}, block_ids={self.block_ids}, "
+                f"shared_prefix_boundary={self.shared_prefix_boundary})")
+
+
+class AllocateResult(_MessageView):
+    """``ok=False`` is "no room" (``new_block_ids`` None): preempt someone and retry.
+    ``block_ids`` is the whole table per group (empty if the op set ``block_table=False``).
+    A view over the response message: tables convert on access, so a scheduler that reads
+    only what it needs pays only for that."""
+
+    __slots__ = ()
+
+    @property
+    def ok(self) -> bool:
+        return self._m.ok
+
+    @property
+    def new_block_ids(self) -> list[list[int]] | None:
+        """Per group; ``[]`` when no group got a block; None when not ok."""
+        return tables_from(self._m.new_block_ids) if self._m.ok else None
+
+    @property
+    def block_ids(self) -> list[list[int]]:
+        return tables_from(self._m.block_ids)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._m.num_computed_tokens
+
+    @property
+    def hit_tokens_used(self) -> int:
+        return self._m.hit_tokens_used
+
+    def __repr__(self) -> str:
+        return (f"AllocateResult(ok={self.ok}, new_block_ids={self.new_block_ids}, "
+                f"block_ids={self.block_ids}, num_computed_tokens={self.num_computed_tokens}, "
+                f"hit_tokens_used={self.hit_tokens_used})")
+
+
+class DecodeResult(_MessageView):
+    """A decode op's outcome, a view over the packed response. ``ok[i]`` answers
+    ``request_ids[i]`` (False = no room; nothing was allocated for it, its token stays
+    appended); a successful request's computed tokens grew by one. ``new_block_ids`` maps
+    the index of each request that got blocks to its new blocks per group (usually few)."""
+
+    __slots__ = ()
+
+    @property
+    def ok(self) -> list[bool]:
+        return list(self._m.ok)
+
+    @property
+    def all_ok(self) -> bool:
+        """Every request got its slot (cheap: no list is built)."""
+        return all(self._m.ok)
+
+    @property
+    def failed(self) -> list[int]:
+        """Indices of the requests that found no room."""
+        return [i for i, ok in enumerate(self._m.ok) if not ok]
+
+    @property
+    def new_block_ids(self) -> dict[int, list[list[int]]]:
+        m = self._m
+        grown = m.grown
+        if not grown:
+            return {}
+        counts = m.new_block_counts
+        ids = m.new_block_ids
+        groups = len(counts) // len(grown)
+        out: dict[int, list[list[int]]] = {}
+        pos = k = 0
+        for index in grown:
+            tables = out[index] = []
+            for count in counts[k: k + groups]:
+                tables.append(list(ids[pos: pos + count]))
+                pos += count
+            k += groups
+        return out
+
+    def __repr__(self) -> str:
+        return f"DecodeResult(ok={self.ok}, new_block_ids={self.new_block_ids})"
+
+
+@dataclass(frozen=True)
+class FreeResult:
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class PreemptResult:
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class NewStepResult:
+    pass
+
+
+OpResult = Union[AddResult, LookupResult, AllocateResult, AppendResult, FreeResult,
+                 PreemptResult, NewStepResult, DecodeResult]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """``results[i]`` answers ``ops[i]``."""
+
+    results: list[OpResult]
+    num_free_blocks: int
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    index: int
+    layer_names: list[str]
+    kind: str
+    block_size: int
+    sliding_window: int
+    attention_chunk_size: int
+    page_size_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """A pool's configuration (``raw`` is the PoolConfig message)."""
+
+    pool_id: str
+    num_blocks: int
+    groups: list[GroupInfo]
+    page_size_bytes: int
+    scheduler_block_size: int
+    hash_block_size: int
+    created: bool
+    raw: pb.PoolConfig
+    #: Bytes of one block in ONE layer (``page_size_bytes`` is per block id, all layers).
+    layer_page_size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class RequestState:
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+    num_tokens: int
+    num_block_hashes: int
+    status: str
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    usage: float
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    evictions: int
+    allocation_failures: int
+    preemptions: int
+    num_cached_blocks_per_group: list[int]
+    last_event_sequence: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """One KV event. ``kind`` is "block_stored", "block_removed" or "all_blocks_cleared";
+    hashes are the documented 64-bit integers."""
+
+    sequence: int
+    kind: str
+    block_hashes: list[int]
+    parent_block_hash: int | None = None
+    token_ids: list[int] | None = None
+    block_size: int = 0
+    group_idx: int = 0
+    spec_kind: str = ""
+    sliding_window: int = 0
+    lora_name: str = ""
+
+
+def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
+    return [list(t.block_ids) for t in tables]
+
+
+def op_result_from(r: pb.OpResult) -> OpResult:
+    kind = r.WhichOneof("result")
+    if kind == "allocate":
+        return AllocateResult(r.allocate)
+    if kind == "decode":
+        return DecodeResult(r.decode)
+    if kind == "add_request":
+        return AddResult(r.add_request.num_tokens, r.add_request.num_block_hashes)
+    if kind == "append_tokens":
+        return AppendResult(r.append_tokens.num_tokens, r.append_tokens.num_block_hashes)
+    if kind == "lookup":
+        return LookupResult(r.lookup)
+    if kind == "free":
+        return FreeResult(r.free.num_free_blocks)
+    if kind == "preempt":
+        return PreemptResult(r.preempt.num_free_blocks)
+    return NewStepResult()
+
+
+def step_result(resp: pb.StepResponse) -> StepResult:
+    return StepResult([op_result_from(r) for r in resp.results], resp.num_free_blocks)
+
+
+def pool_info_from(cfg: pb.PoolConfig, created: bool = False) -> PoolInfo:
+    return PoolInfo(
+        cfg.pool_id, cfg.num_blocks,
+        [GroupInfo(g.index, list(g.layer_names), LAYER_KINDS.name(g.kind), g.block_size,
+                   g.sliding_window, g.attention_chunk_size, g.page_size_bytes)
+         for g in cfg.groups],
+        cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg,
+        cfg.layer_page_size_bytes)
+
+
+def stats_from(s: pb.PoolStats) -> PoolStats:
+    return PoolStats(s.num_blocks, s.num_free_blocks, s.num_cached_blocks, s.usage,
+                     s.num_requests, s.prefix_cache_queries, s.prefix_cache_hits, s.evictions,
+                     s.allocation_failures, s.preemptions,
+                     [g.num_cached_blocks for g in s.groups], s.last_event_sequence)
+
+
+def event_from(e: pb.KVEvent) -> Event:
+    kind = e.WhichOneof("event")
+    if kind == "block_stored":
+        s = e.block_stored
+        return Event(e.sequence, kind, list(s.block_hashes),
+                     s.parent_block_hash if s.HasField("parent_block_hash") else None,
+                     list(s.token_ids), s.block_size, s.group_idx,
+                     LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name)
+    if kind == "block_removed":
+        return Event(e.sequence, kind, list(e.block_removed.block_hashes),
+                     group_idx=e.block_removed.group_idx)
+    return Event(e.sequence, "all_blocks_cleared", [])
+
+
+def request_state_from(r: pb.GetRequestResponse) -> RequestState:
+    return RequestState(tables_from(r.block_ids), r.num_computed_tokens, r.num_tokens,
+                        r.num_block_hashes, r.status, r.num_preemptions)
+
+
+def hits_from(resp: pb.PeekPrefixResponse) -> dict[str, int]:
+    return {h.pool_id: h.hit_tokens for h in resp.hits}
