@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import StepResult, layers
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 R = TypeVar("R")
 

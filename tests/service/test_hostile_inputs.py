@@ -10,9 +10,9 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
+from cache_service.client import CacheClient, layers, ops
 from cache_service.client._errors import field_violations
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.client import CacheClient, layers, ops
 
 from .builders import full_layers
 

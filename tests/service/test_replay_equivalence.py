@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from cache_service import convert
 from cache_service.client import CacheClient, CacheError, layers, ops
 from cache_service.replay import Replayer, load_config, make_pool
 

@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from cache_service import convert
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import (
     AddResult,
     AllocateResult,
@@ -25,6 +24,7 @@ from cache_service.client import (
     register_request,
 )
 from cache_service.registry import build_pool
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options, result_of
 
