@@ -265,11 +265,11 @@ class NaiveManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[list[int]], int, int]:
         hits: list[list[int]] = [[] for _ in self.groups]
         for h in req.block_hashes[: (req.num_tokens - 1) // self.bs]:
-            found = [self.cached.get(h + bytes((g,))) for g in self.groups]
-            if None in found:
+            found = [b for g in self.groups if (b := self.cached.get(h + bytes((g,)))) is not None]
+            if len(found) < len(self.groups):
                 break
             for g, b in enumerate(found):
-                hits[g].append(b)  # type: ignore[arg-type]
+                hits[g].append(b)
         return hits, len(hits[0]) * self.bs, 0
 
     def _needed(self, tables: list[list[int]], hits: list[list[int]] | None, tokens: int) -> int:

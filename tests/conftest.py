@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from hypothesis import settings as hypothesis_settings
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 # gRPC's fork handlers can deadlock Popen's fork() in a process that has used grpc.aio
@@ -24,7 +26,5 @@ if importlib.util.find_spec("torch") is not None:  # the cache-service tiers run
 
 # Hypothesis' per-example deadline measures wall time, which on a shared 2-core machine says
 # more about the neighbours than about the code: examples are bounded by their size instead.
-from hypothesis import settings as _hypothesis_settings  # noqa: E402
-
-_hypothesis_settings.register_profile("kvcache", deadline=None)
-_hypothesis_settings.load_profile("kvcache")
+hypothesis_settings.register_profile("kvcache", deadline=None)
+hypothesis_settings.load_profile("kvcache")
