@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import SAMPLES
 
 from cache_service.replay import ConfigFileError, main, make_pool, replay, same_result
+
+from builders import SAMPLES
 
 TRACES = sorted(p for p in SAMPLES.glob("*.jsonl") if not p.name.endswith(".expected.jsonl"))
 

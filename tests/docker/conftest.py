@@ -15,6 +15,7 @@ a private network.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -23,6 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -224,8 +226,10 @@ class Containers:
                      .with_network(self.network).with_network_aliases(alias)
                      .with_kwargs(healthcheck=FAST_HEALTHCHECK, hostname=alias))
         if publish is not None:
-            # with_bind_ports() cannot name a host address; docker-py takes (address, port).
-            container.ports[f"{publish}/tcp"] = ("127.0.0.1", None)
+            # with_bind_ports() cannot name a host address; docker-py takes (address, port),
+            # which testcontainers' annotation of the mapping does not list.
+            ports: dict[str, Any] = container.ports
+            ports[f"{publish}/tcp"] = ("127.0.0.1", None)
         container.start()
         self._started.append(container)
         wait_healthy(container.get_wrapped_container())
@@ -244,10 +248,8 @@ class Containers:
     def remove_all(self) -> None:
         """Force-remove every container started here that a test has not removed itself."""
         for container in self._started:
-            try:
+            with contextlib.suppress(docker.errors.NotFound):
                 container.get_wrapped_container().remove(force=True)
-            except docker.errors.NotFound:
-                pass
         self._started.clear()
 
 

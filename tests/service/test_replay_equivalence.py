@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from cache_service import convert
 from cache_service.client import CacheClient, CacheError, layers, ops
 from cache_service.replay import Replayer, load_config, make_pool
 
@@ -160,9 +159,9 @@ class ServerReplayer:
         if name == "reset":
             return {"ok": self.client.reset_prefix_cache(self.pool)}
         if name == "blocks":
-            s = self.client.get_request(self.pool, rid)
-            return {"block_ids": s.block_ids, "num_computed_tokens": s.num_computed_tokens,
-                    "num_tokens": s.num_tokens}
+            state = self.client.get_request(self.pool, rid)
+            return {"block_ids": state.block_ids, "num_computed_tokens": state.num_computed_tokens,
+                    "num_tokens": state.num_tokens}
         raise KeyError(f"unknown op {name!r}")
 
 
