@@ -72,6 +72,7 @@ def test_the_documented_commands_are_the_ones_the_tier_runs():
     """tests/docker builds with these `docker build` lines (conftest.build_image) and runs
     `up --build` with compose (test_compose.py): the docs cannot drift from what is tested."""
     shown = re.findall(r"^docker build .*$", DOCS, re.M)
-    assert shown == [f"docker build --target {t} -t kvcache/{t} ." for t in ("cache-service", "executor")]
+    targets = ("cache-service", "executor")
+    assert shown == [f"docker build --target {t} -t kvcache/{t} ." for t in targets]
     assert re.search(r"^docker-compose up --build\b", DOCS, re.M)
     assert re.search(r"^docker compose up --build\b", DOCS, re.M)
