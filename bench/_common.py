@@ -1,6 +1,11 @@
 """Small helpers shared by the benchmarks in bench/: latency summaries, a rich table, and
 the JSON results file. Benchmarks are scripts, not tests; results go to bench/results/
-(git-ignored)."""
+(git-ignored).
+
+Benchmarks run from a checkout, installed or not (``python3 bench/<name>.py``): Python puts
+bench/ on sys.path, and importing this module puts the checkout's root there too, so a
+benchmark imports ``_common`` before the project's packages.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +20,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+RESULTS_DIR = REPO / "bench" / "results"
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float:

@@ -45,20 +45,17 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
-
-from cache_service.core.hashing import get_hash_fn  # noqa: E402
-from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes  # noqa: E402
-from cache_service.core.pool import Pool, PoolOptions  # noqa: E402
-from cache_service.core.request import Request, RequestStatus  # noqa: E402
-from cache_service.core.specs import (  # noqa: E402
+from _common import print_table, ratio, summarize_ns, write_results
+from cache_service.core.hashing import get_hash_fn
+from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
+from cache_service.core.pool import Pool, PoolOptions
+from cache_service.core.request import Request, RequestStatus
+from cache_service.core.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -268,11 +265,11 @@ class NaiveManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[list[int]], int, int]:
         hits: list[list[int]] = [[] for _ in self.groups]
         for h in req.block_hashes[: (req.num_tokens - 1) // self.bs]:
-            found = [self.cached.get(h + bytes((g,))) for g in self.groups]
-            if None in found:
+            found = [b for g in self.groups if (b := self.cached.get(h + bytes((g,)))) is not None]
+            if len(found) < len(self.groups):
                 break
             for g, b in enumerate(found):
-                hits[g].append(b)  # type: ignore[arg-type]
+                hits[g].append(b)
         return hits, len(hits[0]) * self.bs, 0
 
     def _needed(self, tables: list[list[int]], hits: list[list[int]] | None, tokens: int) -> int:
@@ -363,9 +360,8 @@ def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
                                                    hash_algo=args.hash_fn,
                                                    enable_events=False)))
     if side == "naive":
-        mgr = NaiveManager(args.num_blocks, args.block_size, len(config.groups),
-                           args.max_model_len)
-        return ManagerDriver(mgr, hash_fn, hbs)
+        return ManagerDriver(NaiveManager(args.num_blocks, args.block_size, len(config.groups),
+                                          args.max_model_len), hash_fn, hbs)
     raise ValueError(side)
 
 
@@ -542,7 +538,6 @@ def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
 
 _VLLM_CONSTRUCT = """
 import gc, json, sys, time, tracemalloc
-sys.path.insert(0, {dir!r})
 import vllm_oracle as vo
 cfg = vo.OracleConfig(scenario="full", num_blocks={n}, block_size={bs}, max_model_len={mml})
 kv, sbs, hbs = vo.build_kv_cache_config(cfg)

@@ -23,18 +23,15 @@ import os
 import re
 import sys
 import urllib.request
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # We start servers after using grpc.aio; gRPC's fork handlers can deadlock that fork().
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from _common import print_table, ratio, write_results  # noqa: E402
-
-from executor.demo import make_workload, run_workload  # noqa: E402
-from executor.launch import start_cache_service, start_executor  # noqa: E402
-from executor.presets import DEFAULT_PRESET, PRESETS  # noqa: E402
+from _common import print_table, ratio, write_results
+from executor.demo import make_workload, run_workload
+from executor.launch import start_cache_service, start_executor
+from executor.presets import DEFAULT_PRESET, PRESETS
 
 
 def scrape(metrics_port: int) -> dict[str, float]:
@@ -71,7 +68,8 @@ def main() -> int:
     kw = dict(max_tokens=args.max_tokens, concurrency=args.concurrency)
     cache = start_cache_service()
     procs = [cache]
-    rows, results = [], {}
+    rows: list[list[Any]] = []
+    results: dict[str, dict[str, Any]] = {}
     try:
         def executor(*flags: str):
             p = start_executor(cache.target, "--preset", args.preset, "--metrics-port", "0",
@@ -79,7 +77,7 @@ def main() -> int:
             procs.append(p)
             return p
 
-        on, off = executor(), executor("--enable-prefix-caching", "false")
+        on, off = executor(), executor("--no-enable-prefix-caching")
         for label, p in (("caching on", on), ("caching off", off)):
             asyncio.run(run_workload(p.target, prompts[:4], label="warm-up", **kw))  # first-call costs
             before = scrape(p.metrics_port)
@@ -88,14 +86,14 @@ def main() -> int:
         # two executors (caching on) sharing one cache service, loaded at the same time
         a, b = on, executor()
         asyncio.run(run_workload(b.target, prompts[:4], label="warm-up", **kw))
-        before = [scrape(a.metrics_port), scrape(b.metrics_port)]
+        before_both = [scrape(a.metrics_port), scrape(b.metrics_port)]
 
         async def both():
             return await asyncio.gather(run_workload(a.target, prompts, label="executor A", **kw),
                                         run_workload(b.target, prompts, label="executor B", **kw))
 
         ra, rb = asyncio.run(both())
-        for label, run, p, bf in (("2 executors: A", ra, a, before[0]), ("2 executors: B", rb, b, before[1])):
+        for label, run, p, bf in (("2 executors: A", ra, a, before_both[0]), ("2 executors: B", rb, b, before_both[1])):
             results[label] = {**run.as_dict(), **cache_share(bf, scrape(p.metrics_port))}
     finally:
         for p in reversed(procs):

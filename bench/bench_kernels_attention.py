@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-from _common import print_table, write_results  # noqa: E402  (bench/ is the script's directory)
-
-from kernels import paged_attention  # noqa: E402
+from _common import print_table, write_results
+from kernels import paged_attention
 
 
 def _time_pair(first, second, repeat: int) -> tuple[float, float]:

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, print_table, write_results  # noqa: E402
-from kernels import (  # noqa: E402
+from _common import RESULTS_DIR, print_table, write_results
+from kernels import (
     causal_conv1d,
     causal_conv1d_update,
     gated_rms_norm,

@@ -42,15 +42,12 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
-
-from cache_service import convert  # noqa: E402
-from kvcache_common.launch import start_cache_service  # noqa: E402
-from cache_service.client import (  # noqa: E402
+from _common import print_table, ratio, summarize_ns, write_results
+from cache_service import convert
+from cache_service.client import (
+    AllocateResult,
     AsyncCacheClient,
     CacheClient,
     DecodeResult,
@@ -58,9 +55,10 @@ from cache_service.client import (  # noqa: E402
     layers,
     register_request,
 )
-from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
-from cache_service.registry import PoolRegistry, build_pool  # noqa: E402
-from cache_service.servicer import CacheServicer  # noqa: E402
+from cache_service.registry import PoolRegistry, build_pool
+from cache_service.servicer import CacheServicer
+from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest
+from kvcache_common.launch import start_cache_service
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096
@@ -122,9 +120,13 @@ def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
         result = client.step_batch(decode_batch(pool_id, n, step, mode))
         ok = all_ok(result)
         if mode == TABLES:
-            result.results[-1].block_ids  # a scheduler reads the tables it sends on
+            tables = result.results[-1]
+            assert isinstance(tables, AllocateResult)
+            _ = tables.block_ids  # a scheduler reads the tables it sends on (decoded here)
         elif mode == DECODE:
-            result.results[0].new_block_ids  # ... or the new blocks
+            decoded = result.results[0]
+            assert isinstance(decoded, DecodeResult)
+            _ = decoded.new_block_ids  # ... or the new blocks
         elapsed = time.perf_counter_ns() - t0
         assert ok, "a decode allocation found no room; enlarge the pool"
         if step >= warmup:
@@ -258,7 +260,7 @@ def main() -> int:
     try:
         with CacheClient(target, default_timeout=60) as client:
             for n in sizes:
-                case = {
+                case: dict[str, Any] = {
                     "running_requests": n,
                     "core": bench_core(n, args.steps, args.warmup),
                     "core_decode": bench_core(n, args.steps, args.warmup, decode=True),

@@ -13,7 +13,7 @@ It runs, in this order, each step guarded so that a failure is recorded and the 
 4. prefill attention (8 x 4,096 tokens, causal, bf16): TFLOP/s vs 790 (target >= 35%), with SDPA
    on the same data for reference; then (4b) decode and prefill under a few other tile sizes,
    warps and pipeline depths, to pick `_tile_config`'s defaults from data;
-5. the Mamba checks from bench/gpu_check_mamba.py ``run(device, dry_run)`` when that file exists.
+5. the Mamba checks from bench/gpu_check_mamba.py ``run(device, dry_run)``.
 Every timed kernel is first checked against an independent result (rms error ratio). Prints one
 table and writes bench/results/gpu_check.json (or --out). ``--dry-run`` shrinks every shape
 to seconds, runs the Triton kernels in the CPU interpreter when there is no GPU, and limits the
@@ -24,6 +24,7 @@ every step ran and every correctness check passed (performance targets are repor
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -34,12 +35,14 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout, installed or not
+# Run from a checkout, installed or not: `kernels` (imported by the steps) and bench/_common.py
+# come from this tree.
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-import torch  # noqa: E402
-
-COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (docs/kernels.md#performance-ceilings-h200)
+COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (a 2 GiB bf16 copy on the H200)
 BF16_CEILING_TFLOPS = 790.0   # measured H200 bf16 matmul
 DECODE_TARGET = 0.70          # of the copy bandwidth measured in the same run
 PREFILL_TARGET = 0.35         # of 790 TFLOP/s
@@ -113,7 +116,8 @@ def run_tests(device: str, dry_run: bool, timeout: int) -> dict:
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
             tail, rc = proc.stdout[-3000:] + proc.stderr[-2000:], proc.returncode
         except subprocess.TimeoutExpired as exc:
-            tail, rc = f"pytest timed out after {timeout} s: {(exc.stdout or '')[-3000:]}", -1
+            partial = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            tail, rc = f"pytest timed out after {timeout} s: {partial[-3000:]}", -1
         elapsed = time.perf_counter() - begin
         counts = dict(tests=0, failures=0, errors=0, skipped=0)
         failed: list[str] = []
@@ -283,11 +287,9 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
         starts = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
         baseline = None
         for index, tiles in enumerate(variants):
-            def call(t=tiles):
-                return triton_attention.paged_attention(q, k_cache, v_cache, tables, seq_lens, starts,
-                                                        scale=head_size ** -0.5, sliding_window=None,
-                                                        softcap=None, num_splits=1, tiles=t[:4],
-                                                        skip_masks="masked" not in t)
+            call = functools.partial(triton_attention.paged_attention, q, k_cache, v_cache, tables, seq_lens,
+                                     starts, scale=head_size ** -0.5, sliding_window=None, softcap=None,
+                                     num_splits=1, tiles=tiles[:4], skip_masks="masked" not in tiles)
             out = call()
             baseline = out if baseline is None else baseline
             error = _rms_ratio(out, baseline)
@@ -303,15 +305,11 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
                              shape=f"{batch} x {length}, splits 1" + (" (the current default)" if index == 0 else ""),
                              ms=seconds * 1e3, value=value, unit=unit, fraction=fraction, rms_error=error,
                              ok=error < 1e-2 and not out.isnan().any().item()))
-        del k_cache, v_cache
+        del k_cache, v_cache, call  # free this shape's caches before the next one's
     return rows
 
 
 def run_mamba(device: str, dry_run: bool) -> list[dict]:
-    path = REPO / "bench" / "gpu_check_mamba.py"
-    if not path.exists():
-        return [dict(check="mamba", device=device, note="bench/gpu_check_mamba.py not present", ok=True)]
-    sys.path.insert(0, str(path.parent))
     import gpu_check_mamba
 
     rows = gpu_check_mamba.run(device, dry_run)
@@ -335,7 +333,7 @@ def _guard(name: str, fn: Callable[[], list[dict] | dict], device: str) -> list[
     try:
         result = fn()
         rows = result if isinstance(result, list) else [result]
-    except Exception as exc:  # noqa: BLE001 - recorded in the results, the other steps still run
+    except Exception as exc:  # recorded in the results; the other steps still run
         traceback.print_exc()
         rows = [dict(check=name, device=device, error=f"{type(exc).__name__}: {exc}", ok=False)]
     print(f"[{time.strftime('%H:%M:%S')}] {name}: {time.perf_counter() - begin:.1f} s", flush=True)
@@ -373,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_shapes = [(2, 40)] if dry_run else [(64, 8192), (8, 65536)]
     for batch, kv_len in decode_shapes:
         rows += _guard(f"decode_attention {batch}x{kv_len}",
-                       lambda b=batch, n=kv_len: check_decode(device, dry_run, b, n, copy_gbps), args.device)
+                       functools.partial(check_decode, device, dry_run, batch, kv_len, copy_gbps), args.device)
     rows += _guard("prefill_attention", lambda: check_prefill(device, dry_run), args.device)
     if not args.skip_sweep:
         rows += _guard("tile_sweep", lambda: sweep_tiles(device, dry_run), args.device)
@@ -385,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
-    from _common import print_table, write_results  # bench/_common.py (rich); bench/ is on sys.path
+    from _common import print_table, write_results  # bench/_common.py needs rich: import it late
 
     def pct(x):
         return None if x is None else f"{100 * x:.1f}%"
@@ -394,6 +392,7 @@ def _report(rows: list[dict], dry_run: bool, out: Path | None) -> None:
         return "yes" if row.get("ok") else "NO"
 
     table = []
+    value: str | None
     for r in rows:
         if r["check"] == "kernel_tests":
             value = f"{r.get('passed', 0)} passed / {r.get('failures', 0)} failed / {r.get('errors', 0)} errors"

@@ -5,8 +5,9 @@ Nemotron-H-8B-like 128 heads x 64 x 128 state): achieved GB/s vs the 4.3 TB/s me
 bandwidth; (2) the Triton SSD prefill (8 x 4,096 tokens, 128 heads x 64, state 128, 8 groups, bf16,
 chunk 128): TFLOP/s vs ~790 (measured bf16 matmul). Each also checks the Triton result against the
 torch path on a slice (rms error ratio). dry_run=True shrinks everything to seconds on any device
-and checks against the slow reference instead (on CPU the default path is torch, since compiled
-Triton needs a GPU): it exercises the plumbing, not the hardware.
+and checks against the slow reference instead; on CPU it times the Triton kernels in the
+interpreter when TRITON_INTERPRET=1 is set (bench/gpu_check.py sets it), else the torch path.
+It exercises the plumbing, not the hardware.
 
     python3 bench/gpu_check_mamba.py [--device cuda] [--dry-run]
 """
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-from kernels import ssd_scan, ssd_state_update  # noqa: E402
+# Run from a checkout, installed or not: the checks import `kernels` from this tree.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PEAK_BANDWIDTH_GBPS = 4300.0  # measured H200 device-to-device copy (docs/kernels.md#performance-ceilings-h200)
+PEAK_BANDWIDTH_GBPS = 4300.0  # measured H200 device-to-device copy (a 2 GiB bf16 copy)
 PEAK_BF16_TFLOPS = 790.0      # measured H200 bf16 matmul
 
 
@@ -53,7 +54,17 @@ def _rms_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(diff / expected.float().pow(2).mean().sqrt().clamp(min=1e-12))
 
 
+def timed_impl(device: torch.device) -> str:
+    """The implementation the timed calls run: Triton on CUDA and under the CPU interpreter
+    (TRITON_INTERPRET=1, which bench/gpu_check.py sets on CPU), else the torch path."""
+    from kernels._dispatch import triton_interpret_enabled
+
+    return "triton" if device.type == "cuda" or triton_interpret_enabled() else "torch"
+
+
 def check_state_update(device: torch.device, dry_run: bool) -> dict:
+    from kernels import ssd_state_update
+
     rows, heads, head_dim, state, groups = (4, 4, 16, 16, 2) if dry_run else (256, 128, 64, 128, 8)
     gen = torch.Generator().manual_seed(0)
     states = torch.randn(rows + 1, heads, head_dim, state, generator=gen).to(device)  # slot 0: unused
@@ -71,9 +82,10 @@ def check_state_update(device: torch.device, dry_run: bool) -> dict:
     oracle = "reference" if dry_run else "torch"
     expected_states = states.clone()
     expected = call(oracle, expected_states)
-    got = call(None, states)
+    impl = timed_impl(device)
+    got = call(impl, states)
     error = max(_rms_ratio(got, expected), _rms_ratio(states, expected_states))
-    seconds = _seconds(lambda: call(None, states), device, 3 if dry_run else 20)
+    seconds = _seconds(lambda: call(impl, states), device, 3 if dry_run else 20)
     state_bytes = rows * heads * head_dim * state * states.element_size()
     moved = 2 * state_bytes + rows * (2 * heads * head_dim + heads + 2 * groups * state) * x.element_size()
     gbps = moved / seconds / 1e9
@@ -81,7 +93,7 @@ def check_state_update(device: torch.device, dry_run: bool) -> dict:
             "shape": f"B={rows} h={heads} p={head_dim} n={state} g={groups} state fp32, x bf16",
             "state_GiB": state_bytes / 2**30, "ms": seconds * 1e3, "GBps": gbps,
             "fraction_of_peak": gbps / PEAK_BANDWIDTH_GBPS, "peak": "4.3 TB/s",
-            "oracle": oracle, "rms_error_vs_oracle": error, "ok": error < 1e-2}
+            "impl": impl, "oracle": oracle, "rms_error_vs_oracle": error, "ok": error < 1e-2}
 
 
 def _ssd_flops(num_chunks: int, heads: int, q: int, head_dim: int, state: int) -> float:
@@ -91,6 +103,8 @@ def _ssd_flops(num_chunks: int, heads: int, q: int, head_dim: int, state: int) -
 
 
 def check_ssd_prefill(device: torch.device, dry_run: bool) -> dict:
+    from kernels import ssd_scan
+
     seqs, length, heads, head_dim, state, groups, q = (
         (2, 40, 4, 16, 16, 2, 16) if dry_run else (8, 4096, 128, 64, 128, 8, 128))
     tokens = seqs * length
@@ -113,14 +127,16 @@ def check_ssd_prefill(device: torch.device, dry_run: bool) -> dict:
 
     oracle = "reference" if dry_run else "torch"
     few = 1 if not dry_run else seqs  # the oracle on a slice keeps the check's memory small
-    error = _rms_ratio(call(None, few), call(oracle, few))
-    seconds = _seconds(lambda: call(None), device, 2 if dry_run else 10)
+    impl = timed_impl(device)
+    error = _rms_ratio(call(impl, few), call(oracle, few))
+    seconds = _seconds(lambda: call(impl), device, 2 if dry_run else 10)
     flops = _ssd_flops(seqs * (length // q + (length % q > 0)), heads, q, head_dim, state)
     tflops = flops / seconds / 1e12
     return {"check": "ssd_prefill_tflops", "device": str(device), "dry_run": dry_run,
             "shape": f"{seqs}x{length} tokens h={heads} p={head_dim} n={state} g={groups} bf16 chunk {q}",
             "ms": seconds * 1e3, "TFLOPs": tflops, "fraction_of_peak": tflops / PEAK_BF16_TFLOPS,
-            "peak": "790 TFLOP/s bf16", "oracle": oracle, "rms_error_vs_oracle": error, "ok": error < 2e-2}
+            "peak": "790 TFLOP/s bf16", "impl": impl, "oracle": oracle, "rms_error_vs_oracle": error,
+            "ok": error < 2e-2}
 
 
 def run(device: str, dry_run: bool) -> list[dict]:

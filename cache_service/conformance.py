@@ -101,9 +101,9 @@ class ServerReplayer:
         if name == "reset":
             return {"ok": self.client.reset_prefix_cache(self.pool)}
         if name == "blocks":
-            s = self.client.get_request(self.pool, rid)
-            return {"block_ids": s.block_ids, "num_computed_tokens": s.num_computed_tokens,
-                    "num_tokens": s.num_tokens}
+            state = self.client.get_request(self.pool, rid)
+            return {"block_ids": state.block_ids, "num_computed_tokens": state.num_computed_tokens,
+                    "num_tokens": state.num_tokens}
         raise KeyError(f"unknown op {name!r}")
 
 

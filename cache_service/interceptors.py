@@ -32,6 +32,17 @@ _log = structlog.get_logger("cache_service.rpc")
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
+def kind_of(handler: grpc.RpcMethodHandler) -> str:
+    """The grpc_type label of a handler."""
+    if handler.unary_unary is not None:
+        return "unary"
+    if handler.unary_stream is not None:
+        return "server_stream"
+    if handler.stream_stream is not None:
+        return "bidi_stream"
+    return "client_stream"
+
+
 def _code_name(context: grpc.aio.ServicerContext, default: str) -> str:
     """The status name the handler set (aborts set it too), or ``default``."""
     code = context.code()
@@ -116,8 +127,11 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                                 "missing or invalid bearer token (metadata 'authorization: "
                                 "Bearer <token>')")
 
+        started, _, received, sent = metrics.of(kind_of(handler), service, method)
+
         def enter(context: grpc.aio.ServicerContext) -> float:
             interceptor.in_flight += 1
+            started.inc()
             structlog.contextvars.bind_contextvars(request_id=request_id,
                                                    rpc=f"{service}/{method}")
             context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
@@ -137,6 +151,18 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             else:
                 _log.debug("rpc", code=code, seconds=round(elapsed, 6))
 
+        async def counted(requests):
+            """The request stream of a client-/bidi-streaming call, counting each message."""
+            async for request in requests:
+                received.inc()
+                yield request
+
+        def incoming(kind: str, request_or_iterator):
+            if kind in ("unary", "server_stream"):
+                received.inc()
+                return request_or_iterator
+            return counted(request_or_iterator)
+
         def guard_unary(kind: str, inner, failed_code: str):
             """Wrap a handler that returns one response (unary or client-streaming)."""
             async def call(request_or_iterator, context):
@@ -145,7 +171,9 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if reject or interceptor.draining:
                         await deny(context)
-                    return await inner(request_or_iterator, context)
+                    response = await inner(incoming(kind, request_or_iterator), context)
+                    sent.inc()
+                    return response
                 except BaseException:
                     code = _code_name(context, failed_code)
                     raise
@@ -161,7 +189,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     if reject or interceptor.draining:
                         await deny(context)
-                    async for response in inner(request_or_iterator, context):
+                    async for response in inner(incoming(kind, request_or_iterator), context):
+                        sent.inc()
                         yield response
                 except BaseException:
                     code = _code_name(context, "CANCELLED")

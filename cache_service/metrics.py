@@ -4,8 +4,10 @@ HTTP endpoint.
 The endpoint is served from the server's own asyncio loop (not prometheus-client's
 thread), so the per-pool collector reads allocator state on the thread that owns it.
 RPC series use the names of go-grpc-prometheus / grpc-ecosystem so that existing
-dashboards work: ``grpc_server_started_total``, ``grpc_server_handled_total``,
-``grpc_server_handling_seconds``.
+dashboards work: ``grpc_server_started_total`` (when a call starts),
+``grpc_server_handled_total`` and ``grpc_server_handling_seconds`` (when it ends), and
+``grpc_server_msg_received_total`` / ``grpc_server_msg_sent_total`` per message — the only
+series that show the traffic of a long-lived stream (an executor's StepStream) while it runs.
 """
 
 from __future__ import annotations
@@ -34,18 +36,27 @@ class RpcMetrics:
         self.seconds = Histogram("grpc_server_handling_seconds", "Response latency of RPCs "
                                  "handled by the server.", labels, buckets=_LATENCY_BUCKETS,
                                  registry=registry)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self.received = Counter("grpc_server_msg_received_total", "RPC stream messages received "
+                                "on the server.", labels, registry=registry)
+        self.sent = Counter("grpc_server_msg_sent_total", "RPC stream messages sent by the "
+                            "server.", labels, registry=registry)
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+
+    def of(self, grpc_type: str, service: str, method: str) -> tuple[Any, Any, Any, Any]:
+        """(started, seconds, received, sent) children of one method (label lookups are slow:
+        cached per method)."""
+        key = (grpc_type, service, method)
+        children = self._children.get(key)
+        if children is None:
+            children = (self.started.labels(*key), self.seconds.labels(*key),
+                        self.received.labels(*key), self.sent.labels(*key))
+            self._children[key] = children
+        return children
 
     def observe(self, grpc_type: str, service: str, method: str, code: str,
                 seconds: float) -> None:
-        """Records one finished call (started + handled + latency)."""
-        key = (grpc_type, service, method)
-        children = self._children.get(key)
-        if children is None:  # label lookups are slow; cache the children per method
-            children = (self.started.labels(*key), self.seconds.labels(*key))
-            self._children[key] = children
-        children[0].inc()
-        children[1].observe(seconds)
+        """Records one finished call (handled + latency; ``started`` counts at its start)."""
+        self.of(grpc_type, service, method)[1].observe(seconds)
         self.handled.labels(grpc_type, service, method, code).inc()
 
 
@@ -90,7 +101,9 @@ class PoolCollector:
             "allocation_failures": CounterMetricFamily(
                 "kvcache_pool_allocation_failures", "Allocations answered 'no room'.",
                 labels=["pool"]),
-            "preemptions": CounterMetricFamily("kvcache_pool_preemptions", "Preemptions.",
+            "preemptions": CounterMetricFamily("kvcache_pool_preemptions", "Preempt ops applied (a "
+                                               "scheduler's preemptions and any admission roll-backs it "
+                                               "sends as preempts).",
                                                labels=["pool"]),
         }
         for pool_id, s in self._stats_of():

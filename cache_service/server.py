@@ -3,9 +3,10 @@
 One asyncio event loop runs the gRPC server (grpc.aio), the /metrics endpoint and owns every
 pool, so allocator state needs no locks. Lifecycle:
 
-1. listen (``--port 0`` picks a free port), then log ONE JSON line
-   ``{"event": "serving", "port": ..., "metrics_port": ...}`` — supervisors and tests wait
-   for it;
+1. listen (``--port 0`` picks a free port), health SERVING, then log ONE JSON line
+   ``{"event": "serving", "port": ..., "metrics_port": ...}`` at any ``--log-level`` — it
+   means "health is SERVING", as the executor's does; supervisors and tests wait for it. A
+   port in use ends the process at once: exit code 2 and one line on stderr;
 2. on SIGTERM/SIGINT: health goes NOT_SERVING, event streams end, new calls get
    UNAVAILABLE ("retry elsewhere"), in-flight calls get ``drain_seconds`` to finish, then the
    server stops (cancelling health watchers and anything still running); exit code 0.
@@ -27,6 +28,8 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
+from kvcache_common.cli import exit_with_error
+from kvcache_common.listen import port_in_use
 from kvcache_common.logs import configure_logging, lifecycle
 from kvcache_common.metrics_http import serve_metrics
 from cache_service.registry import PoolRegistry
@@ -57,6 +60,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
+    busy = (port_in_use(settings.host, settings.port)
+            or port_in_use(settings.host, settings.metrics_port, "--metrics-port"))
+    if busy:
+        return exit_with_error("kvcache-server", busy, 2)
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer)
     prom_registry, rpc_metrics = new_registry(registry.stats)

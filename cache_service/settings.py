@@ -1,20 +1,20 @@
 """Server settings: command-line flags over ``KVCACHE_*`` environment variables over defaults.
 
-One pydantic-settings model holds every knob; :func:`parse_settings` builds an argparse
-parser from the model's fields (so ``--help`` lists each flag with its environment variable
-and default) and passes only the flags actually given, so that an unset flag never hides an
-environment variable.
+One pydantic-settings model holds every knob; :func:`parse_settings` reads flags with
+pydantic-settings' own CLI source (:mod:`kvcache_common.cli`), so ``--help`` lists each flag
+with its environment variable and default.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvcache_common.cli import parse_cli
 
 
 class Settings(BaseSettings):
@@ -55,38 +55,14 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _tls_pair(self) -> "Settings":
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
+            raise ValueError("--tls-cert and --tls-key must be given together")
         return self
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """An argparse parser with one ``--flag`` per :class:`Settings` field."""
-    parser = argparse.ArgumentParser(
-        prog="kvcache-server",
-        description="The KV-cache management service (gRPC kvcache.v1.CacheService, "
-        "grpc.health.v1, reflection, Prometheus metrics). Every flag can also be set with "
-        "the environment variable shown; flags win.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for name, info in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "KVCACHE_" + name.upper()
-        default = info.default.get_secret_value() if isinstance(info.default, SecretStr) \
-            else info.default
-        help_text = f"{info.description} [env {env}; default {default}]"
-        # default=SUPPRESS: only flags the user gave reach the settings.
-        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=help_text,
-                            metavar=name.upper())
-    return parser
-
-
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:
-    """Settings from ``argv`` (flags) and the environment; exits with a usage error on
-    a bad value, naming the flag."""
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    try:
-        return Settings(**given)
-    except ValueError as exc:  # pydantic.ValidationError is a ValueError
-        parser.error(str(exc))
-        raise  # unreachable: parser.error exits
+    """Settings from ``argv`` (flags) and the environment; a bad value exits with a usage
+    error naming the flag."""
+    return parse_cli(Settings, argv, prog="kvcache-server", description=(
+        "The KV-cache management service (gRPC kvcache.v1.CacheService, grpc.health.v1, "
+        "reflection, Prometheus metrics). Every flag can also be set with the environment "
+        "variable shown; flags win."))

@@ -1,7 +1,7 @@
-"""``python -m executor``: the same as ``kvcache-executor`` (see executor.server)."""
+"""``python -m executor``: the same as ``kvcache-executor`` (see executor.cli)."""
 
 import sys
 
-from executor.server import main
+from executor.cli import main
 
 sys.exit(main())

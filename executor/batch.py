@@ -19,6 +19,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from executor.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class GroupLayout:
@@ -69,23 +71,23 @@ class ForwardMeta:
 
 def _block(table: Sequence[int], index: int, *, group: int, what: str) -> int:
     if index >= len(table):
-        raise ValueError(f"block_tables[{group}]: {what} needs block index {index} but the table "
-                         f"has {len(table)} entries")
+        raise InvalidArgument(f"block_tables[{group}]: {what} needs block index {index} but the "
+                              f"table has {len(table)} entries")
     block = int(table[index])
     if block <= 0:
-        raise ValueError(f"block_tables[{group}][{index}]: {what} needs a real block, got {block}")
+        raise InvalidArgument(f"block_tables[{group}][{index}]: {what} needs a real block, got {block}")
     return block
 
 
 def build_forward_meta(chunks: Sequence[SeqChunk], layout: Sequence[GroupLayout],
                        device: torch.device | str = "cpu") -> ForwardMeta:
-    """Metadata for one forward over ``chunks`` (in batch order). Raises ValueError naming the
-    request/group when a table is too short or points at the null block where data must live."""
+    """Metadata for one forward over ``chunks`` (in batch order). Raises InvalidArgument naming
+    the request/group when a table is too short or points at the null block where data must live."""
     if not chunks:
-        raise ValueError("chunks: empty batch")
+        raise InvalidArgument("chunks: empty batch")
     qlens = [c.query_len for c in chunks]
     if min(qlens) <= 0:
-        raise ValueError("query_len: every request needs at least one new token")
+        raise InvalidArgument("query_len: every request needs at least one new token")
     positions = torch.cat([torch.arange(c.num_computed, c.num_computed + c.query_len)
                            for c in chunks])
     qsl = torch.zeros(len(chunks) + 1, dtype=torch.int32)
@@ -108,7 +110,7 @@ def build_forward_meta(chunks: Sequence[SeqChunk], layout: Sequence[GroupLayout]
                 _block(tables[b], last, group=g, what=f"request {b} token {int(pos[-1])}")
                 blocks = bt[b].long()[pos // gl.block_size]
                 if bool((blocks <= 0).any()):
-                    raise ValueError(f"block_tables[{g}]: request {b} maps a new token to the null block")
+                    raise InvalidArgument(f"block_tables[{g}]: request {b} maps a new token to the null block")
                 slots.append(blocks * gl.block_size + pos % gl.block_size)
             meta.groups.append(AttentionMeta(bt.to(device), seq_lens.to(device),
                                              torch.cat(slots).to(device)))
@@ -134,5 +136,5 @@ def build_forward_meta(chunks: Sequence[SeqChunk], layout: Sequence[GroupLayout]
                 torch.tensor(src, dtype=torch.int64, device=device),
                 torch.tensor(dst, dtype=torch.int64, device=device)))
         else:
-            raise ValueError(f"layout[{g}].kind: unknown {gl.kind!r}")
+            raise InvalidArgument(f"layout[{g}].kind: unknown {gl.kind!r}")
     return meta

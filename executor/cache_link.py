@@ -17,14 +17,9 @@ from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, S
 from cache_service.client import layers
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
+from executor.errors import CacheUnavailable, PoolLost
 
-
-class PoolLost(Exception):
-    """The cache service no longer knows our pool (it restarted): re-register."""
-
-
-class CacheUnavailable(Exception):
-    """The cache service cannot be reached right now (retried with backoff already)."""
+__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_layouts"]
 
 
 @dataclass
@@ -115,9 +110,9 @@ class CacheLink:
         try:
             return self._send(ops, begin_step)
         except CacheError as exc:
-            if exc.code == grpc.StatusCode.NOT_FOUND and (
-                    exc.field == "pool_id" or (not exc.field and "pool" in exc.message.lower())):
-                raise PoolLost(exc.message) from None
+            # The service names the field of every NOT_FOUND; ours is the pool id.
+            if exc.code == grpc.StatusCode.NOT_FOUND and exc.field == "pool_id":
+                raise PoolLost(exc.message, field="pool_id") from None
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CacheUnavailable(exc.message) from None
             raise

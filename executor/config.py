@@ -38,6 +38,8 @@ class ModelConfig:
     rope_theta: float = 10000.0  # full-attention layers
     rope_theta_local: float | None = None  # sliding layers; None -> rope_theta
     rope_fraction: float = 1.0  # partial rotary (Bamba: 0.5)
+    rope_linear_factor: float = 1.0  # linear RoPE scaling of full-attention layers (positions / f)
+    rope_linear_factor_local: float = 1.0  # the same for sliding-window layers
     sliding_window: int = 64
     qk_norm: bool = False  # Gemma 3: RMSNorm on q and k per head
     query_pre_attn_scalar: float | None = None  # scale = this ** -0.5 (None -> head_dim)
@@ -79,7 +81,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rope_fraction) // 2 * 2
+        """The RoPE dimension ``int(head_dim * rope_fraction)`` (Hugging Face's): frequencies
+        are ``theta ** (-2i / rotary_dim)``; ``2 * ceil(rotary_dim / 2)`` channels rotate (one
+        more than ``rotary_dim`` when it is odd)."""
+        return int(self.head_dim * self.rope_fraction)
 
     def layer_kind(self, i: int) -> str:
         return LAYER_KINDS[self.pattern[i]]
@@ -108,6 +113,11 @@ class ModelConfig:
             raise bad("dtype", "must be float32, bfloat16 or float16")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise bad("rope_fraction", "must be in (0, 1]")
+        if self.use_rope and not (1 <= self.rotary_dim and -(-self.rotary_dim // 2) * 2 <= self.head_dim):
+            raise bad("rope_fraction", f"rotates {self.rotary_dim} of {self.head_dim} channels")
+        for name in ("rope_linear_factor", "rope_linear_factor_local"):
+            if not getattr(self, name) >= 1.0:
+                raise bad(name, "must be >= 1")
         return self
 
     def to_dict(self) -> dict[str, Any]:

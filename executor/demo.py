@@ -8,7 +8,13 @@ the cache, time to first token p50/p99, tokens per second, and whether the greed
 identical. Processes are stopped on exit and on Ctrl-C.
 
 ``--target HOST:PORT`` runs the workload once against an executor that is already running
-(the docker-compose demo client does this).
+(the docker-compose demo client does this); it waits (``--wait-seconds``, with a progress
+line) until that executor is SERVING, i.e. registered with its cache service.
+
+The model is a preset: a tiny random-weight model on the CPU (a few layers, hidden 128), so
+the tokens are not text; what the demo shows is what the cache saves. Children never outlive
+the demo: they get SIGTERM when it dies, even by SIGKILL (PR_SET_PDEATHSIG, see
+``kvcache_common.launch``).
 """
 
 from __future__ import annotations
@@ -59,7 +65,10 @@ class RunSummary:
                 "ttft_mean_s": statistics.fmean(g.time_to_first_token_s for g in self.generations),
                 "output_tokens": self.output_tokens, "wall_s": self.wall_s,
                 "tokens_per_s": self.output_tokens / max(self.wall_s, 1e-9),
-                "preemptions": sum(g.num_preemptions for g in self.generations)}
+                # Requests the executor preempted for lack of free blocks (then recomputed). The
+                # cache service's kvcache_pool_preemptions also counts the executor's admission
+                # roll-backs, which it sends as preempt ops: a different number.
+                "engine_preemptions": sum(g.num_preemptions for g in self.generations)}
 
 
 def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int, vocab: int,
@@ -92,7 +101,19 @@ async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tok
     return RunSummary(label, list(gens), time.perf_counter() - start)
 
 
-def print_summary(runs: list[RunSummary], identical: bool | None, console: object) -> None:
+def model_line(name: str, *, local: bool) -> str:
+    """What the model is, said plainly: a preset is a tiny random-weight model."""
+    cfg = PRESETS.get(name)
+    if cfg is None:
+        return f"model: {name}"
+    where = " on the CPU" if local else ""
+    return (f"model: preset {name!r}, a tiny random-weight model{where} ({cfg.num_layers} layers "
+            f"{cfg.pattern}, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}): the tokens are not "
+            f"text; compare what the cache saves")
+
+
+def print_summary(runs: list[RunSummary], identical: bool | None, console: object,
+                  model: str = "") -> None:
     from rich.table import Table
 
     table = Table(title="shared-prefix workload")
@@ -105,10 +126,12 @@ def print_summary(runs: list[RunSummary], identical: bool | None, console: objec
             ("  saved (cache hits)", "cached_tokens", "{}"), ("TTFT p50", "ttft_p50_s", "{:.3f} s"),
             ("TTFT p99", "ttft_p99_s", "{:.3f} s"), ("output tokens", "output_tokens", "{}"),
             ("tokens / s", "tokens_per_s", "{:.1f}"), ("wall time", "wall_s", "{:.2f} s"),
-            ("preemptions", "preemptions", "{}")]
+            ("preemptions (no free blocks)", "engine_preemptions", "{}")]
     for name, key, fmt in rows:
         table.add_row(name, *(fmt.format(s[key]) for s in stats))
     console.print(table)  # type: ignore[attr-defined]
+    if model:
+        console.print(model)  # type: ignore[attr-defined]
     if len(runs) == 2:
         on, off = stats
         console.print(f"TTFT p50 speed-up with prefix caching: {off['ttft_p50_s'] / max(on['ttft_p50_s'], 1e-9):.2f}x; "  # type: ignore[attr-defined]
@@ -116,6 +139,48 @@ def print_summary(runs: list[RunSummary], identical: bool | None, console: objec
     if identical is not None:
         console.print("greedy outputs identical with and without caching: "  # type: ignore[attr-defined]
                       + ("[green]yes[/green]" if identical else "[red]NO[/red]"))
+
+
+def wait_until_serving(target: str, seconds: float, console: object) -> bool:
+    """Until the executor at ``target`` is SERVING (True) or ``seconds`` pass (False), with a
+    status line saying what it waits for."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + seconds
+    told = False
+    with grpc.insecure_channel(target) as channel, \
+            console.status(f"waiting for the executor at {target} ...") as status:  # type: ignore[attr-defined]
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                answer = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+                what = "it is up but not registered with its cache service yet"
+            except grpc.RpcError:
+                what = "nothing answers there yet"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if not told:  # once, also where the status line does not render (no terminal)
+                console.print(f"waiting up to {seconds:g} s for the executor at {target} to be "  # type: ignore[attr-defined]
+                              f"SERVING: {what}")
+                told = True
+            status.update(f"waiting for the executor at {target}: {what} ({left:.0f} s left)")
+            time.sleep(min(0.5, left))  # poll interval of a user-facing wait
+
+
+def _error(message: str, code: int) -> int:
+    print(f"kvcache-demo: error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def target_model(target: str) -> str:
+    from executor.client import ExecutorClient
+
+    with ExecutorClient(target) as client:
+        return client.info().model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--target", default="", help="HOST:PORT of a running executor (no local servers)")
+    p.add_argument("--wait-seconds", type=float, default=120.0,
+                   help="with --target: how long to wait for the executor to be SERVING")
     p.add_argument("--no-compare", action="store_true", help="skip the run without prefix caching")
     p.add_argument("--json", default="", help="also write the summary as JSON to this file")
     return p
@@ -145,8 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     console = Console()
     for name in ("requests", "prefix_len", "max_tokens", "concurrency", "num_prefixes"):
         if getattr(args, name) < 1:
-            console.print(f"--{name.replace('_', '-')}: must be >= 1")
-            return 2
+            return _error(f"--{name.replace('_', '-')}: must be >= 1", 2)
     # SIGTERM behaves like Ctrl-C: the finally blocks stop the servers. (SIGINT explicitly too:
     # a shell without job control starts background jobs with SIGINT ignored.)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -156,10 +222,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                             num_prefixes=args.num_prefixes, vocab=vocab, seed=args.seed)
     procs = []
     runs: list[RunSummary] = []
+    model = ""
     try:
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console)
         if args.target:
+            if not wait_until_serving(args.target, args.wait_seconds, console):
+                return _error(f"--target {args.target}: no executor became SERVING within "
+                              f"{args.wait_seconds:g} s; start one (kvcache-executor --cache-service "
+                              f"HOST:PORT) and check that it registered with its cache service (its "
+                              f"'serving' log line)", 1)
+            model = target_model(args.target)
             with progress:
                 runs.append(asyncio.run(run_workload(args.target, prompts, max_tokens=args.max_tokens,
                                                      concurrency=args.concurrency, label=args.target,
@@ -168,10 +241,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             with console.status("starting the cache service and executors ..."):
                 cache = start_cache_service()
                 procs.append(cache)
-                variants = [("caching on", "true")] + ([] if args.no_compare else [("caching off", "false")])
+                variants = [("caching on", "--enable-prefix-caching")] + (
+                    [] if args.no_compare else [("caching off", "--no-enable-prefix-caching")])
                 targets = []
                 for label, flag in variants:
-                    ex = start_executor(cache.target, "--preset", args.preset, "--enable-prefix-caching", flag,
+                    ex = start_executor(cache.target, "--preset", args.preset, flag,
                                         "--max-num-seqs", str(max(args.concurrency, 1)))
                     procs.append(ex)
                     targets.append((label, ex.target))
@@ -182,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runs.append(asyncio.run(run_workload(target, prompts, max_tokens=args.max_tokens,
                                                          concurrency=args.concurrency, label=label,
                                                          progress=progress)))
+            model = args.preset
     except KeyboardInterrupt:
         console.print("interrupted; stopping servers")
         return 130
@@ -191,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     identical = None
     if len(runs) == 2:
         identical = [g.token_ids for g in runs[0].generations] == [g.token_ids for g in runs[1].generations]
-    print_summary(runs, identical, console)
+    print_summary(runs, identical, console, model_line(model, local=not args.target))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "runs": [r.as_dict() for r in runs],

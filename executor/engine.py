@@ -25,6 +25,13 @@ One engine step:
 4. One forward pass over every scheduled chunk; sample where a chunk reaches the end of the
    known tokens; stream tokens; finished requests are freed in the next step's call.
 
+Failures (a call that fails applied nothing on the service): if call 1 fails, everything the
+step changed is rolled back (:class:`StepRollback`) and the step is retried later. If a later
+call of the step fails, what the service granted in the earlier calls still runs (an
+allocation that is never computed would put the two views apart), and a request the engine
+already moved back to the waiting queue but whose ``preempt`` did not reach the service is
+remembered in ``to_preempt``: the next step's call 1 sends that ``preempt`` first.
+
 Chunking: a chunk is at most the remaining token budget. With Mamba groups in ``align`` mode
 a chunk ends on a block boundary (only states at block boundaries are cached), except the last
 one, which covers the prompt's final partial block (so the state at the prompt's last block
@@ -46,7 +53,8 @@ import structlog
 
 from cache_service.client import AllocateResult, DecodeResult, LookupResult, ops
 from executor.batch import GroupLayout, SeqChunk
-from executor.cache_link import CacheLink, CacheUnavailable, PoolLost
+from executor.cache_link import CacheLink
+from executor.errors import CacheUnavailable, InvalidArgument, PoolLost, SettingError
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
 
@@ -107,6 +115,32 @@ class Request:
         return self.prompt + self.outputs
 
 
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Scheduled work: compute ``req``'s tokens ``[start, start + n)`` in this step's forward."""
+
+    req: Request
+    start: int
+    n: int
+
+
+@dataclass(frozen=True)
+class PendingAllocate:
+    """An ``allocate`` of ``n`` slots for ``req`` in a batch; its answer is at ``op_index``."""
+
+    req: Request
+    n: int
+    op_index: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An admission candidate whose call-1 ``lookup`` answer is at ``op_index``."""
+
+    req: Request
+    op_index: int
+
+
 @dataclass
 class DecodeBatch:
     """The running requests of one step that share its ``decode`` op (in op order)."""
@@ -114,6 +148,28 @@ class DecodeBatch:
     requests: list[Request] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the token each one appends
     op_index: int = -1  # the op's index in the step's batch
+
+
+class StepRollback:
+    """What a step changes in the engine before its first call answers: the free and preempt
+    lists it sends, and ``added`` / ``pending_append`` of the requests it touches. A failed
+    call applied nothing on the service, so :meth:`restore` makes the engine agree again."""
+
+    def __init__(self, to_free: list[str], to_preempt: list[str]) -> None:
+        self.to_free = to_free
+        self.to_preempt = to_preempt
+        self._requests: list[tuple[Request, bool, list[int]]] = []
+
+    def touch(self, req: Request) -> None:
+        """Remember ``req``'s sync state before the step changes it."""
+        self._requests.append((req, req.added, req.pending_append))
+
+    def restore(self, engine: "Engine") -> None:
+        engine.to_free = self.to_free + engine.to_free
+        engine.to_preempt = self.to_preempt + engine.to_preempt
+        for req, added, pending in reversed(self._requests):
+            req.added = added
+            req.pending_append = pending
 
 
 @dataclass
@@ -127,7 +183,9 @@ class EngineMetrics:
     cached_tokens: int = 0
     computed_tokens: int = 0
     generated_tokens: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # running requests preempted for lack of blocks (then recomputed)
+    admission_rollbacks: int = 0  # admitted-then-undone candidates (FCFS); the service counts
+    # these as preemptions too, because the engine undoes them with a preempt op
     finished: int = 0
     reregistrations: int = 0
 
@@ -146,12 +204,12 @@ class Engine:
         self.vocab_size = runner.model.config.vocab_size
         aligned = [g.block_size for g in self.layout if g.kind == "mamba" and g.mamba_cache_mode == "align"]
         self.mamba_align_block = max(aligned) if aligned else 0
-        if config.max_tokens_per_step < max(self.mamba_align_block, 1):
-            raise ValueError(f"max_tokens_per_step: {config.max_tokens_per_step} is below the Mamba "
-                             f"block size {self.mamba_align_block}; prefill could never progress")
+        check_engine_config(config, self.mamba_align_block)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.to_free: list[str] = []
+        # Requests the engine moved to waiting whose preempt has not reached the service yet.
+        self.to_preempt: list[str] = []
         self.inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
@@ -176,20 +234,21 @@ class Engine:
 
     def validate(self, req: Request) -> None:
         if not req.prompt:
-            raise ValueError("prompt_token_ids: at least one token is required")
+            raise InvalidArgument("at least one token is required", field="prompt_token_ids")
         bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids[{bad}]: {req.prompt[bad]} is outside [0, {self.vocab_size})")
+            raise InvalidArgument(f"{req.prompt[bad]} is outside [0, {self.vocab_size})",
+                                  field=f"prompt_token_ids[{bad}]")
         if req.max_tokens < 1:
-            raise ValueError(f"max_tokens: must be >= 1, got {req.max_tokens}")
+            raise InvalidArgument(f"must be >= 1, got {req.max_tokens}", field="max_tokens")
         if len(req.prompt) + req.max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) "
-                             f"exceeds max_model_len {self.max_model_len}")
+            raise InvalidArgument(f"prompt ({len(req.prompt)}) + max_tokens ({req.max_tokens}) "
+                                  f"exceeds max_model_len {self.max_model_len}", field="max_tokens")
         req.sampling.validate()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.to_free)
+        return bool(self.waiting or self.running or self.to_free or self.to_preempt)
 
     def run(self) -> None:
         """Loop until ``stop()``: drain the inbox, step while there is work."""
@@ -206,7 +265,7 @@ class Engine:
                     self.handle_pool_lost()
             except CacheUnavailable as exc:
                 log.warning("cache_unavailable", error=str(exc))
-                time.sleep(0.5)
+                self._stop.wait(0.5)  # back off; stop() still ends the loop at once
             except Exception as exc:  # a bug or a rejected batch: fail the requests, keep serving
                 log.exception("engine_step_failed")
                 self.fail_all(f"engine step failed: {exc}")
@@ -219,6 +278,7 @@ class Engine:
             self._emit(req, [], error=error)
         self.running.clear()
         self.waiting.clear()
+        self.to_preempt = []  # those requests are freed now
 
     # ------------------------------------------------------------------ scheduling
     def _drain_inbox(self, *, block: bool) -> None:
@@ -246,6 +306,8 @@ class Engine:
                     coll.remove(req)
                     if req.added:
                         self.to_free.append(rid)
+                        if rid in self.to_preempt:  # freed instead
+                            self.to_preempt.remove(rid)
                     self._emit(req, [], finish="abort")
 
     def chunk_len(self, req: Request, start: int, budget: int) -> int:
@@ -268,69 +330,46 @@ class Engine:
         t0 = time.perf_counter()
         calls0, secs0 = self.link.calls, self.link.call_seconds
         step_ops = [ops.free(rid) for rid in self.to_free]
-        # Nothing below is committed unless the call succeeds (a failed Step applied nothing).
-        undo: list[Callable[[], None]] = [lambda frees=self.to_free: setattr(self, "to_free", frees + self.to_free)]
-        self.to_free = []
+        step_ops += [ops.preempt(rid) for rid in self.to_preempt]
+        # Nothing below is committed unless call 1 succeeds (a failed Step applied nothing).
+        rollback = StepRollback(self.to_free, self.to_preempt)
+        self.to_free, self.to_preempt = [], []
         budget = self.config.max_tokens_per_step
-        decoding, planned, budget = self._plan_running(step_ops, undo, budget)
-        candidates: list[tuple[Request, int]] = []  # (req, op index of lookup)
-        free_est = self.free_blocks_hint
-        for req in self.waiting:
-            if budget <= 0 or len(self.running) + len(candidates) >= self.config.max_num_seqs:
-                break
-            need = self._blocks_estimate(req)
-            if candidates and free_est is not None and need > free_est:
-                break
-            if free_est is not None:
-                free_est -= need
-            undo.append(lambda r=req, a=req.added, t=req.pending_append: (setattr(r, "added", a),
-                                                                           setattr(r, "pending_append", t)))
-            if not req.added:
-                step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
-                req.added = True
-            elif req.pending_append:
-                step_ops.append(ops.append(req.request_id, req.pending_append))
-            req.pending_append = []
-            candidates.append((req, len(step_ops)))
-            step_ops.append(ops.lookup(req.request_id))
-            budget -= 1  # a candidate computes at least one token
+        decoding, planned, budget = self._plan_running(step_ops, rollback, budget)
+        candidates = self._plan_candidates(step_ops, rollback, budget)
         try:
             result = self.link.step(step_ops, begin_step=True)
         except Exception:
-            for fn in reversed(undo):
-                fn()
+            rollback.restore(self)
             raise
         self.free_blocks_hint = result.num_free_blocks
 
-        scheduled: list[tuple[Request, int, int]] = []  # (req, start, n)
-        failed: list[tuple[Request, int]] = []
+        scheduled: list[ScheduledChunk] = []
+        failed: list[PendingAllocate] = []  # no room: their tokens are appended, the retry allocates
         if decoding:
             decoded = result.results[decoding.op_index]
             assert isinstance(decoded, DecodeResult)
             ok, grown = decoded.ok, decoded.new_block_ids
             for i, req in enumerate(decoding.requests):
                 if not ok[i]:
-                    failed.append((req, 1))  # its token is appended: the retry only allocates
+                    failed.append(PendingAllocate(req, 1, -1))
                     continue
                 if i in grown:
                     req.tables = [t + new for t, new in zip(req.tables, grown[i])]
-                scheduled.append((req, req.num_computed, 1))
-        for req, idx, n in planned:
-            alloc = result.results[idx]
-            assert isinstance(alloc, AllocateResult)
-            if alloc.ok:
-                req.tables = alloc.block_ids
-                scheduled.append((req, req.num_computed, n))
+                scheduled.append(ScheduledChunk(req, req.num_computed, 1))
+        for alloc in planned:
+            answer = result.results[alloc.op_index]
+            assert isinstance(answer, AllocateResult)
+            if answer.ok:
+                alloc.req.tables = answer.block_ids
+                scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
             else:
-                failed.append((req, n))
+                failed.append(alloc)
         if failed:
             scheduled = self._preempt_and_retry(scheduled, failed)
         elif candidates:
-            budget = self.config.max_tokens_per_step - sum(n for _, _, n in scheduled)
-            try:
-                scheduled += self._admit(candidates, result.results, budget)
-            except CacheUnavailable as exc:  # admit next step; the running requests still run now
-                log.warning("admission_call_failed", error=str(exc))
+            budget = self.config.max_tokens_per_step - sum(c.n for c in scheduled)
+            scheduled += self._admit(candidates, result.results, budget)
         self.metrics.cache_calls += self.link.calls - calls0
         cache_secs = self.link.call_seconds - secs0
         if scheduled:
@@ -341,10 +380,10 @@ class Engine:
         self.metrics.steps += 1
         self.metrics.step_seconds += time.perf_counter() - t0
 
-    def _plan_running(self, step_ops: list, undo: list[Callable[[], None]], budget: int
-                      ) -> tuple[DecodeBatch | None, list[tuple[Request, int, int]], int]:
+    def _plan_running(self, step_ops: list, rollback: StepRollback, budget: int
+                      ) -> tuple[DecodeBatch | None, list[PendingAllocate], int]:
         """Append the running requests' ops to ``step_ops`` (oldest first); returns the decode
-        batch, the generic allocations ``(req, op index, n)`` and the budget left.
+        batch, the generic allocations and the budget left.
 
         A request in pure decode (one new token: its last sampled one, not yet appended) goes
         into ONE ``decode`` op (append + allocate 1 slot, answered without block tables: the
@@ -363,7 +402,7 @@ class Engine:
             budget -= n
             pending = req.pending_append
             if pending:
-                undo.append(lambda r=req, t=pending: setattr(r, "pending_append", t))
+                rollback.touch(req)
                 req.pending_append = []
             if n == 1 and len(pending) == 1 and not generic:
                 decode.requests.append(req)
@@ -373,41 +412,70 @@ class Engine:
         if decode.requests:
             decode.op_index = len(step_ops)
             step_ops.append(ops.decode([r.request_id for r in decode.requests], decode.token_ids))
-        planned: list[tuple[Request, int, int]] = []
+        planned: list[PendingAllocate] = []
         for req, pending, n in generic:
             if pending:
                 step_ops.append(ops.append(req.request_id, pending))
-            planned.append((req, len(step_ops), n))
+            planned.append(PendingAllocate(req, n, len(step_ops)))
             step_ops.append(ops.allocate(req.request_id, n))
         return (decode if decode.requests else None), planned, budget
 
-    def _preempt_and_retry(self, scheduled: list[tuple[Request, int, int]],
-                           failed: list[tuple[Request, int]]) -> list[tuple[Request, int, int]]:
+    def _plan_candidates(self, step_ops: list, rollback: StepRollback, budget: int) -> list[Candidate]:
+        """Append ``add``/``append`` + ``lookup`` of the waiting requests that may be admitted
+        this step (FCFS, within the budget, ``max_num_seqs`` and the free-block estimate)."""
+        candidates: list[Candidate] = []
+        free_est = self.free_blocks_hint
+        for req in self.waiting:
+            if budget <= 0 or len(self.running) + len(candidates) >= self.config.max_num_seqs:
+                break
+            need = self._blocks_estimate(req)
+            if candidates and free_est is not None and need > free_est:
+                break
+            if free_est is not None:
+                free_est -= need
+            rollback.touch(req)
+            if not req.added:
+                step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
+                req.added = True
+            elif req.pending_append:
+                step_ops.append(ops.append(req.request_id, req.pending_append))
+            req.pending_append = []
+            candidates.append(Candidate(req, len(step_ops)))
+            step_ops.append(ops.lookup(req.request_id))
+            budget -= 1  # a candidate computes at least one token
+        return candidates
+
+    def _preempt_and_retry(self, scheduled: list[ScheduledChunk], failed: list[PendingAllocate]) -> list[ScheduledChunk]:
         """vLLM's policy: while a running request gets no room, preempt the newest running
-        request and retry; a request that is itself the newest is preempted."""
+        request and retry; a request that is itself the newest is preempted. If a round's call
+        fails, the victim's preempt is sent with the next step and the requests still without
+        room wait for the next step (their tokens are appended; they only need slots)."""
         while failed:
             victim = self.running[-1]
             round_ops = [ops.preempt(victim.request_id)]
             self._to_waiting(victim)
-            scheduled = [s for s in scheduled if s[0] is not victim]
-            failed = [f for f in failed if f[0] is not victim]
-            retry = []
-            for req, n in failed:
-                retry.append((req, len(round_ops), n))
-                round_ops.append(ops.allocate(req.request_id, n))
-            result = self.link.step(round_ops)
+            scheduled = [c for c in scheduled if c.req is not victim]
+            survivors = [a for a in failed if a.req is not victim]
+            retry = [PendingAllocate(a.req, a.n, i) for i, a in enumerate(survivors, start=1)]
+            round_ops += [ops.allocate(a.req.request_id, a.n) for a in retry]
+            try:
+                result = self.link.step(round_ops)
+            except CacheUnavailable as exc:
+                log.warning("preempt_call_failed", error=str(exc))
+                self.to_preempt.append(victim.request_id)
+                break
             self.free_blocks_hint = result.num_free_blocks
             failed = []
-            for req, idx, n in retry:
-                alloc = result.results[idx]
-                assert isinstance(alloc, AllocateResult)
-                if alloc.ok:
-                    req.tables = alloc.block_ids
-                    scheduled.append((req, req.num_computed, n))
+            for alloc in retry:
+                answer = result.results[alloc.op_index]
+                assert isinstance(answer, AllocateResult)
+                if answer.ok:
+                    alloc.req.tables = answer.block_ids
+                    scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
                 else:
-                    failed.append((req, n))
+                    failed.append(alloc)
         order = {id(r): i for i, r in enumerate(self.running)}
-        return sorted(scheduled, key=lambda s: order.get(id(s[0]), 0))
+        return sorted(scheduled, key=lambda c: order.get(id(c.req), 0))
 
     def _to_waiting(self, req: Request) -> None:
         """Preempted: back to the front of the queue; everything is recomputed on re-admission."""
@@ -419,15 +487,18 @@ class Engine:
         self.metrics.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, candidates: list[tuple[Request, int]], first: Sequence[object],
-               budget: int) -> list[tuple[Request, int, int]]:
+    def _admit(self, candidates: list[Candidate], first: Sequence[object], budget: int) -> list[ScheduledChunk]:
+        """The admission call (``lookup`` + ``allocate(full_sequence_must_fit)`` per
+        candidate); returns the admitted chunks. If the call fails the candidates stay
+        waiting (nothing applied; they look up again next step)."""
         admit_ops = []
-        plan: list[tuple[Request, int, int]] = []  # (req, allocate op index, n)
+        plan: list[PendingAllocate] = []
         unit = min(g.block_size for g in self.layout)
-        for req, idx in candidates:
-            lk = first[idx]
+        for cand in candidates:
+            req = cand.req
+            lk = first[cand.op_index]
             assert isinstance(lk, LookupResult)
-            shared = max((_common_prefix(req.tokens, p.tokens) for p, _, _ in plan), default=0)
+            shared = max((_common_prefix(req.tokens, a.req.tokens) for a in plan), default=0)
             if shared // unit * unit > lk.hit_tokens:
                 break  # an earlier candidate computes our prefix now: wait one step, then hit it
             req.boundary = lk.shared_prefix_boundary if lk.shared_prefix_boundary > lk.hit_tokens else 0
@@ -435,52 +506,62 @@ class Engine:
             if n <= 0:
                 break
             admit_ops.append(ops.lookup(req.request_id))
-            plan.append((req, len(admit_ops), n))
+            plan.append(PendingAllocate(req, n, len(admit_ops)))
             admit_ops.append(ops.allocate(req.request_id, n, full_sequence_must_fit=True))
             budget -= n
         if not plan:
             return []
-        result = self.link.step(admit_ops)
+        try:
+            result = self.link.step(admit_ops)
+        except CacheUnavailable as exc:  # admit next step; the running requests still run now
+            log.warning("admission_call_failed", error=str(exc))
+            return []
         self.free_blocks_hint = result.num_free_blocks
-        admitted: list[tuple[Request, int, int]] = []
+        admitted: list[ScheduledChunk] = []
         rollback: list[Request] = []
         stopped = False
-        for req, idx, n in plan:
-            alloc = result.results[idx]
-            assert isinstance(alloc, AllocateResult)
-            if not alloc.ok:
+        for alloc in plan:
+            req = alloc.req
+            answer = result.results[alloc.op_index]
+            assert isinstance(answer, AllocateResult)
+            if not answer.ok:
                 stopped = True
                 continue
-            start = alloc.hit_tokens_used
-            if stopped or start + n > len(req.tokens):
+            start = answer.hit_tokens_used
+            if stopped or start + alloc.n > len(req.tokens):
                 rollback.append(req)  # FCFS, or the hit changed under us: undo and retry later
                 continue
             self.waiting.remove(req)
             self.running.append(req)
-            req.tables = alloc.block_ids
+            req.tables = answer.block_ids
             req.num_computed = start
             if not req.admitted_once:
                 req.admitted_once = True
                 req.stats.cached_tokens = start
                 self.metrics.prompt_tokens += len(req.prompt)
                 self.metrics.cached_tokens += start
-            admitted.append((req, start, n))
+            admitted.append(ScheduledChunk(req, start, alloc.n))
         if rollback:
-            result = self.link.step([ops.preempt(r.request_id) for r in rollback])
-            self.free_blocks_hint = result.num_free_blocks
+            self.metrics.admission_rollbacks += len(rollback)
+            try:
+                result = self.link.step([ops.preempt(r.request_id) for r in rollback])
+                self.free_blocks_hint = result.num_free_blocks
+            except CacheUnavailable as exc:  # they hold blocks until the next step's call 1
+                log.warning("admission_rollback_failed", error=str(exc))
+                self.to_preempt += [r.request_id for r in rollback]
         return admitted
 
-    def _execute(self, scheduled: list[tuple[Request, int, int]]) -> None:
+    def _execute(self, scheduled: list[ScheduledChunk]) -> None:
         tokens, chunks = [], []
-        for req, start, n in scheduled:
-            all_tokens = req.tokens
-            tokens.append(all_tokens[start:start + n])
-            chunks.append(SeqChunk(start, n, req.tables))
+        for c in scheduled:
+            tokens.append(c.req.tokens[c.start:c.start + c.n])
+            chunks.append(SeqChunk(c.start, c.n, c.req.tables))
         logits = self.runner.forward(tokens, chunks)
-        self.metrics.computed_tokens += sum(n for _, _, n in scheduled)
+        self.metrics.computed_tokens += sum(c.n for c in scheduled)
         rows, params, positions = [], [], []
-        for b, (req, start, n) in enumerate(scheduled):
-            req.num_computed = start + n
+        for b, c in enumerate(scheduled):
+            req = c.req
+            req.num_computed = c.start + c.n
             if req.num_computed == len(req.tokens):
                 rows.append(b)
                 params.append(req.sampling)
@@ -490,7 +571,7 @@ class Engine:
         picks = sample(logits[rows], params, positions)
         now = time.perf_counter()
         for b, tok in zip(rows, picks):
-            req = scheduled[b][0]
+            req = scheduled[b].req
             req.outputs.append(tok)
             req.pending_append = [tok]
             self.metrics.generated_tokens += 1
@@ -528,6 +609,7 @@ class Engine:
         self.running.clear()
         self.waiting = deque(everyone)
         self.to_free = []
+        self.to_preempt = []
         for req in everyone:
             req.added = False
             req.num_computed = 0
@@ -541,9 +623,18 @@ class Engine:
                 self.link.register()
                 break
             except CacheUnavailable:
-                time.sleep(0.5)
+                self._stop.wait(0.5)
         if self.on_reregister is not None:
             self.on_reregister()
+
+
+def check_engine_config(config: EngineConfig, mamba_align_block: int) -> None:
+    """Settings that can never work with this pool layout (checked at start)."""
+    if config.max_tokens_per_step < max(mamba_align_block, 1):
+        raise SettingError(f"{config.max_tokens_per_step} is below the Mamba block size "
+                           f"{mamba_align_block}; prefill could never progress (raise it to at "
+                           f"least {mamba_align_block}, or use --mamba-cache-mode none)",
+                           field="--max-tokens-per-step")
 
 
 def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0, align_block: int = 0) -> int:

@@ -15,17 +15,12 @@ __all__ = ["ServerProcess", "start_cache_service", "start_executor", "wait_ready
 def start_executor(cache_target: str, *flags: str, wait_serving: bool = True,
                    env: Mapping[str, str] | None = None, timeout: float = 60.0) -> ServerProcess:
     """``python -m executor`` on 127.0.0.1 with an ephemeral port against ``cache_target``.
-    With ``wait_serving`` it also waits until the health check says SERVING, i.e. the
-    executor has registered its pool (its "serving" line comes before that)."""
-    proc = start_process([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
-                          "--cache-service", cache_target, *flags], env=env, timeout=timeout)
-    if wait_serving:
-        try:
-            wait_ready(proc.target, timeout)
-        except BaseException:
-            proc.stop()
-            raise
-    return proc
+    Returns once its "serving" line is out (health SERVING: it has registered its pool), or
+    with ``wait_serving=False`` once its "listening" line is (health NOT_SERVING until then)."""
+    event = "serving" if wait_serving else "listening"
+    return start_process([sys.executable, "-m", "executor", "--host", "127.0.0.1", "--port", "0",
+                          "--cache-service", cache_target, *flags], env=env, timeout=timeout,
+                         ready=lambda record: record.get("event") == event)
 
 
 def wait_ready(target: str, timeout: float = 60.0) -> None:

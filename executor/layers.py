@@ -35,16 +35,21 @@ class RMSNorm(nn.Module):
         return h.to(x.dtype)
 
 
-def apply_rope(x: Tensor, positions: Tensor, *, theta: float, rotary_dim: int) -> Tensor:
-    """Rotate the first ``rotary_dim`` channels of every head (half-split "rotate_half" layout,
-    as Hugging Face Llama/Gemma/Bamba do). x: [T, H, D]; positions: [T]."""
+def apply_rope(x: Tensor, positions: Tensor, *, theta: float, rotary_dim: int,
+               linear_factor: float = 1.0) -> Tensor:
+    """Rotate the first channels of every head (half-split "rotate_half" layout, as Hugging Face
+    Llama/Gemma/Bamba do): ``ceil(rotary_dim / 2)`` frequencies ``theta ** (-2i / rotary_dim)``
+    (so an odd ``rotary_dim`` rotates ``rotary_dim + 1`` channels, as transformers does),
+    divided by ``linear_factor`` (linear RoPE scaling). x: [T, H, D]; positions: [T]."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
                                              device=x.device) / rotary_dim))
+    if linear_factor != 1.0:
+        inv_freq = inv_freq / linear_factor
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     cos = torch.cat([freqs.cos(), freqs.cos()], -1)[:, None, :]
     sin = torch.cat([freqs.sin(), freqs.sin()], -1)[:, None, :]
-    rot, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    half = rotary_dim // 2
+    half = inv_freq.shape[0]
+    rot, rest = x[..., :2 * half].float(), x[..., 2 * half:]
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], -1)
     out = (rot * cos + rotated * sin).to(x.dtype)
     return torch.cat([out, rest], -1) if rest.shape[-1] else out
@@ -84,6 +89,7 @@ class Attention(nn.Module):
         theta = cfg.rope_theta_local if (sliding and cfg.rope_theta_local) else cfg.rope_theta
         self.rope_theta = theta if cfg.use_rope else None
         self.rotary_dim = cfg.rotary_dim
+        self.rope_linear_factor = cfg.rope_linear_factor_local if sliding else cfg.rope_linear_factor
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
 
@@ -96,8 +102,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_theta is not None:
-            q = apply_rope(q, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
-            k = apply_rope(k, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim)
+            q = apply_rope(q, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim,
+                           linear_factor=self.rope_linear_factor)
+            k = apply_rope(k, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim,
+                           linear_factor=self.rope_linear_factor)
         k_cache, v_cache = cache
         kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from executor.batch import GroupLayout, SeqChunk, build_forward_meta
 from executor.cache import CacheTensors
+from executor.errors import InvalidArgument
 from executor.model import HybridModel
 
 
@@ -27,23 +28,25 @@ class ModelRunner:
 
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> Tensor:
         """``tokens[b]`` are request b's ``chunks[b].query_len`` new tokens. Returns fp32
-        logits [B, vocab] at each request's last new token."""
+        logits [B, vocab] at each request's last new token. Bad input (a client's, through
+        ``Execute``) raises :class:`InvalidArgument` before anything runs."""
         if len(tokens) != len(chunks):
-            raise ValueError("tokens: one token list per chunk")
+            raise InvalidArgument("tokens: one token list per chunk", field="tokens")
         for b, (t, c) in enumerate(zip(tokens, chunks)):
             if len(t) != c.query_len:
-                raise ValueError(f"sequences[{b}].token_ids: {len(t)} tokens but query_len {c.query_len}")
+                raise InvalidArgument(f"{len(t)} tokens but query_len {c.query_len}",
+                                      field=f"sequences[{b}].token_ids")
             if len(c.block_tables) != len(self.layout):
-                raise ValueError(f"sequences[{b}].block_tables: {len(c.block_tables)} tables but the "
-                                 f"pool has {len(self.layout)} groups")
+                raise InvalidArgument(f"{len(c.block_tables)} tables but the pool has "
+                                      f"{len(self.layout)} groups", field=f"sequences[{b}].block_tables")
             bad = [x for t in c.block_tables for x in t if not 0 <= int(x) < self.cache.num_blocks]
             if bad:
-                raise ValueError(f"sequences[{b}].block_tables: block id {bad[0]} is outside "
-                                 f"[0, {self.cache.num_blocks})")
+                raise InvalidArgument(f"block id {bad[0]} is outside [0, {self.cache.num_blocks})",
+                                      field=f"sequences[{b}].block_tables")
         vocab = self.model.config.vocab_size
         flat = [int(x) for t in tokens for x in t]
         if any(x < 0 or x >= vocab for x in flat):
-            raise ValueError(f"token_ids: every token must be in [0, {vocab})")
+            raise InvalidArgument(f"every token must be in [0, {vocab})", field="token_ids")
         meta = build_forward_meta(chunks, self.layout, device=self.device)
         input_ids = torch.tensor(flat, dtype=torch.long, device=self.device)
         with self.lock:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from executor.errors import InvalidArgument
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,13 +23,17 @@ class SamplingParams:
 
     def validate(self) -> "SamplingParams":
         if not (self.temperature >= 0.0):
-            raise ValueError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+            raise InvalidArgument(f"must be >= 0, got {self.temperature}",
+                                  field="sampling.temperature")
         if self.top_k < 0:
-            raise ValueError(f"sampling.top_k: must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"must be >= 0, got {self.top_k}",
+                                  field="sampling.top_k")
         if not (0.0 <= self.top_p <= 1.0):
-            raise ValueError(f"sampling.top_p: must be in [0, 1], got {self.top_p}")
+            raise InvalidArgument(f"must be in [0, 1], got {self.top_p}",
+                                  field="sampling.top_p")
         if self.seed < 0:
-            raise ValueError(f"sampling.seed: must be >= 0, got {self.seed}")
+            raise InvalidArgument(f"must be >= 0, got {self.seed}",
+                                  field="sampling.seed")
         return self
 
     @property

@@ -1,12 +1,18 @@
-"""``kvcache-executor`` / ``python -m executor``: the executor service.
+"""The executor service (``kvcache-executor``, started by :mod:`executor.cli`).
 
 Lifecycle:
 
-1. build the model (preset, ModelConfig JSON or Hugging Face checkpoint), listen, log ONE JSON
-   line ``{"event": "serving", "port": ..., "metrics_port": ...}``; health is NOT_SERVING;
-2. a background thread registers the pool with the cache service, retrying with backoff while
-   it is unreachable, allocates the cache tensors from the answered config, starts the engine
-   thread, then health turns SERVING (Generate/Execute answer UNAVAILABLE until then);
+1. build the model (preset, ModelConfig JSON or Hugging Face checkpoint) and check the
+   settings against it: a setting that cannot work (an unknown preset, a bad checkpoint,
+   ``--max-tokens-per-step`` below the Mamba block size, a port in use ...) ends the process
+   here with exit code 2 and ONE line ``kvcache-executor: error: <setting>:
+   <why>`` on stderr;
+2. listen, log ``{"event": "listening", "port": ..., "metrics_port": ...}``; health is
+   NOT_SERVING; a background thread registers the pool with the cache service, retrying
+   with backoff while it is unreachable, allocates the cache tensors from the answered
+   config, starts the engine thread, then health turns SERVING and the ONE line
+   ``{"event": "serving", "port": ..., ...}`` is logged (at every ``--log-level``: the same
+   meaning as the cache service's line). Generate/Execute answer UNAVAILABLE until then;
 3. if the cache service restarts and forgets the pool, the engine re-registers (same
    description -> same config, so the tensors stay) and re-queues its requests;
 4. on SIGTERM/SIGINT: health NOT_SERVING, new Generate calls get UNAVAILABLE, running requests
@@ -16,14 +22,13 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
-import os
 import signal
-import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -37,33 +42,83 @@ from prometheus_client.process_collector import ProcessCollector
 from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 from cache_service.client import CacheError
+from cache_service.core.specs import MambaSpec
+from kvcache_common.cli import exit_with_error
+from kvcache_common.logs import lifecycle
 from kvcache_common.metrics_http import serve_metrics
-from kvcache_common.logs import configure_logging
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, CacheUnavailable, PoolPlan, group_layouts
+from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.config import ModelConfig
-from executor.engine import Engine, EngineConfig, Request, TokenEvent
+from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
+from executor.errors import (CacheUnavailable, ExecutorError, InvalidArgument, NotReady,
+                             RequestFailed)
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
-from executor.settings import ExecutorSettings, parse_settings
+from executor.settings import ExecutorSettings
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 log = structlog.get_logger("executor.server")
 
+# The one place where executor errors become gRPC statuses (most specific first).
+_CODES: tuple[tuple[type[ExecutorError], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotReady, grpc.StatusCode.UNAVAILABLE),
+    (CacheUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (RequestFailed, grpc.StatusCode.ABORTED),
+)
+
+
+def status_code_of(exc: ExecutorError) -> grpc.StatusCode:
+    """The status an executor error answers (INTERNAL for a class with no mapping)."""
+    return next((code for cls, code in _CODES if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+
+
+def _answers_errors(handler: Any) -> Any:
+    """Wraps a unary handler: an ExecutorError it raises becomes its status."""
+    @functools.wraps(handler)
+    async def call(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await handler(self, request, context)
+        except ExecutorError as exc:
+            await context.abort(status_code_of(exc), str(exc))
+    return call
+
+
+def _streams_errors(handler: Any) -> Any:
+    """Wraps a response-streaming handler: an ExecutorError it raises ends the stream with
+    its status."""
+    @functools.wraps(handler)
+    async def call(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for msg in handler(self, request, context):
+                yield msg
+        except ExecutorError as exc:
+            await context.abort(status_code_of(exc), str(exc))
+    return call
+
 
 def build_model(settings: ExecutorSettings) -> HybridModel:
-    """The model named by the settings (checkpoint > config JSON > preset)."""
+    """The model named by the settings (checkpoint > config JSON > preset). A file that
+    cannot be read or describes an unsupported model raises InvalidArgument naming the flag
+    and the file's key."""
     if settings.hf_checkpoint is not None:
         from executor.hf_loader import load_hf_model
 
-        return load_hf_model(settings.hf_checkpoint)
+        try:
+            return load_hf_model(settings.hf_checkpoint, max_model_len=settings.max_model_len or None)
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"{settings.hf_checkpoint}: {exc}", field="--hf-checkpoint") from None
     if settings.model_config_json is not None:
-        cfg = ModelConfig.from_dict(json.loads(settings.model_config_json.read_text()))
+        try:
+            cfg = ModelConfig.from_dict(json.loads(settings.model_config_json.read_text()))
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"{settings.model_config_json}: {exc}",
+                                  field="--model-config-json") from None
     else:
-        cfg = get_preset(settings.preset)
+        cfg = get_preset(settings.preset)  # unknown names are refused by the settings
     if settings.seed is not None:
         cfg = cfg.replace(seed=settings.seed)
     if settings.max_model_len:
@@ -72,14 +127,24 @@ def build_model(settings: ExecutorSettings) -> HybridModel:
 
 
 def pool_plan(model: HybridModel, settings: ExecutorSettings) -> PoolPlan:
+    """What the executor registers; raises SettingError for settings that can never work
+    with this model's pool layout (checked before listening)."""
     cfg = model.config
     mode = settings.mamba_cache_mode if settings.enable_prefix_caching else "none"
     specs = model_layer_specs(cfg, block_size=settings.block_size, mamba_cache_mode=mode)
+    aligned = [s.block_size for s in specs.values()
+               if isinstance(s, MambaSpec) and s.mamba_cache_mode == "align"]
+    check_engine_config(engine_config(settings), max(aligned, default=0))
     pool_id = settings.pool_id or f"{cfg.name}-{uuid.uuid4().hex[:8]}"
     return PoolPlan(pool_id=pool_id, specs=specs, max_model_len=cfg.max_model_len,
                     num_blocks=settings.num_blocks or None,
                     memory_bytes=int(settings.cache_memory_mb * 1024 * 1024),
                     enable_caching=settings.enable_prefix_caching, vocab_size=cfg.vocab_size)
+
+
+def engine_config(settings: ExecutorSettings) -> EngineConfig:
+    return EngineConfig(max_num_seqs=settings.max_num_seqs,
+                        max_tokens_per_step=settings.max_tokens_per_step)
 
 
 def _sampling(msg: epb.SamplingParams) -> SamplingParams:
@@ -109,13 +174,15 @@ class Executor:
         self._threads: list[threading.Thread] = []
         self._closing = threading.Event()
 
-    def start(self, on_ready: Any, on_fatal: Any) -> None:
+    def start(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
+        """Registers and brings up the engine on a thread; then ``on_ready()``, or
+        ``on_fatal(one line saying why)`` if the executor can never serve."""
         t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal), name="executor-register",
                              daemon=True)
         t.start()
         self._threads.append(t)
 
-    def _bring_up(self, on_ready: Any, on_fatal: Any) -> None:
+    def _bring_up(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         delay = 0.1
         while not self._closing.is_set():
             try:
@@ -123,7 +190,8 @@ class Executor:
                 break
             except CacheError as exc:  # the service rejected our description: cannot serve
                 log.error("registration_failed", error=str(exc), field=exc.field)
-                on_fatal()
+                on_fatal(f"the cache service refused the pool ({exc.message}); check "
+                         f"--num-blocks / --cache-memory-mb / --max-model-len / --block-size")
                 return
             except CacheUnavailable as exc:
                 log.warning("cache_service_unreachable", target=self.settings.cache_service,
@@ -132,12 +200,16 @@ class Executor:
                 delay = min(delay * 2, 2.0)
         else:
             return
-        groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-        cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
-                             device=self.settings.device)
-        self.runner = ModelRunner(self.model, cache)
-        self.engine = Engine(self.runner, self.link, EngineConfig(
-            max_num_seqs=self.settings.max_num_seqs, max_tokens_per_step=self.settings.max_tokens_per_step))
+        try:  # a failure here must end the process, not leave it up and never SERVING
+            groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
+            cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
+                                 device=self.settings.device)
+            self.runner = ModelRunner(self.model, cache)
+            self.engine = Engine(self.runner, self.link, engine_config(self.settings))
+        except Exception as exc:
+            log.exception("bring_up_failed")
+            on_fatal(f"cannot serve the pool the cache service answered: {exc}")
+            return
         t = threading.Thread(target=self.engine.run, name="executor-engine", daemon=True)
         t.start()
         self._threads.append(t)
@@ -160,39 +232,35 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
     def __init__(self, ex: Executor) -> None:
         self.ex = ex
 
-    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+    def _require_ready(self) -> None:
         if self.ex.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "executor is draining")
+            raise NotReady("executor is draining")
         if not self.ex.ready.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                "executor is not registered with the cache service yet")
+            raise NotReady("executor is not registered with the cache service yet")
 
+    @_streams_errors
     async def Generate(self, request: epb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[epb.GenerateResponse]:
-        await self._require_ready(context)
+        self._require_ready()
         engine = self.ex.engine
         assert engine is not None
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         rid = request.request_id or engine.new_request_id()
         if len(rid) > 200:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: at most 200 characters")
-        try:
-            req = Request(rid, list(request.prompt_token_ids), request.max_tokens,
-                          sampling=_sampling(request.sampling),
-                          stop_token_ids=frozenset(request.stop_token_ids),
-                          cache_salt=request.cache_salt,
-                          sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-            engine.submit(req)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidArgument("at most 200 characters", field="request_id")
+        engine.submit(Request(rid, list(request.prompt_token_ids), request.max_tokens,
+                              sampling=_sampling(request.sampling),
+                              stop_token_ids=frozenset(request.stop_token_ids),
+                              cache_salt=request.cache_salt,
+                              sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev)))
         done = False
         try:
             while True:
                 ev = await events.get()
                 if ev.error:
                     done = True
-                    await context.abort(grpc.StatusCode.ABORTED, ev.error)
+                    raise RequestFailed(ev.error)
                 msg = epb.GenerateResponse(request_id=rid, token_ids=ev.token_ids,
                                            finish_reason=ev.finish_reason)
                 if ev.stats is not None:
@@ -206,31 +274,29 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
             if not done:  # the client went away: stop computing for it
                 engine.abort(rid)
 
+    @_answers_errors
     async def Execute(self, request: epb.ExecuteRequest,
                       context: grpc.aio.ServicerContext) -> epb.ExecuteResponse:
-        await self._require_ready(context)
+        self._require_ready()
         runner = self.ex.runner
         assert runner is not None
         if not request.sequences:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sequences: at least one is required")
+            raise InvalidArgument("at least one is required", field="sequences")
         tokens, chunks, params, positions = [], [], [], []
-        try:
-            for i, s in enumerate(request.sequences):
-                if not s.token_ids:
-                    raise ValueError(f"sequences[{i}].token_ids: at least one token is required")
-                if s.num_computed_tokens < 0:
-                    raise ValueError(f"sequences[{i}].num_computed_tokens: must be >= 0")
-                end = s.num_computed_tokens + len(s.token_ids)
-                if end > self.ex.model.config.max_model_len:
-                    raise ValueError(f"sequences[{i}]: {end} tokens exceed max_model_len")
-                tokens.append(list(s.token_ids))
-                chunks.append(SeqChunk(s.num_computed_tokens, len(s.token_ids),
-                                       [list(t.block_ids) for t in s.block_tables]))
-                params.append(_sampling(s.sampling))
-                positions.append(end)
-            logits = await asyncio.to_thread(runner.forward, tokens, chunks)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        for i, s in enumerate(request.sequences):
+            if not s.token_ids:
+                raise InvalidArgument("at least one token is required", field=f"sequences[{i}].token_ids")
+            if s.num_computed_tokens < 0:
+                raise InvalidArgument("must be >= 0", field=f"sequences[{i}].num_computed_tokens")
+            end = s.num_computed_tokens + len(s.token_ids)
+            if end > self.ex.model.config.max_model_len:
+                raise InvalidArgument(f"{end} tokens exceed max_model_len", field=f"sequences[{i}]")
+            tokens.append(list(s.token_ids))
+            chunks.append(SeqChunk(s.num_computed_tokens, len(s.token_ids),
+                                   [list(t.block_ids) for t in s.block_tables]))
+            params.append(_sampling(s.sampling))
+            positions.append(end)
+        logits = await asyncio.to_thread(runner.forward, tokens, chunks)
         picks = sample(logits, params, positions)
         out = epb.ExecuteResponse()
         for i, (s, tok) in enumerate(zip(request.sequences, picks)):
@@ -274,7 +340,9 @@ class EngineCollector:
                 ("cached_tokens", m.cached_tokens, "prompt tokens served from the prefix cache"),
                 ("computed_tokens", m.computed_tokens, "tokens run through the model"),
                 ("generated_tokens", m.generated_tokens, "tokens sampled"),
-                ("preemptions", m.preemptions, "requests preempted"),
+                ("preemptions", m.preemptions, "running requests preempted for lack of blocks"),
+                ("admission_rollbacks", m.admission_rollbacks,
+                 "admitted candidates undone to keep FCFS (sent as preempt ops)"),
                 ("finished_requests", m.finished, "requests finished"),
                 ("reregistrations", m.reregistrations, "pool re-registrations")):
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
@@ -287,38 +355,31 @@ class EngineCollector:
             yield g
 
 
-async def serve(settings: ExecutorSettings, model: HybridModel | None = None) -> int:
-    loop = asyncio.get_running_loop()
+def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> "Executor":
+    """The model and the executor the settings describe; raises SettingError (or another
+    InvalidArgument) naming the setting that cannot work. Nothing listens yet."""
     model = (model or build_model(settings)).to(settings.device)
-    ex = Executor(settings, model)
+    return Executor(settings, model)
+
+
+async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
+    """Runs the prepared executor until SIGTERM/SIGINT; returns the exit code."""
+    loop = asyncio.get_running_loop()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                       ("grpc.http2.min_ping_interval_without_data_ms", 5000)])
     epb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(ex), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError:  # taken since prepare() checked it
+        port = 0
     if port == 0:
-        log.error("bind_failed", host=settings.host, port=settings.port)
-        return 1
+        return exit_with_error("kvcache-executor", f"--port: cannot listen on {settings.host}:{settings.port}", 2)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    async def mark_serving() -> None:
-        if not ex.draining:
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    stop = asyncio.Event()
-    exit_code = 0
-
-    def fatal() -> None:
-        nonlocal exit_code
-        exit_code = 1
-        loop.call_soon_threadsafe(stop.set)
-
-    ex.start(lambda: asyncio.run_coroutine_threadsafe(mark_serving(), loop), fatal)
     metrics_server, metrics_port = None, -1
     if settings.metrics_port >= 0:
         registry = CollectorRegistry(auto_describe=False)
@@ -326,12 +387,32 @@ async def serve(settings: ExecutorSettings, model: HybridModel | None = None) ->
         registry.register(EngineCollector(ex))
         metrics_server = await serve_metrics(registry, settings.host, settings.metrics_port)
         metrics_port = metrics_server.sockets[0].getsockname()[1]
+    where = dict(host=settings.host, port=port, metrics_port=metrics_port,
+                 model=ex.model.config.name, pool_id=ex.plan.pool_id,
+                 cache_service=settings.cache_service)
+    # Lifecycle lines print at any --log-level (supervisors and launchers wait for them).
+    lifecycle().info("listening", **where)
+
+    async def mark_serving() -> None:
+        if not ex.draining:
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            lifecycle().info("serving", **where)
+
+    stop = asyncio.Event()
+    exit_code = 0
+    why = ""
+
+    def fatal(message: str) -> None:
+        nonlocal exit_code, why
+        exit_code, why = 1, message
+        loop.call_soon_threadsafe(stop.set)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             model=model.config.name, pool_id=ex.plan.pool_id, cache_service=settings.cache_service)
+    ex.start(lambda: asyncio.run_coroutine_threadsafe(mark_serving(), loop), fatal)
     await stop.wait()
-    log.info("draining", grace_seconds=settings.drain_seconds)
+    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     ex.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.drain_seconds
@@ -341,16 +422,5 @@ async def serve(settings: ExecutorSettings, model: HybridModel | None = None) ->
     await asyncio.to_thread(ex.close)
     if metrics_server is not None:
         metrics_server.close()
-    log.info("stopped", exit_code=exit_code)
-    return exit_code
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    settings = parse_settings(argv)
-    configure_logging(settings.log_level)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return asyncio.run(serve(settings))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    lifecycle().info("stopped", exit_code=exit_code)
+    return exit_with_error("kvcache-executor", why, exit_code) if why else exit_code

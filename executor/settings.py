@@ -1,9 +1,9 @@
 """Executor settings: flags over ``KVCACHE_EXECUTOR_*`` environment variables over defaults
-(same mechanism as ``cache_service.settings``: the parser is built from the model's fields)."""
+(the same command-line mechanism as ``cache_service.settings``: :func:`kvcache_common.cli.parse_cli`).
+"""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -11,7 +11,11 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from executor.presets import DEFAULT_PRESET
+from executor.presets import DEFAULT_PRESET, PRESETS
+from kvcache_common.cli import parse_cli
+
+#: The preset names as a Literal, so that --help lists them and a wrong one names the choices.
+PresetName = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
 
 
 class ExecutorSettings(BaseSettings):
@@ -21,19 +25,21 @@ class ExecutorSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(50061, ge=0, le=65535, description="gRPC port; 0 = ephemeral (reported "
-                      "in the 'serving' log line)")
+                      "in the 'listening' and 'serving' log lines)")
     metrics_port: int = Field(-1, ge=-1, le=65535, description="Prometheus /metrics port; "
                               "0 = ephemeral, -1 = disabled")
     cache_service: str = Field("127.0.0.1:50051", description="cache service address HOST:PORT")
     pool_id: str = Field("", description="pool id to register; empty = '<model>-<random>'")
-    preset: str = Field(DEFAULT_PRESET, description="model preset (see executor.presets)")
+    preset: PresetName = Field(DEFAULT_PRESET, description="model preset: a tiny random-weight "
+                               "model (see executor.presets)")
     model_config_json: Path | None = Field(None, description="a ModelConfig JSON file "
                                            "(overrides --preset)")
     hf_checkpoint: Path | None = Field(None, description="a Hugging Face checkpoint directory "
                                        "(config.json + safetensors; overrides --preset)")
     seed: int | None = Field(None, description="random-weight seed (default: the preset's)")
-    max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own); "
-                               "the pool must fit one request of this length")
+    max_model_len: int = Field(0, ge=0, description="longest sequence (0 = the model's own; "
+                               "a checkpoint's, at most 4096); the pool must fit one request "
+                               "of this length")
     device: str = Field("cpu", description="torch device for the model and the cache ('cpu', "
                         "'cuda', 'cuda:1'); CUDA runs the kernels' Triton implementations")
     cache_memory_mb: float = Field(32.0, gt=0, description="KV-cache memory budget (MiB)")
@@ -50,25 +56,10 @@ class ExecutorSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvcache-executor",
-        description="Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, "
-        "metrics): runs a hybrid model on a paged cache managed by the cache service. Every "
-        "flag can also be set with the environment variable shown; flags win.")
-    for name, info in ExecutorSettings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = "KVCACHE_EXECUTOR_" + name.upper()
-        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
-                            help=f"{info.description} [env {env}; default {info.default}]")
-    return parser
-
-
 def parse_settings(argv: Sequence[str] | None = None) -> ExecutorSettings:
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    try:
-        return ExecutorSettings(**given)
-    except ValueError as exc:
-        parser.error(str(exc))
-        raise
+    """Settings from ``argv`` (flags) and the environment; a bad value exits with a usage
+    error naming the flag (booleans are ``--x`` / ``--no-x``)."""
+    return parse_cli(ExecutorSettings, argv, prog="kvcache-executor", description=(
+        "Executor service (gRPC kvcache.v1.ExecutorService, health, reflection, metrics): runs "
+        "a hybrid model on a paged cache managed by the cache service. Every flag can also be "
+        "set with the environment variable shown; flags win."))

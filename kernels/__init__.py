@@ -9,13 +9,10 @@ import triton until a Triton implementation is actually used. See docs/kernels.m
 
 from kernels._dispatch import IMPLS, select_impl
 from kernels.attention import paged_attention, write_kv_cache
-
-# --- Mamba ops (added by the Mamba-kernels engineer when their modules exist) ---------------------
 from kernels.conv1d import causal_conv1d, causal_conv1d_update
 from kernels.norm import gated_rms_norm
 from kernels.selective_scan import selective_scan, selective_state_update
 from kernels.ssd import ssd_scan, ssd_state_update
-# ---------------------------------------------------------------------------------------------------
 
 __all__ = [
     "IMPLS",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +61,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           sliding_window, softcap)
     chosen = select_impl(impl, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    kwargs = dict(scale=float(scale), sliding_window=sliding_window, softcap=softcap)
+    kwargs: dict[str, Any] = dict(scale=float(scale), sliding_window=sliding_window, softcap=softcap)
     if chosen == "reference":
         return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs)
     if chosen == "torch":
@@ -80,10 +81,13 @@ def _require(condition: bool, field: str, message: str) -> None:
 
 
 def _check_cache_pair(k_cache: Tensor, v_cache: Tensor) -> None:
-    _require(k_cache.dim() == 4, "k_cache", f"expected [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
-    _require(v_cache.dim() == 4, "v_cache", f"expected [num_blocks, block_size, Hkv, Dv], got shape {tuple(v_cache.shape)}")
+    _require(k_cache.dim() == 4, "k_cache",
+             f"expected [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}")
+    _require(v_cache.dim() == 4, "v_cache",
+             f"expected [num_blocks, block_size, Hkv, Dv], got shape {tuple(v_cache.shape)}")
     _require(k_cache.shape[:3] == v_cache.shape[:3], "v_cache",
-             f"blocks, block size and heads must match k_cache {tuple(k_cache.shape[:3])}, got {tuple(v_cache.shape[:3])}")
+             f"blocks, block size and heads must match k_cache {tuple(k_cache.shape[:3])}, "
+             f"got {tuple(v_cache.shape[:3])}")
     _require(k_cache.is_floating_point() and v_cache.is_floating_point(), "k_cache", "caches must be floating point")
 
 
@@ -139,13 +143,15 @@ def _check_attention_args(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tab
         _require(kv_lens[b] >= q_lens[b], "seq_lens",
                  f"request {b} has {q_lens[b]} queries but only {kv_lens[b]} keys (seq_lens counts this step's tokens)")
         _require(kv_lens[b] <= block_tables.shape[1] * block_size, "seq_lens",
-                 f"request {b} needs {kv_lens[b]} keys but block_tables has room for {block_tables.shape[1] * block_size}")
+                 f"request {b} needs {kv_lens[b]} keys but block_tables has room for "
+                 f"{block_tables.shape[1] * block_size}")
     if batch:
         used = _needed_table_entries(kv_lens, q_lens, block_size, sliding_window, block_tables.shape[1])
         entries = block_tables[used]
         if entries.numel():
             _require(int(entries.min()) >= 0 and int(entries.max()) < num_blocks, "block_tables",
-                     f"entries the queries read must lie in [0, {num_blocks}), got {int(entries.min())}..{int(entries.max())}")
+                     f"entries the queries read must lie in [0, {num_blocks}), "
+                     f"got {int(entries.min())}..{int(entries.max())}")
 
 
 def _needed_table_entries(kv_lens: list[int], q_lens: list[int], block_size: int, sliding_window: int | None,
@@ -188,7 +194,7 @@ def _paged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     out = q.new_zeros(num_tokens, num_q_heads, v_cache.shape[-1])
     starts = query_start_loc.tolist()
     kv_lens = seq_lens.tolist()
-    attend = dict(scale=scale, sliding_window=sliding_window, softcap=softcap)
+    attend: dict[str, Any] = dict(scale=scale, sliding_window=sliding_window, softcap=softcap)
     decode = [b for b in range(len(kv_lens)) if starts[b + 1] - starts[b] == 1]
     for group in _decode_groups(decode, kv_lens, k_cache, v_cache, sliding_window):
         rows = torch.tensor([starts[b] for b in group], dtype=torch.long, device=q.device)
@@ -199,8 +205,8 @@ def _paged_attention_torch(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         if q_len <= 1:
             continue
         for first in range(0, q_len, _PREFILL_TILE):
-            rows = slice(starts[b] + first, starts[b] + min(q_len, first + _PREFILL_TILE))
-            out[rows] = _prefill_tile(q[rows], k_cache, v_cache, block_tables[b], kv_lens[b] - q_len + first,
+            tile = slice(starts[b] + first, starts[b] + min(q_len, first + _PREFILL_TILE))
+            out[tile] = _prefill_tile(q[tile], k_cache, v_cache, block_tables[b], kv_lens[b] - q_len + first,
                                       **attend)
     return out
 

@@ -7,13 +7,15 @@ multiply by weight, then by silu(z). No z: plain (grouped) RMSNorm. fp32 math, o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_tensor
+from kernels.validation import check_tensor
 
 
 def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float = 1e-6,
@@ -31,11 +33,11 @@ def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float = 
     if not eps >= 0:
         raise ValueError(f"eps: must be >= 0, got {eps!r}")
     which = select_impl(impl, x, z, weight)
-    kwargs = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
+    kwargs: dict[str, Any] = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
     if which == "reference":
         return reference.gated_rms_norm(x, z, weight, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").gated_rms_norm(x, z, weight, **kwargs)
+        return load_triton_module("triton_norm").gated_rms_norm(x, z, weight, **kwargs)
     return _gated_rms_norm_torch(x, z, weight, **kwargs)
 
 

@@ -13,9 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # ================================================================================================
-# Attention references (KV-cache write, paged attention). Owned by the attention kernels.
-# Semantics: docs/kernels.md#attention-masking (bottom-right causal, window of W keys
-# including the current one, null block 0 before the window never read).
+# Attention references (KV-cache write, paged attention): bottom-right causal, a window of W keys
+# including the current one, the null block 0 before the window never read (docs/kernels.md).
 # ================================================================================================
 
 
@@ -71,9 +70,9 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 
 
 # ================================================================================================
-# Mamba references (conv1d, SSD, selective scan, gated RMSNorm). Owned by the Mamba kernels.
-# Semantics: docs/kernels.md#semantics (Mamba sections). Padding rows (state index < 0) start from
-# a zero state and write nothing; has_initial_state False starts from zeros whatever the slot holds.
+# Mamba references (conv1d, SSD, selective scan, gated RMSNorm), math in each op's module
+# docstring. Padding rows (state index < 0) start from a zero state and write nothing;
+# has_initial_state False starts from zeros whatever the slot holds.
 # ================================================================================================
 
 

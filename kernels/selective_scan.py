@@ -1,16 +1,18 @@
 """Mamba-1 selective scan over packed sequences, and its single-token state update.
 
-Math (docs/kernels.md#mamba-1-selective-scan), per channel d (group g = d // (Dm // G)) and state index j, fp32:
+Math, per channel d (group g = d // (Dm // G)) and state index j, fp32:
     dt_t = softplus(delta_t + delta_bias)
     s_t[d, j] = exp(dt_t[d] * A[d, j]) * s_{t-1}[d, j] + dt_t[d] * u_t[d] * B_t[g, j]
     out_t[d] = (sum_j s_t[d, j] * C_t[g, j] + D[d] * u_t[d]) * silu(z_t[d])
 ssm_states [num_slots, Dm, N] give each sequence's start state and receive its final state (see
-kernels.conv1d for the padding / has_initial_state rules). Unlike SSD the decay differs per state
+kernels.mamba_state for the padding / has_initial_state rules). Unlike SSD the decay differs per state
 index, so there is no cheap chunked matmul form: the CPU path walks the tokens, vectorized over
 channels and state, and precomputes decays and inputs a block of tokens at a time.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +20,9 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_batch, check_state_indices, check_tensor, start_states, store_states
+from kernels.mamba_state import start_states, store_states
 from kernels.ssd import process_dt
+from kernels.validation import check_batch, check_state_indices, check_tensor
 
 # Tokens whose decays and inputs are materialised at once ([block, Dm, N] fp32 temporaries).
 _TOKEN_BLOCK = 64
@@ -57,11 +60,11 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
     which = select_impl(impl, u, delta, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, z, delta_bias)
     args = (u, delta, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
-    kwargs = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+    kwargs: dict[str, Any] = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
     if which == "reference":
         return reference.selective_scan(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").selective_scan(*args, **kwargs)
+        return load_triton_module("triton_selective_scan").selective_scan(*args, **kwargs)
     return _selective_scan_torch(*args, **kwargs)
 
 
@@ -74,11 +77,11 @@ def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     check_state_indices(state_indices, x.shape[0], ssm_states.shape[0])
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, z, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
-    kwargs = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
+    kwargs: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
     if which == "reference":
         return reference.selective_state_update(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").selective_state_update(*args, **kwargs)
+        return load_triton_module("triton_selective_scan").selective_state_update(*args, **kwargs)
     return _selective_state_update_torch(*args, **kwargs)
 
 

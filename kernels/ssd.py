@@ -1,6 +1,6 @@
 """Mamba-2 SSD: chunked prefill scan over packed sequences, and the single-token state update.
 
-Math (docs/kernels.md#mamba-2-ssd), per head h with group g = h // (H // G), fp32:
+Math, per head h with group g = h // (H // G), fp32:
     dt'_t = clamp(softplus(dt_t + dt_bias)),  a_t = dt'_t * A_h  (log decay, <= 0)
     S_t = exp(a_t) * S_{t-1} + dt'_t * x_t (outer) B_t[g]         (S is [P, N])
     y_t = S_t C_t[g] + D * x_t
@@ -8,10 +8,12 @@ The prefill evaluates this in chunks of Q tokens: a masked Q x Q "attention" ins
 chunk-end states passed from chunk to chunk, and the carried state's contribution to every token.
 Chunks never cross a sequence boundary (a sequence's last chunk is short), so the result depends on
 Q only through rounding. ssm_states [num_slots, H, P, N] give each sequence's start state (see
-kernels.conv1d for the padding / has_initial_state rules) and receive its final state.
+kernels.mamba_state for the padding / has_initial_state rules) and receive its final state.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,8 @@ from torch import Tensor
 
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
-from kernels.conv1d import check_batch, check_state_indices, check_tensor, start_states, store_states
+from kernels.mamba_state import start_states, store_states
+from kernels.validation import check_batch, check_state_indices, check_tensor
 
 DEFAULT_DT_LIMIT: tuple[float, float] = (0.0, float("inf"))
 
@@ -80,12 +83,12 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     which = select_impl(impl, x, dt, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
-    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+    kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
                   chunk_size=chunk_size)
     if which == "reference":
         return reference.ssd_scan(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").ssd_scan(*args, **kwargs)
+        return load_triton_module("triton_ssd").ssd_scan(*args, **kwargs)
     return _ssd_scan_torch(*args, **kwargs)
 
 
@@ -98,11 +101,11 @@ def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm
     check_state_indices(state_indices, x.shape[0], ssm_states.shape[0])
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
-    kwargs = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
+    kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
     if which == "reference":
         return reference.ssd_state_update(*args, **kwargs)
     if which == "triton":
-        return load_triton_module("triton_mamba").ssd_state_update(*args, **kwargs)
+        return load_triton_module("triton_ssd").ssd_state_update(*args, **kwargs)
     return _ssd_state_update_torch(*args, **kwargs)
 
 

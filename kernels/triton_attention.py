@@ -18,7 +18,6 @@ Paged attention is one "unified" kernel for prefill, chunked prefill and decode:
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -90,6 +90,18 @@ _kvc_find_or_start_engine() {
 }
 
 _kvc_main() {
+    # One setup at a time: two checkouts starting at once would both start a dockerd on the
+    # same socket and PID file.
+    local lock_fd
+    exec {lock_fd}>"${KVC_DOCKER_SETUP_LOCK:-/tmp/kvcache-docker-setup.lock}"
+    flock -x "$lock_fd"
+    _kvc_setup
+    local rc=$?
+    exec {lock_fd}>&-
+    return "$rc"
+}
+
+_kvc_setup() {
     local host ours_before=0
     [ -f "$_kvc_pidfile" ] && kill -0 "$(cat "$_kvc_pidfile")" 2>/dev/null && ours_before=1
     if ! command -v docker >/dev/null 2>&1 && [ "$(id -u)" != 0 ]; then
@@ -146,6 +158,6 @@ if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # executed, not sourced
 fi
 _kvc_main
 unset -f _kvc_log _kvc_engine_answers _kvc_install_missing _kvc_start_dockerd \
-    _kvc_find_or_start_engine _kvc_main _kvc_stop
+    _kvc_find_or_start_engine _kvc_main _kvc_setup _kvc_stop
 unset _kvc_sock _kvc_pidfile _kvc_log_file _kvc_data_root _kvc_exec_root _kvc_repo
 true

@@ -32,13 +32,12 @@ os.environ.pop("PYTHONHASHSEED", None)  # before vLLM resolves the NONE_HASH see
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import cbor2  # noqa: E402
-import vllm  # noqa: E402
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core import kv_cache_utils  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+import vllm
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.request import Request
 
 ALGOS = ("sha256", "sha256_cbor")
 OUT = Path(__file__).resolve().parent.parent / "cache_service" / "core" / "hash_vectors.json"
@@ -119,7 +118,7 @@ def main() -> int:
     doc: dict = {
         "generator": "scripts/gen_hash_vectors.py",
         "vllm_version": vllm.__version__,
-        "python": "%d.%d.%d" % sys.version_info[:3],
+        "python": ".".join(map(str, sys.version_info[:3])),
         "pickle_protocol": pickle.HIGHEST_PROTOCOL,
         "cbor2_version": _version("cbor2"),
         "none_hash_seed": kv_cache_utils.DEFAULT_NONE_HASH_SEED,

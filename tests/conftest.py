@@ -6,7 +6,10 @@ threads, so every test process uses one thread.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+
+from hypothesis import settings as hypothesis_settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -15,18 +18,13 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 # servers, so the handlers are not needed. Must be set before grpc is imported.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-try:
+if importlib.util.find_spec("torch") is not None:  # the cache-service tiers run without torch
     import torch
-except ImportError:  # the cache-service tiers run without torch
-    torch = None
 
-if torch is not None:
     torch.set_num_threads(1)
 
 
 # Hypothesis' per-example deadline measures wall time, which on a shared 2-core machine says
 # more about the neighbours than about the code: examples are bounded by their size instead.
-from hypothesis import settings as _hypothesis_settings  # noqa: E402
-
-_hypothesis_settings.register_profile("kvcache", deadline=None)
-_hypothesis_settings.load_profile("kvcache")
+hypothesis_settings.register_profile("kvcache", deadline=None)
+hypothesis_settings.load_profile("kvcache")

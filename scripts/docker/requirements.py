@@ -12,11 +12,37 @@ from __future__ import annotations
 import argparse
 import re
 import tomllib
+from typing import Any
 
 
 def _name(requirement: str) -> str:
     """The distribution name of a PEP 508 requirement string, lower-cased."""
-    return re.match(r"[A-Za-z0-9._-]+", requirement.strip()).group().lower()
+    match = re.match(r"[A-Za-z0-9._-]+", requirement.strip())
+    if match is None:
+        raise SystemExit(f"requirements.py: not a requirement: {requirement!r}")
+    return match.group().lower()
+
+
+def _extras(project: dict[str, Any], extras: list[str], seen: set[str]) -> list[str]:
+    """The requirements of ``extras``, an extra that names the project itself
+    (``kvcache-service[a,b]``) expanded to the extras it lists."""
+    own = project["name"].lower()
+    reqs: list[str] = []
+    for extra in extras:
+        if extra in seen:
+            continue
+        seen.add(extra)
+        try:
+            listed = project["optional-dependencies"][extra]
+        except KeyError:
+            raise SystemExit(
+                f"requirements.py: --extra {extra!r}: no such extra in pyproject") from None
+        for req in listed:
+            if _name(req) == own:
+                reqs += _extras(project, re.findall(r"[A-Za-z0-9._-]+", req.split("[", 1)[1]), seen)
+            else:
+                reqs.append(req)
+    return reqs
 
 
 def requirements(pyproject: dict, extras: list[str], torch_spec: str | None,
@@ -25,11 +51,7 @@ def requirements(pyproject: dict, extras: list[str], torch_spec: str | None,
     requirement is replaced by ``torch_spec`` when given (a range could pull a CUDA build)."""
     project = pyproject["project"]
     reqs = list(project["dependencies"])
-    for extra in extras:
-        try:
-            reqs += project["optional-dependencies"][extra]
-        except KeyError:
-            raise SystemExit(f"requirements.py: --extra {extra!r}: no such extra in pyproject")
+    reqs += _extras(project, extras, set())
     if torch_spec:
         reqs = [r for r in reqs if _name(r) != "torch"]
         if "executor" in extras:

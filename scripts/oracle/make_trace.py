@@ -31,7 +31,8 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     mml = config["max_model_len"]
     bs = max(g["block_size"] for g in config["groups"] if g["type"] != "mamba") \
         if any(g["type"] != "mamba" for g in config["groups"]) else 16
-    align = any(g["type"] == "mamba" for g in config["groups"]) and config.get("enable_caching", True)
+    align = (any(g["type"] == "mamba" for g in config["groups"])
+             and config.get("enable_caching", True))
     capacity = config["num_blocks"] * bs
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([1, 2, 3, 4, 6]) * bs)]
                 for _ in range(4)]

@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ORACLE = Path(os.environ.get("VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
+ORACLE = Path(os.environ.get(
+    "VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
 ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
                                 Path.home() / ".cache/vllm-oracle-venv/bin/python"))
 
@@ -72,7 +73,7 @@ def provenance(config_path: Path, trace_path: Path, trace: str, config: dict[str
 
 
 def run_ours(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
-    from cache_service.replay import make_pool, replay  # noqa: PLC0415 (dev tool)
+    from cache_service.replay import make_pool, replay
 
     out = io.StringIO()
     replay(make_pool(config), io.StringIO(trace), out)
@@ -111,7 +112,8 @@ def main() -> int:
         return 1
     bad = [i for i, (o, t) in enumerate(zip(ours, theirs)) if not same_result(o, t)]
     for i in bad[:5]:
-        print(f"op {i}:\n  ours   {json.dumps(ours[i])[:600]}\n  oracle {json.dumps(theirs[i])[:600]}")
+        print(f"op {i}:\n  ours   {json.dumps(ours[i])[:600]}\n"
+              f"  oracle {json.dumps(theirs[i])[:600]}")
     print(f"{len(ours)} ops compared, {len(bad)} differ")
     return 1 if bad else 0
 

@@ -1,4 +1,9 @@
-"""Builders shared by the allocator-core tests (imported as ``from builders import ...``)."""
+"""Builders shared by the allocator-core tests (imported as ``from builders import ...``; pytest
+puts tests/core on sys.path). Test modules import from here, never from each other.
+
+Spec builders take the block size first, then the kind's own size; attention shapes and Mamba
+state sizes are keyword-only (``full(16, head=64)``, ``swa(16, 128)``, ``mamba(16, state=100)``).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool
@@ -13,10 +19,12 @@ from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.request import Request
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -25,20 +33,22 @@ SAMPLES = Path(__file__).resolve().parents[2] / "cache_service" / "replay_sample
 SAMPLE_CONFIGS = sorted(p.stem for p in SAMPLES.glob("*.json"))
 
 
-def full(bs: int = 16) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=bs)
+def full(bs: int = 16, *, head: int = 1, **kw: Any) -> FullAttentionSpec:
+    """One KV head of ``head`` dims (bfloat16); ``kw``: sliding_window / attention_chunk_size."""
+    return FullAttentionSpec(block_size=bs, head_size=head, **kw)
 
 
-def swa(bs: int = 16, window: int = 128) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, sliding_window=window)
+def swa(bs: int = 16, window: int = 128, *, head: int = 1) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=bs, sliding_window=window, head_size=head)
 
 
-def chunked(bs: int = 16, chunk: int = 64) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk)
+def chunked(bs: int = 16, chunk: int = 64, *, head: int = 1) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(block_size=bs, attention_chunk_size=chunk, head_size=head)
 
 
-def mamba(bs: int = 16, mode: str = "align") -> MambaSpec:
-    return MambaSpec(block_size=bs, shapes=((1,),), dtypes=("float32",), mamba_cache_mode=mode)
+def mamba(bs: int = 16, mode: MambaCacheMode = "align", *, state: int = 1) -> MambaSpec:
+    """One fp32 state of ``state`` elements per block."""
+    return MambaSpec(block_size=bs, shapes=((state,),), dtypes=("float32",), mamba_cache_mode=mode)
 
 
 def config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
@@ -81,12 +91,41 @@ def table_ids(blocks: Sequence[KVCacheBlock]) -> list[int]:
     return [b.block_id for b in blocks]
 
 
-def load_sample_config(name: str) -> dict:
+def load_sample_config(name: str) -> dict[str, Any]:
     return json.loads((SAMPLES / f"{name}.json").read_text())
 
 
+SMALL_BLOCK = 4
+SMALL_MAX_LEN = 96
 
-def cross_attention(bs: int = 16) -> "CrossAttentionSpec":
-    from cache_service.core.specs import CrossAttentionSpec
 
+def small_config(name: str) -> dict[str, Any]:
+    """The sample config scaled down so that random runs fill and evict the pool."""
+    c = load_sample_config(name)
+    c["num_blocks"] = 40
+    c["max_model_len"] = SMALL_MAX_LEN
+    for g in c["groups"]:
+        if g["type"] == "mamba" and g.get("mamba_cache_mode") == "none":
+            g["block_size"] = SMALL_MAX_LEN
+        else:
+            g["block_size"] = SMALL_BLOCK
+        if g["type"] == "sliding_window":
+            g["sliding_window"] = 10
+    return c
+
+
+def snapshot(p: Pool) -> tuple[Any, ...]:
+    """Everything observable about a pool, to prove a rejected call changed nothing."""
+    free = [b.block_id for b in p.manager.pool.free_block_queue.get_all_free_blocks()]
+    reqs = {rid: (p.request_info(rid), p.block_ids(rid), p.block_hashes(rid))
+            for rid in p.request_ids()}
+    return p.stats(), free, reqs, dict(p._pending)
+
+
+def snapshot_with_events(pool: Pool) -> tuple[Any, ...]:
+    """`snapshot` plus the pool's queued KV events (taken)."""
+    return snapshot(pool), pool.take_events()
+
+
+def cross_attention(bs: int = 16) -> CrossAttentionSpec:
     return CrossAttentionSpec(block_size=bs)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from builders import full, make_pool
 
 from cache_service.core.pool import Pool
+
+from builders import full, make_pool
 
 
 @pytest.fixture

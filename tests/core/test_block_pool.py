@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from builders import dummy_request, fake_hash, table_ids
 
 from cache_service.core.block_pool import BlockPool
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_service.core.hashing import external_block_hash
+
+from builders import dummy_request, fake_hash, table_ids
 
 
 def pool(n: int = 10, *, caching: bool = True, events: bool = False, groups: int = 1) -> BlockPool:
@@ -102,13 +103,14 @@ def test_eviction_on_reuse_emits_events_in_order() -> None:
     p.free_blocks([b, a])
     (stored,) = p.take_events()
     assert isinstance(stored, BlockStored)
-    assert stored.block_hashes == [external_block_hash(fake_hash(0)), external_block_hash(fake_hash(1))]
+    assert stored.block_hashes == [external_block_hash(fake_hash(i)) for i in range(2)]
     assert stored.parent_block_hash is None and stored.token_ids == list(range(8))
     assert stored.block_size == 4 and stored.extra_keys == [None, None]
     got = p.get_new_blocks(2)  # evicts both, in queue order b, a
     assert table_ids(got) == [b.block_id, a.block_id]
     events = p.take_events()
     assert [type(e) for e in events] == [BlockRemoved, BlockRemoved]
+    assert isinstance(events[0], BlockRemoved)  # (for the type checker)
     assert events[0].block_hashes == [external_block_hash(fake_hash(1))]
     assert p.num_evictions == 2 and p.num_cached_keys == 0
     assert p.take_events() == []
@@ -123,6 +125,7 @@ def test_stored_event_parent_and_extra_keys() -> None:
     p.cache_full_blocks(req, blocks, req.block_hashes, 0, 1, 4, 0)
     p.cache_full_blocks(req, blocks, req.block_hashes, 1, 3, 4, 0)
     first, second = p.take_events()
+    assert isinstance(first, BlockStored) and isinstance(second, BlockStored)
     assert first.extra_keys == [("adapter", "salt")] and first.lora_name == "adapter"
     assert second.parent_block_hash == external_block_hash(fake_hash(0))
     assert second.token_ids == list(range(4, 12))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from builders import chunked, config, cross_attention, full, make_pool, mamba, place_cached, swa
 
 from cache_service.core.coordinator import (
     HybridCoordinator,
@@ -12,6 +11,8 @@ from cache_service.core.coordinator import (
     make_coordinator,
 )
 from cache_service.core.errors import ConfigError
+
+from builders import chunked, config, cross_attention, full, make_pool, mamba, place_cached, swa
 
 
 def coordinator(*specs, caching=True, sched=None, hbs=None, num_blocks=256):

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from builders import table_ids
 from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
+
+from builders import table_ids
 
 
 def eager(n: int) -> tuple[FreeKVCacheBlockQueue, list[KVCacheBlock]]:

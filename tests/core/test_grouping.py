@@ -4,6 +4,8 @@ preparation, and invariants over random layer mixes."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,36 +20,21 @@ from cache_service.core.grouping import (
     unify_mamba_hybrid,
 )
 from cache_service.core.specs import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
     SizingLimits,
-    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     cdiv,
 )
 
+import builders
+
 BS = 16
-
-
-def full(head: int = 64, bs: int = BS, **kw) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=head, dtype="float16", **kw)
-
-
-def swa(window: int = 128, head: int = 64, bs: int = BS) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=head, dtype="float16",
-                             sliding_window=window)
-
-
-def chunked(chunk: int = 256, head: int = 64) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=head,
-                                     dtype="float16", attention_chunk_size=chunk)
-
-
-def mamba(state: int = 1000, mode: str = "align", bs: int = BS) -> MambaSpec:
-    return MambaSpec(block_size=bs, shapes=((state,),), dtypes=("float32",),
-                     mamba_cache_mode=mode)
+# The worked examples' attention layers: one KV head of 64 dims, 2-byte dtype (page P below).
+full = partial(builders.full, bs=BS, head=64)
+swa = partial(builders.swa, bs=BS, head=64)
+chunked = partial(builders.chunked, bs=BS, chunk=256, head=64)
+mamba = partial(builders.mamba, bs=BS, state=1000)
 
 
 P = full().page_size_bytes  # the page of one layer in the examples
@@ -73,7 +60,7 @@ def test_two_equal_layers_one_group(spec):
 
 
 def test_full_and_swa_with_hybrid_off_is_one_full_group_with_the_window():
-    groups = get_kv_cache_groups(layers(full(), swa(128)), hybrid=False)
+    groups = get_kv_cache_groups(layers(full(), swa(window=128)), hybrid=False)
     assert names(groups) == [["l1", "l2"]]
     assert groups[0].spec == full(sliding_window=128)
 
@@ -109,7 +96,7 @@ def test_one_and_a_half_rule_uses_the_larger_bucket():
 
 
 def test_design_doc_ten_full_twenty_sw():
-    groups = get_kv_cache_groups(layers(*[full()] * 10, *[swa(32)] * 20))
+    groups = get_kv_cache_groups(layers(*[full()] * 10, *[swa(window=32)] * 20))
     assert names(groups) == [[f"l{i}" for i in range(1, 11)],
                              [f"l{i}" for i in range(11, 31, 2)],
                              [f"l{i}" for i in range(12, 31, 2)]]
@@ -157,7 +144,7 @@ def test_bucket_order_is_first_appearance():
 # --- hybrid off ---
 
 @pytest.mark.parametrize("specs", [
-    layers(full(), mamba()), layers(swa(), mamba()), layers(swa(64), swa(128)),
+    layers(full(), mamba()), layers(swa(), mamba()), layers(swa(window=64), swa(window=128)),
     layers(swa(), chunked())])
 def test_hybrid_off_failure_uses_vllm_wording(specs):
     with pytest.raises(ConfigError) as e:
@@ -169,7 +156,7 @@ def test_hybrid_off_failure_uses_vllm_wording(specs):
 
 def test_hybrid_off_conflicting_windows():
     with pytest.raises(ConfigError) as e:
-        get_kv_cache_groups(layers(full(), swa(64), swa(128)), hybrid=False)
+        get_kv_cache_groups(layers(full(), swa(window=64), swa(window=128)), hybrid=False)
     assert e.value.field == "sliding_window"
 
 
@@ -209,7 +196,8 @@ def test_budget_errors(kwargs, field):
 
 
 def test_memory_for_one_request_counts_every_group_and_the_null_block():
-    specs = layers(full(), full(), swa(64), swa(64))  # 2 groups of 2 layers: 2P per block
+    # 2 groups of 2 layers: 2P per block
+    specs = layers(full(), full(), swa(window=64), swa(window=64))
     limits = SizingLimits(max_model_len=1024, max_in_flight_tokens=256)
     groups = get_kv_cache_groups(specs)
     need_blocks = cdiv(1024, BS) + (cdiv(64 - 1 + 256, BS) + 1)

@@ -142,7 +142,7 @@ def test_chaining_matches_hash_block_tokens(algo, tokens, bs, salt):
 @settings(max_examples=40, deadline=None)
 @given(tokens=tokens_st, bs=st.integers(1, 9), cuts=st.lists(st.integers(0, 120), max_size=4),
        salt=st.sampled_from([None, "s1"]), lora=st.sampled_from([None, "adapter"]))
-def test_incremental_equals_one_shot(algo, tokens, bs, cuts, salt, lora):
+def test_incremental_equals_one_shot(algo, tokens, bs, cuts, salt, lora) -> None:
     fn = get_hash_fn(algo)
     extra = dict(cache_salt=salt, lora_name=lora, lora_path=lora and "/p")
     one_shot = hash_request_tokens(fn, tokens, bs, **extra)

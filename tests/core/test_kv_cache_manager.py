@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from builders import config, full, mamba, swa
 
 from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockRemoved, BlockStored
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.request import Request, RequestStatus
+
+from builders import config, full, mamba, swa
 
 HASH = get_hash_fn("sha256")
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from builders import SAMPLE_CONFIGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pool_decode import snapshot
-from test_pool_properties import BLOCK, small_config
 
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
+
+from builders import SAMPLE_CONFIGS, SMALL_BLOCK, small_config, snapshot_with_events
 
 CASES = [(name, mixed) for name in SAMPLE_CONFIGS for mixed in (False, True)]
 
@@ -28,8 +27,8 @@ def twin_pools(name: str, mixed: bool) -> tuple[Pool, Pool]:
     raw = small_config(name)
     if mixed:
         for g in raw["groups"][1:]:
-            if g["block_size"] == BLOCK:
-                g["block_size"] = 2 * BLOCK
+            if g["block_size"] == SMALL_BLOCK:
+                g["block_size"] = 2 * SMALL_BLOCK
     config, options = load_config(raw)
     options = dataclasses.replace(options, enable_events=True)
     fast, general = Pool(config, options), Pool(config, options)
@@ -37,7 +36,7 @@ def twin_pools(name: str, mixed: bool) -> tuple[Pool, Pool]:
     return fast, general
 
 
-def count_fast_path_hits(pool: Pool) -> list[int]:
+def count_fast_path_hits(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Spy on the coordinator's no-op check: [calls answered True]."""
     coordinator = pool.manager.coordinator
     check = coordinator.allocation_is_noop
@@ -48,7 +47,7 @@ def count_fast_path_hits(pool: Pool) -> list[int]:
         hits[0] += result
         return result
 
-    coordinator.allocation_is_noop = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(coordinator, "allocation_is_noop", counted)
     return hits
 
 
@@ -60,7 +59,7 @@ def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObje
     fast, general = twin_pools(name, mixed)
     limit = fast.options.max_model_len
     n_added = 0
-    for step in range(30):
+    for _ in range(30):
         for _ in range(data.draw(st.integers(0, 1), label="admissions")):
             rid = f"r{n_added}"
             n_added += 1
@@ -89,16 +88,17 @@ def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObje
         got = fast.decode(rids, tokens)
         want = general.decode(rids, tokens)
         assert (got.ok, got.new_block_ids) == (want.ok, want.new_block_ids)
-        assert snapshot(fast) == snapshot(general)
+        assert snapshot_with_events(fast) == snapshot_with_events(general)
         fast.check_invariants()
-    assert snapshot(fast) == snapshot(general)
+    assert snapshot_with_events(fast) == snapshot_with_events(general)
 
 
 @pytest.mark.parametrize("name, mixed", CASES)
-def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool) -> None:
+def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: in every config a long decode mostly takes the fast path."""
     fast, general = twin_pools(name, mixed)
-    hits = count_fast_path_hits(fast)
+    hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
         pool.add_request("a", [1, 2, 3])
         pool.allocate("a", 3)
@@ -106,32 +106,32 @@ def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool) -> None:
         for pool in (fast, general):
             pool.new_step()
             assert pool.decode(["a"], [token % 3]).ok == [True]
-        assert snapshot(fast) == snapshot(general)
+        assert snapshot_with_events(fast) == snapshot_with_events(general)
     assert hits[0] >= 20
 
 
-def test_fast_path_is_taken_inside_a_block_and_not_across() -> None:
+def test_fast_path_is_taken_inside_a_block_and_not_across(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode inside the last block is answered by the fast path; the token that
     opens a new block, or completes one that gets hashed, is not."""
     fast, general = twin_pools("full", False)
-    hits = count_fast_path_hits(fast)
+    hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
-        pool.add_request("a", [1] * (BLOCK + 1))
-        pool.allocate("a", BLOCK + 1)
+        pool.add_request("a", [1] * (SMALL_BLOCK + 1))
+        pool.allocate("a", SMALL_BLOCK + 1)
     seen = []
-    for token in range(2 * BLOCK):
+    for token in range(2 * SMALL_BLOCK):
         before = hits[0]
         for pool in (fast, general):
             pool.decode(["a"], [token])
         seen.append(hits[0] - before)
-        assert snapshot(fast) == snapshot(general)
+        assert snapshot_with_events(fast) == snapshot_with_events(general)
     # Per block, the token that completes it (it gets hashed) and the one that opens
     # the next (a block is allocated) take the general path; the others the fast one.
-    n = BLOCK + 1
+    n = SMALL_BLOCK + 1
     expected = []
-    for _ in range(2 * BLOCK):
+    for _ in range(2 * SMALL_BLOCK):
         n += 1  # tokens after the append; the new token's slot is n - 1
-        opens = (n - 1) % BLOCK == 0
-        completes = n % BLOCK == 0
+        opens = (n - 1) % SMALL_BLOCK == 0
+        completes = n % SMALL_BLOCK == 0
         expected.append(0 if opens or completes else 1)
     assert seen == expected

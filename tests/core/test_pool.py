@@ -6,7 +6,6 @@ import json
 from importlib import resources
 
 import pytest
-from builders import full, make_pool, swa
 
 from cache_service.core.errors import (
     ConfigError,
@@ -19,13 +18,7 @@ from cache_service.core.events import BlockStored
 from cache_service.core.hashing import get_hash_fn, hash_request_tokens
 from cache_service.core.pool import Pool
 
-
-def snapshot(p: Pool):
-    """Everything observable about a pool, to prove a rejected call changed nothing."""
-    free = [b.block_id for b in p.manager.pool.free_block_queue.get_all_free_blocks()]
-    reqs = {rid: (p.request_info(rid), p.block_ids(rid), p.block_hashes(rid))
-            for rid in p.request_ids()}
-    return p.stats(), free, reqs, dict(p._pending)
+from builders import full, make_pool, snapshot, swa
 
 
 def test_lifecycle(small_full_pool: Pool) -> None:
@@ -52,7 +45,7 @@ def test_prefix_hit_and_stats(small_full_pool: Pool) -> None:
     assert look.hit_tokens == 8 and look.block_ids == [[1, 2]]
     res = p.allocate("b", 3)
     assert res.hit_tokens_used == 8 and res.num_computed_tokens == 11
-    assert res.block_ids[0][:2] == [1, 2]
+    assert res.block_ids is not None and res.block_ids[0][:2] == [1, 2]
     s = p.stats()
     assert (s.prefix_requests, s.prefix_queries, s.prefix_hits) == (2, 21, 8)
     assert s.num_cached_blocks == 2 and s.num_requests == 2
@@ -120,7 +113,8 @@ def test_events_are_taken_once(small_full_pool: Pool) -> None:
     p.add_request("a", list(range(8)))
     p.allocate("a", 8)
     events = p.take_events()
-    assert [type(e) for e in events] == [BlockStored] and events[0].spec_kind == "full_attention"
+    assert [type(e) for e in events] == [BlockStored]
+    assert isinstance(events[0], BlockStored) and events[0].spec_kind == "full_attention"
     assert p.take_events() == []
 
 

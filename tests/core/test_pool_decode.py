@@ -6,15 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from builders import SAMPLE_CONFIGS, full, make_pool, swa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_pool import snapshot as pool_snapshot
-from test_pool_properties import small_config
 
 from cache_service.core.errors import InvalidArgument, KVCacheError, UnknownRequest
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
+
+from builders import SAMPLE_CONFIGS, full, make_pool, small_config, snapshot_with_events, swa
 
 
 def twin_pools(name: str) -> tuple[Pool, Pool]:
@@ -31,14 +30,9 @@ def loop_decode(pool: Pool, rids: list[str], tokens: list[int]) -> tuple[list[bo
         pool.append_tokens(rid, [token])
         r = pool.allocate(rid, 1, include_tables=False)
         ok.append(r.ok)
-        if r.ok and any(r.new_block_ids):
+        if r.ok and r.new_block_ids and any(r.new_block_ids):
             grown[i] = r.new_block_ids
     return ok, grown
-
-
-def snapshot(pool: Pool) -> tuple:
-    """Everything observable about a pool, its queued KV events included (taken)."""
-    return pool_snapshot(pool), pool.take_events()
 
 
 @pytest.mark.parametrize("name", SAMPLE_CONFIGS)
@@ -74,7 +68,7 @@ def test_decode_equals_append_then_allocate(name: str, data: st.DataObject) -> N
         ref.new_step()
         result = fast.decode(rids, tokens)
         assert (result.ok, result.new_block_ids) == loop_decode(ref, rids, tokens)
-        assert snapshot(fast) == snapshot(ref)
+        assert snapshot_with_events(fast) == snapshot_with_events(ref)
         fast.check_invariants()
 
 
@@ -128,11 +122,11 @@ def test_bad_decode_names_the_field_and_changes_nothing(rids, tokens, error: typ
         pool.add_request(rid, list(range(n)))
         pool.allocate(rid, n)
     pool.take_events()
-    before = snapshot(pool)
+    before = snapshot_with_events(pool)
     with pytest.raises(error) as exc:
         pool.decode(rids, tokens)
     assert isinstance(exc.value, KVCacheError) and exc.value.field == field
-    assert snapshot(pool) == before
+    assert snapshot_with_events(pool) == before
 
 
 def test_request_queries() -> None:

@@ -8,7 +8,6 @@ two groups. When all requests are freed nothing is left referenced.
 from __future__ import annotations
 
 import pytest
-from builders import SAMPLE_CONFIGS, load_sample_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,24 +22,7 @@ from hypothesis.stateful import (
 from cache_service.core.errors import FailedPrecondition
 from cache_service.replay import make_pool
 
-BLOCK = 4
-MAX_LEN = 96
-
-
-def small_config(name: str) -> dict:
-    """The sample config scaled down so that random runs fill and evict the pool."""
-    c = load_sample_config(name)
-    c["num_blocks"] = 40
-    c["max_model_len"] = MAX_LEN
-    for g in c["groups"]:
-        if g["type"] == "mamba" and g.get("mamba_cache_mode") == "none":
-            g["block_size"] = MAX_LEN
-        else:
-            g["block_size"] = BLOCK
-        if g["type"] == "sliding_window":
-            g["sliding_window"] = 10
-    return c
-
+from builders import SAMPLE_CONFIGS, SMALL_MAX_LEN, small_config
 
 PREFIXES = [[7] * 8, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], []]
 
@@ -61,7 +43,7 @@ class PoolMachine(RuleBasedStateMachine):
     def add(self, prefix, suffix) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
-        tokens = (prefix + suffix)[:MAX_LEN - 16]
+        tokens = (prefix + suffix)[:SMALL_MAX_LEN - 16]
         info = self.pool.add_request(rid, tokens)
         assert info.num_tokens == len(tokens)
 
@@ -81,6 +63,7 @@ class PoolMachine(RuleBasedStateMachine):
                                  full_sequence_must_fit=must_fit)
         after = self.pool.request_info(rid)
         if res.ok:
+            assert res.block_ids is not None and res.new_block_ids is not None
             assert after.num_computed_tokens == info.num_computed_tokens + res.hit_tokens_used + n
             assert after.status == "RUNNING"
             for ids, new in zip(res.block_ids, res.new_block_ids):
@@ -94,7 +77,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 20), min_size=1, max_size=5))
     def append(self, data, tokens) -> None:
         rid = data.draw(st.sampled_from(self._ids()))
-        if self.pool.request_info(rid).num_tokens + len(tokens) <= MAX_LEN:
+        if self.pool.request_info(rid).num_tokens + len(tokens) <= SMALL_MAX_LEN:
             self.pool.append_tokens(rid, tokens)
 
     @precondition(lambda self: self.pool.request_ids())

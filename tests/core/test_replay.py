@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from builders import SAMPLES
 
 from cache_service.replay import (
     ConfigFileError,
@@ -19,6 +18,8 @@ from cache_service.replay import (
     replay,
     same_result,
 )
+
+from builders import SAMPLES
 
 TRACES = sorted(p for p in SAMPLES.glob("*.jsonl") if not p.name.endswith(".expected.jsonl"))
 

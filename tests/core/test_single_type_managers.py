@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from builders import chunked, full, make_pool, mamba, place_cached, swa, table_ids
 
 from cache_service.core.block_pool import BlockPool
 from cache_service.core.single_type_managers import (
@@ -14,6 +13,8 @@ from cache_service.core.single_type_managers import (
     SlidingWindowManager,
     hash_view,
 )
+
+from builders import chunked, full, make_pool, mamba, place_cached, swa, table_ids
 
 T, F = True, False
 

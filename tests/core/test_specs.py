@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from typing import Any, cast
 
 import pytest
 from hypothesis import given, settings
@@ -200,7 +201,7 @@ def test_uniform_type_spec_is_a_value_object():
     (lambda: FullAttentionSpec(block_size=16, page_size_padded=1), "page_size_padded"),
     (lambda: SlidingWindowSpec(block_size=16, sliding_window=0), "sliding_window"),
     (lambda: ChunkedLocalAttentionSpec(block_size=16), "attention_chunk_size"),
-    (lambda: MambaSpec(block_size=16, mamba_cache_mode="all"), "mamba_cache_mode"),
+    (lambda: MambaSpec(block_size=16, mamba_cache_mode=cast(Any, "all")), "mamba_cache_mode"),
     (lambda: MambaSpec(block_size=16, num_speculative_blocks=-1), "num_speculative_blocks"),
     (lambda: MambaSpec(block_size=16, shapes=((4,),), dtypes=()), "dtypes"),
     (lambda: SizingLimits(max_model_len=0), "max_model_len"),

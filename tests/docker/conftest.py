@@ -3,21 +3,28 @@ a private network.
 
 - No engine answering (DOCKER_HOST or the default socket) -> every test that needs one skips
   with ONE reason line; ``source scripts/docker_env.sh`` starts an engine on this machine.
-- Images are tagged ``kvcache-test/<target>:<hash>`` where the hash covers exactly the build
-  context the .dockerignore admits (Dockerfile, wheelhouse, sources), the base image id and the
-  target: an unchanged checkout reuses the image without calling ``docker build`` at all.
+- Images are built by the command docs/deployment.md shows, run as written with the docker CLI
+  (``docker build --target <target> -t kvcache/<target> . --build-arg BASE_IMAGE=<base>``),
+  then tagged ``kvcache-test/<target>:<hash>`` where the hash covers exactly the build context
+  the .dockerignore admits (Dockerfile, wheelhouse, sources), the base image id and the target:
+  an unchanged checkout reuses the image without calling ``docker build`` at all.
+- One checkout's docker tier at a time per engine (an exclusive lock file next to the engine's
+  socket): two checkouts testing at once would retag and remove each other's images.
 - Containers join one session network so the executor reaches the cache service by alias.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
+import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import docker
 import pytest
@@ -71,10 +78,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 @pytest.fixture(scope="session")
 def docker_client():
-    """A docker-py client to the live engine (collection already skipped the tier if none)."""
-    client = docker.from_env(timeout=900)  # builds can be silent for minutes (torch)
-    yield client
-    client.close()
+    """A docker-py client to the live engine (collection already skipped the tier if none),
+    held under the engine's tier lock for the session."""
+    lock_path = os.environ.get("KVC_DOCKER_TIER_LOCK", "/tmp/kvcache-docker-tier.lock")
+    with open(lock_path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"\ndocker tier: another checkout holds {lock_path}; waiting", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        client = docker.from_env(timeout=900)  # builds can be silent for minutes (torch)
+        yield client
+        client.close()
 
 
 @pytest.fixture(scope="session")
@@ -123,12 +138,14 @@ def build_image(client, base_image: str, target: str) -> str:
     tag = f"{IMAGE_REPO}/{target}:{context_hash(base_id, target)}"
     if not _image_exists(client, tag):
         started = time.monotonic()
-        try:
-            client.images.build(path=str(REPO), target=target, tag=tag, rm=True, forcerm=True,
-                                buildargs={"BASE_IMAGE": base_image})
-        except docker.errors.BuildError as exc:
-            tail = "".join(c.get("stream", c.get("error", "")) for c in exc.build_log)[-3000:]
-            pytest.fail(f"docker build --target {target} failed: {exc.msg}\n{tail}")
+        # docs/deployment.md, as written (its optional --build-arg filled in)
+        command = ["docker", "build", "--target", target, "-t", f"kvcache/{target}", ".",
+                   "--build-arg", f"BASE_IMAGE={base_image}"]
+        built = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1800)
+        if built.returncode != 0:
+            pytest.fail(f"{' '.join(command)} failed (rc {built.returncode}):\n"
+                        f"{(built.stdout + built.stderr)[-3000:]}")
+        client.images.get(f"kvcache/{target}").tag(tag)
         print(f"\nbuilt {tag} in {time.monotonic() - started:.0f} s")
     for image in client.images.list(name=f"{IMAGE_REPO}/{target}"):
         for old in image.tags:
@@ -209,8 +226,10 @@ class Containers:
                      .with_network(self.network).with_network_aliases(alias)
                      .with_kwargs(healthcheck=FAST_HEALTHCHECK, hostname=alias))
         if publish is not None:
-            # with_bind_ports() cannot name a host address; docker-py takes (address, port).
-            container.ports[f"{publish}/tcp"] = ("127.0.0.1", None)
+            # with_bind_ports() cannot name a host address; docker-py takes (address, port),
+            # which testcontainers' annotation of the mapping does not list.
+            ports: dict[str, Any] = container.ports
+            ports[f"{publish}/tcp"] = ("127.0.0.1", None)
         container.start()
         self._started.append(container)
         wait_healthy(container.get_wrapped_container())
@@ -229,10 +248,8 @@ class Containers:
     def remove_all(self) -> None:
         """Force-remove every container started here that a test has not removed itself."""
         for container in self._started:
-            try:
+            with contextlib.suppress(docker.errors.NotFound):
                 container.get_wrapped_container().remove(force=True)
-            except docker.errors.NotFound:
-                pass
         self._started.clear()
 
 

@@ -74,12 +74,17 @@ def test_sigterm_drains_and_exits_zero(cache_service_image, containers):
                                  env={"KVCACHE_DRAIN_SECONDS": "2"}, publish=50051)
     try:
         target = f"127.0.0.1:{containers.published_port(container, 50051)}"
+        prompt = list(range(BLOCK))
         with CacheClient(target) as client:
             _pool(client, "docker-drain")
-            feed = client.subscribe_events("docker-drain")  # an open stream during shutdown
+            client.step("docker-drain", [ops.add("r", prompt), ops.lookup("r"),
+                                         ops.allocate("r", len(prompt))], begin_step=True)
+            # An open stream during shutdown. Its first event (the stored block) proves the
+            # subscription has reached the server before the signal is sent.
+            feed = client.subscribe_events("docker-drain", from_sequence=1)
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                assert pool.submit(next, feed).result(timeout=20).kind == "block_stored"
                 drained = pool.submit(list, feed)
-                time.sleep(0.5)  # the subscription reaches the server
                 wrapped = container.get_wrapped_container()
                 started = time.monotonic()
                 wrapped.kill(signal="SIGTERM")

@@ -1,7 +1,10 @@
 """docker-compose.yml, run for real with the compose CLI (Debian's docker-compose 1.29.2 here;
-testcontainers' DockerCompose needs Compose v2): the whole stack comes up in dependency order
-on health checks, the demo client exits 0 with its summary, and `down` leaves nothing of the
-project behind. The images are the session's test images (no build by compose)."""
+testcontainers' DockerCompose needs Compose v2) and the README's command as written, `up
+--build`: compose builds the images through the docker CLI (so a build context the
+.dockerignore gets wrong fails here), the whole stack comes up in dependency order on health
+checks, the demo client exits 0 with its summary, and `down` leaves nothing of the project
+behind. The session's images were built first by the documented `docker build` commands, so
+compose's build is served from the layer cache."""
 
 from __future__ import annotations
 
@@ -48,12 +51,12 @@ def compose_command() -> list[str]:
 class Project:
     """One compose project with a unique name, the test images, and ephemeral host ports."""
 
-    def __init__(self, cache_image: str, executor_image: str) -> None:
+    def __init__(self, base_image: str, executor_image: str) -> None:
         self.name = f"kvctest{uuid.uuid4().hex[:8]}"
         self.env = {
             **os.environ,
-            "KVCACHE_CACHE_IMAGE": cache_image,
-            "KVCACHE_EXECUTOR_IMAGE": executor_image,
+            # the images keep compose's default tags (kvcache/<target>:latest), as for a user
+            "KVCACHE_BASE_IMAGE": base_image,
             "KVCACHE_EXECUTOR_GPU_IMAGE": executor_image,  # only created, never run, here
             "KVCACHE_HEALTH_INTERVAL": "1s",
             "KVCACHE_DEMO_REQUESTS": str(DEMO_REQUESTS),
@@ -93,16 +96,17 @@ class Project:
 
 
 @pytest.fixture
-def project(cache_service_image, executor_image, docker_client) -> Iterator[Project]:
-    proj = Project(cache_service_image, executor_image)
+def project(base_image, cache_service_image, executor_image, docker_client) -> Iterator[Project]:
+    proj = Project(base_image, executor_image)
     yield proj
     proj.run("--profile", "gpu", "down", "--volumes", "--remove-orphans", "--timeout", "20",
              check=False)
 
 
 def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
-    # --exit-code-from: returns the demo's exit code and stops the stack when it exits.
-    up = project.run("up", "--no-build", "--exit-code-from", "demo", timeout=400, check=False)
+    # The README's `up --build`; --exit-code-from: returns the demo's exit code and stops the
+    # stack when it exits.
+    up = project.run("up", "--build", "--exit-code-from", "demo", timeout=900, check=False)
     demo_logs = project.run("logs", "--no-color", "demo").stdout
     assert up.returncode == 0, f"demo exit {up.returncode}\n{up.stdout[-4000:]}{up.stderr[-2000:]}"
     summary = demo_summary(demo_logs)

@@ -66,3 +66,13 @@ def test_services_wait_on_health_not_on_start():
         for dependency, rule in service.get("depends_on", {}).items():
             assert rule == {"condition": "service_healthy"}, name
             assert "healthcheck" in services[dependency], dependency
+
+
+def test_the_documented_commands_are_the_ones_the_tier_runs():
+    """tests/docker builds with these `docker build` lines (conftest.build_image) and runs
+    `up --build` with compose (test_compose.py): the docs cannot drift from what is tested."""
+    shown = re.findall(r"^docker build .*$", DOCS, re.M)
+    targets = ("cache-service", "executor")
+    assert shown == [f"docker build --target {t} -t kvcache/{t} ." for t in targets]
+    assert re.search(r"^docker-compose up --build\b", DOCS, re.M)
+    assert re.search(r"^docker compose up --build\b", DOCS, re.M)

@@ -5,6 +5,8 @@ from the prefix cache that lives in the other container; SIGTERM ends it with ex
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from cache_service.client import CacheClient
@@ -42,8 +44,13 @@ def test_generate_uses_the_cache_service_container(stack, containers):
     assert second.token_ids == first.token_ids
     assert second.cached_tokens == 2 * block, (block, second)
 
+    # The engine frees a finished request in its next step, just after the last token went
+    # out: wait for that step (bounded), then nothing of either request is held.
+    deadline = time.monotonic() + 30
     with CacheClient(cache_target) as cache_client:
-        stats = cache_client.stats("docker-executor")
+        while (stats := cache_client.stats("docker-executor")).num_requests and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
     assert stats.prefix_cache_hits > 0 and stats.num_requests == 0
 
     # The executor is PID 1 of its image too: SIGTERM reaches Python, which drains and exits 0.

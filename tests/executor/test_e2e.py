@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(180)  # a hang fails fast, with its traceback
 def test_prefix_caching_changes_no_output_and_hits(cache_service, preset: str) -> None:
     prompts = shared_prefix_workload(6, prefix_len=110, seed=len(preset))
     on = start_executor(cache_service.target, "--preset", preset)
-    off = start_executor(cache_service.target, "--preset", preset, "--enable-prefix-caching", "false")
+    off = start_executor(cache_service.target, "--preset", preset, "--no-enable-prefix-caching")
     try:
         # the first request alone warms the cache, then the rest arrive together
         first_on = run_concurrently(on.target, prompts[:1], MAX_TOKENS)

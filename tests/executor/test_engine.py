@@ -10,8 +10,9 @@ from hypothesis import given, strategies as st
 
 from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, PoolLost, PoolPlan, group_layouts
+from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.engine import Engine, EngineConfig, Request, plan_chunk
+from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
@@ -49,15 +50,24 @@ def test_examples() -> None:
 # ---------------------------------------------------------------------------------------
 
 class RecordingLink(CacheLink):
-    """A CacheLink that keeps every batch it sent with its answer."""
+    """A CacheLink that keeps every batch it sent with its answer (and whether it began a
+    step), and fails the calls whose 0-based numbers are in ``fail_at`` with
+    CacheUnavailable before sending them: a failed call applies nothing on the service."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, fail_at: frozenset[int] = frozenset(), **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.sent: list[tuple[list, object]] = []
+        self.sent: list[tuple[list, object, bool]] = []
+        self.fail_at = fail_at
+        self.attempts = 0
+        self.failed: list[list] = []
 
     def step(self, step_ops, *, begin_step=False):
+        n, self.attempts = self.attempts, self.attempts + 1
+        if n in self.fail_at:
+            self.failed.append(list(step_ops))
+            raise CacheUnavailable(f"injected failure of call {n}")
         result = super().step(step_ops, begin_step=begin_step)
-        self.sent.append((list(step_ops), result))
+        self.sent.append((list(step_ops), result, begin_step))
         return result
 
 
@@ -66,15 +76,37 @@ def small_model() -> HybridModel:
     return HybridModel(get_preset("hybrid-fsm").replace(max_model_len=160))
 
 
+def assert_views_agree(engine: Engine, link: CacheLink) -> None:
+    """The engine's view of every request it registered is the service's: tokens (minus
+    those not sent yet), computed tokens, live block ids; nothing else is registered. A
+    request waiting for its preempt (``to_preempt``) may still hold what it held."""
+    pool = link.plan.pool_id
+    registered = [r for r in list(engine.running) + list(engine.waiting) if r.added]
+    for req in registered:
+        held = link.client.get_request(pool, req.request_id)
+        assert held.num_tokens == len(req.tokens) - len(req.pending_append), req.request_id
+        if req.request_id in engine.to_preempt:
+            continue
+        assert held.num_computed_tokens == req.num_computed, req.request_id
+        assert [len(t) for t in req.tables] == [len(t) for t in held.block_ids] or not req.tables
+        for mine, theirs in zip(req.tables, held.block_ids):
+            # entries the service released (null: outside a sliding window, an old Mamba
+            # state) are never read; every live one must agree
+            assert all(b == m for m, b in zip(mine, theirs) if b), (mine, theirs)
+    assert link.client.stats(pool).num_requests == len(registered) + len(engine.to_free)
+
+
 def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_tokens: int, *,
-               num_blocks: int | None = None) -> tuple[list[list[int]], Engine, RecordingLink]:
-    """Every prompt submitted at once, the engine stepped in this thread until done."""
+               num_blocks: int | None = None, fail_at: frozenset[int] = frozenset()
+               ) -> tuple[list[list[int]], Engine, RecordingLink]:
+    """Every prompt submitted at once, the engine stepped in this thread until done; the
+    engine's and the service's views are compared after every step, failed ones included."""
     cfg = model.config
     plan = PoolPlan(pool_id=f"engine-test-{uuid.uuid4().hex[:8]}",
                     specs=model_layer_specs(cfg), max_model_len=cfg.max_model_len,
                     num_blocks=num_blocks, memory_bytes=None if num_blocks else 64 << 20,
                     vocab_size=cfg.vocab_size)
-    link = RecordingLink(target, plan)
+    link = RecordingLink(target, plan, fail_at=fail_at)
     info = link.register()
     groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
     cache = CacheTensors(cfg, groups, info.num_blocks, info.layer_page_size_bytes)
@@ -86,14 +118,13 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
     engine._drain_inbox(block=False)
     try:
         while engine.has_work:
-            engine.step()
-            for req in engine.running:  # the tables the engine keeps match the service's
-                held = link.client.get_request(plan.pool_id, req.request_id).block_ids
-                assert [len(t) for t in req.tables] == [len(t) for t in held]
-                for mine, theirs in zip(req.tables, held):
-                    # entries the service released (null: outside a sliding window, an old
-                    # Mamba state) are never read; every live one must agree
-                    assert all(b == m for m, b in zip(mine, theirs) if b), (mine, theirs)
+            try:
+                engine.step()
+            except CacheUnavailable:
+                pass  # Engine.run backs off and steps again
+            assert_views_agree(engine, link)
+        stats = link.client.stats(plan.pool_id)
+        assert stats.num_requests == 0 and stats.num_free_blocks == info.num_blocks - 1
     finally:
         link.close()
     return outputs, engine, link
@@ -101,7 +132,7 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
 
 def decode_ops(link: RecordingLink) -> list[tuple[object, DecodeResult]]:
     out = []
-    for batch, result in link.sent:
+    for batch, result, _ in link.sent:
         for op, res in zip(batch, result.results):
             if op.WhichOneof("op") == "decode":
                 out.append((op.decode, res))
@@ -117,7 +148,7 @@ def test_a_decode_step_sends_one_decode_op(cache_service, small_model) -> None:
     decodes = decode_ops(link)
     full = [op for op, _ in decodes if len(op.request_ids) == len(prompts)]
     assert full, "no step decoded every request in one op"
-    steady = [batch for batch, _ in link.sent
+    steady = [batch for batch, _, _ in link.sent
               if any(op.WhichOneof("op") == "decode" and len(op.decode.request_ids) == len(prompts)
                      for op in batch)]
     for batch in steady:
@@ -139,10 +170,10 @@ def test_no_room_in_a_decode_op_preempts_the_newest_and_keeps_outputs(cache_serv
     failed = [(op, res) for op, res in decode_ops(link) if not res.all_ok]
     assert failed, "no decode op ran out of room: the test does not reach that path"
     # The retry round after such a step preempts the newest request and allocates the rest.
-    retries = [batch for batch, _ in link.sent if batch and batch[0].WhichOneof("op") == "preempt"
+    retries = [batch for batch, _, _ in link.sent if batch and batch[0].WhichOneof("op") == "preempt"
                and any(op.WhichOneof("op") == "allocate" for op in batch[1:])]
     assert retries
-    for batch, result in link.sent:
+    for batch, result, _ in link.sent:
         for op, res in zip(batch, result.results):
             if op.WhichOneof("op") == "allocate":
                 assert isinstance(res, AllocateResult)
@@ -168,3 +199,63 @@ def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> N
         assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
     finally:
         link.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Fault injection: the cache service fails one call of a step
+# ---------------------------------------------------------------------------------------
+
+def call_kinds(sent: list[tuple[list, object, bool]]) -> list[str]:
+    """The role of each call of an engine step: "step" (call 1), "retry" (preempt the newest
+    and retry after no room), "admission" (lookup + allocate of candidates) or "rollback"
+    (preempt admitted candidates again to keep FCFS)."""
+    kinds: list[str] = []
+    for batch, _, begin in sent:
+        first = batch[0].WhichOneof("op")
+        if begin:
+            kinds.append("step")
+        elif first == "lookup":
+            kinds.append("admission")
+        elif kinds and kinds[-1] == "admission":
+            kinds.append("rollback")
+        else:
+            assert first == "preempt", batch
+            kinds.append("retry")
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def faulty_workload(cache_service, small_model):
+    """Prompts and a pool that make a reference run need every kind of call, with the
+    reference outputs and call kinds."""
+    rng = __import__("random").Random(5)
+    prompts = [[rng.randrange(1000) for _ in range(n)] for n in (60, 90, 90, 5)]
+    ref, engine, link = run_engine(cache_service.target, small_model, prompts, 20, num_blocks=14)
+    kinds = call_kinds(link.sent)
+    assert {"step", "retry", "admission", "rollback"} <= set(kinds), kinds
+    assert engine.metrics.preemptions and engine.metrics.admission_rollbacks
+    return prompts, ref, kinds
+
+
+@pytest.mark.parametrize("kind", ["step", "retry", "admission", "rollback"])
+def test_a_failed_call_keeps_the_views_together(cache_service, small_model, faulty_workload,
+                                                 kind: str) -> None:
+    """UNAVAILABLE on the first call of each kind: after every step (the failed one too) the
+    engine and the service agree on every request (run_engine checks), every request
+    finishes with the reference's tokens, and the pool ends empty."""
+    prompts, ref, kinds = faulty_workload
+    at = kinds.index(kind)
+    got, engine, link = run_engine(cache_service.target, small_model, prompts, 20,
+                                   num_blocks=14, fail_at=frozenset({at}))
+    assert len(link.failed) == 1
+    assert got == ref
+
+
+def test_every_third_call_failing_still_finishes(cache_service, small_model,
+                                                 faulty_workload) -> None:
+    """Many failures in one run, at every position of a step: same tokens in the end."""
+    prompts, ref, kinds = faulty_workload
+    got, _, link = run_engine(cache_service.target, small_model, prompts, 20, num_blocks=14,
+                              fail_at=frozenset(range(1, 3 * len(kinds), 3)))
+    assert got == ref
+    assert len(link.failed) > 10

@@ -18,15 +18,11 @@ from hypothesis import strategies as st
 
 from kernels import paged_attention, write_kv_cache
 
+from kernel_helpers import assert_close, randn
+
 NAN = float("nan")
-# The fixtures used with @given (device, assert_close) hold no state between examples.
+# The fixtures used with @given (device) hold no state between examples.
 FIXTURES_OK = [HealthCheck.function_scoped_fixture]
-
-
-def randn(*shape: int, generator: torch.Generator, dtype: torch.dtype = torch.float32,
-          device: torch.device | str = "cpu") -> torch.Tensor:
-    """Normal values drawn on CPU (same numbers on every device), then cast and moved."""
-    return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
 
 
 @dataclass
@@ -121,7 +117,7 @@ def dense_attention(case: PagedCase, scale: float, softcap: float | None = None)
 
 @pytest.mark.parametrize("window", [None, 1, 5, 13, 200])
 @pytest.mark.parametrize("softcap", [None, 10.0])
-def test_reference_matches_dense_attention(assert_close, gen, window, softcap):
+def test_reference_matches_dense_attention(gen, window, softcap):
     case = make_case(gen, torch.device("cpu"), torch.float32, [1, 7, 19], [30, 7, 45], window=window)
     out = case.run("reference", softcap=softcap)
     assert_close(out, dense_attention(case, 0.3, softcap), kind="attention")
@@ -169,7 +165,7 @@ def paged_shapes(draw):
     )
 
 
-def _check_against_reference(assert_close, device, dtype, shape, impl):
+def _check_against_reference(device, dtype, shape, impl):
     gen = torch.Generator().manual_seed(7)
     shape = dict(shape)
     softcap = shape.pop("softcap")
@@ -187,16 +183,16 @@ def _check_against_reference(assert_close, device, dtype, shape, impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @settings(max_examples=25, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(shape=paged_shapes())
-def test_torch_matches_reference(assert_close, device, dtype, shape):
-    _check_against_reference(assert_close, device, dtype, shape, "torch")
+def test_torch_matches_reference(device, dtype, shape):
+    _check_against_reference(device, dtype, shape, "torch")
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @settings(max_examples=8, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(shape=paged_shapes())
-def test_triton_matches_reference(assert_close, device, triton_impl, dtype, shape):
-    _check_against_reference(assert_close, device, dtype, shape, triton_impl)
+def test_triton_matches_reference(device, triton_impl, dtype, shape):
+    _check_against_reference(device, dtype, shape, triton_impl)
 
 
 def _mixed_case(gen, device, dtype):
@@ -207,7 +203,7 @@ def _mixed_case(gen, device, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_batch_with_nan_null_block(assert_close, gen, device, dtype):
+def test_mixed_batch_with_nan_null_block(gen, device, dtype):
     case = _mixed_case(gen, device, dtype)
     assert (case.block_tables[:2, 0] == 0).all()  # out-of-window entries really are the null block
     out = case.run(None)
@@ -217,7 +213,7 @@ def test_mixed_batch_with_nan_null_block(assert_close, gen, device, dtype):
 
 
 @pytest.mark.parametrize("setting", ["_DECODE_GROUP_BYTES", "_WORKSPACE_CAP_BYTES"])
-def test_torch_path_split_decode_groups_and_unpooled_buffers(assert_close, gen, device, monkeypatch, setting):
+def test_torch_path_split_decode_groups_and_unpooled_buffers(gen, device, monkeypatch, setting):
     """Tiny limits: every decode request becomes its own group / every gather allocates afresh."""
     import kernels.attention as attention
 
@@ -256,7 +252,7 @@ def _prefill_in_chunks(gen, device, impl, splits, *, window, total=37, q_heads=4
 @pytest.mark.parametrize("window", [None, 6])
 @settings(max_examples=10, deadline=None, suppress_health_check=FIXTURES_OK)
 @given(splits=st.lists(st.integers(1, 36), max_size=4).map(sorted))
-def test_chunked_prefill_equals_one_shot(assert_close, device, window, splits):
+def test_chunked_prefill_equals_one_shot(device, window, splits):
     # impl None: the device's default path (torch on CPU, Triton on CUDA)
     one_shot = _prefill_in_chunks(torch.Generator().manual_seed(3), device, None, [], window=window)
     chunked = _prefill_in_chunks(torch.Generator().manual_seed(3), device, None, splits, window=window)
@@ -264,7 +260,7 @@ def test_chunked_prefill_equals_one_shot(assert_close, device, window, splits):
 
 
 @pytest.mark.parametrize("window", [None, 9])
-def test_decode_after_prefill_equals_longer_prefill(assert_close, device, window):
+def test_decode_after_prefill_equals_longer_prefill(device, window):
     """Prefill 30 tokens, then 7 one-token decode steps == one 37-token prefill."""
     longer = _prefill_in_chunks(torch.Generator().manual_seed(5), device, None, [], window=window)
     stepwise = _prefill_in_chunks(torch.Generator().manual_seed(5), device, None, list(range(30, 37)),
@@ -273,7 +269,7 @@ def test_decode_after_prefill_equals_longer_prefill(assert_close, device, window
 
 
 @pytest.mark.triton
-def test_triton_decode_after_chunked_prefill_equals_longer_prefill(assert_close, device, triton_impl):
+def test_triton_decode_after_chunked_prefill_equals_longer_prefill(device, triton_impl):
     longer = _prefill_in_chunks(torch.Generator().manual_seed(5), device, triton_impl, [], window=9)
     stepwise = _prefill_in_chunks(torch.Generator().manual_seed(5), device, triton_impl, [11, 30, 31, 32],
                                   window=9)
@@ -356,7 +352,7 @@ def test_paged_attention_rejects_bad_input(gen, field, change):
 
 @pytest.mark.triton
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (11, None), (None, 5.0)])
-def test_triton_paged_attention_matches_reference(assert_close, gen, device, triton_impl, window, softcap):
+def test_triton_paged_attention_matches_reference(gen, device, triton_impl, window, softcap):
     # a prefill over a cached prefix and a decode; block 2 straddles the window start
     case = make_case(gen, device, torch.float32, [17, 1], [40, 38], q_heads=2, kv_heads=1, head_size=16,
                      block_size=8, window=window, pad_rows=1)
@@ -367,7 +363,7 @@ def test_triton_paged_attention_matches_reference(assert_close, gen, device, tri
 
 
 @pytest.mark.triton
-def test_triton_paged_attention_bf16_gqa(assert_close, gen, device, triton_impl):
+def test_triton_paged_attention_bf16_gqa(gen, device, triton_impl):
     case = make_case(gen, device, torch.bfloat16, [1, 20], [33, 20], q_heads=4, kv_heads=2, head_size=16,
                      head_size_v=32, block_size=16, window=25)
     out = case.run(triton_impl)
@@ -377,7 +373,7 @@ def test_triton_paged_attention_bf16_gqa(assert_close, gen, device, triton_impl)
 
 @pytest.mark.triton
 @pytest.mark.parametrize("num_splits", [2, 3])
-def test_triton_split_keys_match_reference(assert_close, gen, device, triton_impl, num_splits):
+def test_triton_split_keys_match_reference(gen, device, triton_impl, num_splits):
     """Keys split across programs and merged by the combine kernel (the long-context decode path)."""
     import kernels.triton_attention as triton_attention  # after conftest set TRITON_INTERPRET
 

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import causal_conv1d, causal_conv1d_update
-from tests.kernels.conftest import assert_close, assert_only_slots_changed, mamba_batch, randn
+
+from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -153,6 +154,7 @@ def test_triton_matches_torch(device, gen, triton_impl, width):
 
     decode = randn(4, 20, generator=gen, device=device)
     out = causal_conv1d_update(decode, weight, bias, states, batch.state_indices, activation=None, impl=triton_impl)
-    expected = causal_conv1d_update(decode, weight, bias, ref_states, batch.state_indices, activation=None, impl="torch")
+    expected = causal_conv1d_update(decode, weight, bias, ref_states, batch.state_indices, activation=None,
+                                    impl="torch")
     assert_close(out, expected)
     assert_close(states, ref_states)

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import gated_rms_norm
-from tests.kernels.conftest import assert_close, randn
+
+from kernel_helpers import assert_close, randn
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

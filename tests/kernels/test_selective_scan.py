@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import selective_scan, selective_state_update
-from tests.kernels.conftest import assert_close, assert_only_slots_changed, mamba_batch, randn
+
+from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
 
 NAN = float("nan")
 

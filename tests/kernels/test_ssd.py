@@ -1,7 +1,7 @@
 """Mamba-2 SSD (kernels.ssd): the chunked prefill and the decode update against the recurrence.
 
-Decays are kept in the range real checkpoints see (A = -exp(U(0,1)), dt_bias = U(0,1) - 4,
-docs/kernels.md#tolerances). Slots that a call must not read hold NaN.
+Decays are kept in the range real checkpoints see (A = -exp(U(0,1)), dt_bias = U(0,1) - 4).
+Slots that a call must not read hold NaN.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import ssd_scan, ssd_state_update
-from tests.kernels.conftest import assert_close, assert_only_slots_changed, mamba_batch, randn
+
+from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
 
 NAN = float("nan")
 

@@ -8,17 +8,18 @@ Tests that need their own server (auth, TLS, SIGTERM) start one with
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import pytest
 
+from cache_service.client import CacheClient, PoolInfo
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from cache_service.client import CacheClient, PoolInfo, layers
 from kvcache_common.launch import ServerProcess, start_cache_service
 
-EVENT_BUFFER = 64  # small, so that OUT_OF_RANGE is cheap to provoke
+from .builders import EVENT_BUFFER, full_layers, pool_options
 
 
 @pytest.fixture(scope="session")
@@ -46,32 +47,12 @@ def stub(server: ServerProcess) -> Iterator[pb_grpc.CacheServiceStub]:
 _ids = itertools.count()
 
 
-def hybrid_layers() -> list[pb.LayerSpec]:
-    """2 full-attention + 2 sliding-window layers (window 32), block size 16."""
-    return [
-        layers.full_attention("f0", block_size=16, num_kv_heads=2, head_size=8),
-        layers.sliding_window("s0", block_size=16, num_kv_heads=2, head_size=8,
-                              sliding_window=32),
-        layers.full_attention("f1", block_size=16, num_kv_heads=2, head_size=8),
-        layers.sliding_window("s1", block_size=16, num_kv_heads=2, head_size=8,
-                              sliding_window=32),
-    ]
-
-
-def full_layers(n: int = 2, block_size: int = 16) -> list[pb.LayerSpec]:
-    return [layers.full_attention(f"l{i}", block_size=block_size, num_kv_heads=2, head_size=8)
-            for i in range(n)]
-
-
 @pytest.fixture
-def new_pool(client: CacheClient):
+def new_pool(client: CacheClient) -> Callable[..., PoolInfo]:
     """``new_pool(layers=None, **options) -> PoolInfo``: a fresh pool with a unique id."""
 
-    def make(layer_specs: list[pb.LayerSpec] | None = None, **kwargs) -> PoolInfo:
-        kwargs.setdefault("max_model_len", 1024)
-        if "available_memory_bytes" not in kwargs:
-            kwargs.setdefault("num_blocks", 256)
+    def make(layer_specs: list[pb.LayerSpec] | None = None, **kwargs: Any) -> PoolInfo:
         pool_id = kwargs.pop("pool_id", f"pool-{next(_ids)}")
-        return client.register_pool(pool_id, layer_specs or full_layers(), **kwargs)
+        return client.register_pool(pool_id, layer_specs or full_layers(), **pool_options(**kwargs))
 
     return make

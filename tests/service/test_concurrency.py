@@ -8,7 +8,7 @@ import random
 
 from cache_service.client import AllocateResult, AsyncCacheClient, ops
 
-from .conftest import hybrid_layers
+from .builders import hybrid_layers
 
 NUM_CLIENTS = 32
 STEPS = 12

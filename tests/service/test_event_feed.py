@@ -38,7 +38,7 @@ def test_subscribers_get_every_event_in_order_and_end_on_close() -> None:
         feed.publish(["a", "b"])  # sequences 1, 2
 
         async def collect(from_sequence: int | None) -> list[int]:
-            got = []
+            got: list[int] = []
             async for batch in feed.subscribe(from_sequence):
                 got.extend(seq for seq, _ in batch)
             return got

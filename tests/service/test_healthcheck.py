@@ -73,7 +73,7 @@ def test_resolve_target_uses_env_port(port):
         assert healthcheck.resolve_target("h:9", "KVC_TEST_PORT", 1) == "h:9"
 
 
-_env_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"),
+_env_text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"),
                    min_size=1)
 
 

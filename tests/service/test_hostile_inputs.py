@@ -10,11 +10,11 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
+from cache_service.client import CacheClient, layers, ops
 from cache_service.client._errors import field_violations
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.client import CacheClient, layers, ops
 
-from .conftest import full_layers
+from .builders import full_layers
 
 POOL = "hostile"
 CBOR_POOL = "hostile-cbor"
@@ -108,6 +108,16 @@ CASES = [
     Case("allocate after free in the batch", "Step",
          step(ops.free(LIVE), ops.allocate(LIVE, 1)),
          Code.NOT_FOUND, "ops[1].allocate.request_id"),
+    Case("preempt unknown request", "Step", step(ops.preempt("ghost")),
+         Code.NOT_FOUND, "ops[0].preempt.request_id"),
+    Case("decode op for an unknown request", "Step", step(ops.decode([LIVE, "ghost"], [1, 2])),
+         Code.NOT_FOUND, "ops[0].decode.request_ids[1]"),
+    Case("decode op with a request listed twice", "Step", step(ops.decode([LIVE, LIVE], [1, 2])),
+         Code.INVALID_ARGUMENT, "ops[0].decode.request_ids[1]"),
+    Case("decode op with more tokens than requests", "Step", step(ops.decode([LIVE], [1, 2])),
+         Code.INVALID_ARGUMENT, "ops[0].decode.token_ids"),
+    Case("decode op token beyond vocab", "Step", step(ops.decode([LIVE], [VOCAB])),
+         Code.INVALID_ARGUMENT, "ops[0].decode.token_ids[0]"),
     Case("lookup on a running request", "Step", step(ops.lookup(LIVE)),
          Code.FAILED_PRECONDITION, "ops[0].lookup.request_id"),
     Case("lookup after allocate in the batch", "Step",
@@ -168,6 +178,10 @@ CASES = [
     Case("get unknown request", "GetRequest",
          lambda: pb.GetRequestRequest(pool_id=POOL, request_id="ghost"),
          Code.NOT_FOUND, "request_id"),
+    Case("get unknown pool", "GetPool", lambda: pb.GetPoolRequest(pool_id="nope"),
+         Code.NOT_FOUND, "pool_id"),
+    Case("reset the cache of an unknown pool", "ResetPrefixCache",
+         lambda: pb.ResetPrefixCacheRequest(pool_id="nope"), Code.NOT_FOUND, "pool_id"),
     Case("stats of unknown pool", "GetPoolStats", lambda: pb.GetPoolStatsRequest(pool_id="x"),
          Code.NOT_FOUND, "pool_id"),
     Case("delete unknown pool", "DeletePool", lambda: pb.DeletePoolRequest(pool_id="x"),
@@ -206,8 +220,44 @@ def test_rejected_whole_with_the_field_named(case: Case, client: CacheClient, st
     assert snapshot(client) == before
 
 
-def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 25
+# RPCs whose hostile input is tested elsewhere: StepStream carries Step's messages (the
+# stream tests), SubscribeEvents below, ListPools takes no input.
+ELSEWHERE = {"StepStream", "SubscribeEvents", "ListPools"}
+
+
+def test_the_table_covers_every_rpc_and_every_op_kind() -> None:
+    service = pb.DESCRIPTOR.services_by_name["CacheService"]
+    assert {c.rpc for c in CASES} == {m.name for m in service.methods} - ELSEWHERE
+    requests = [c.request() for c in CASES if c.rpc == "Step"]
+    steps = [r for r in requests if isinstance(r, pb.StepRequest)]
+    assert len(steps) == len(requests)
+    # the op a case expects to be rejected is its last one
+    kinds = {s.ops[-1].WhichOneof("op") for s in steps if s.ops}
+    assert kinds >= {f.name for f in pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields} - {"new_step"}
+    assert len({c.name for c in CASES}) == len(CASES), "two cases share a name"
+
+
+def test_snapshot_sees_every_kind_of_state_change(client: CacheClient, pools: None) -> None:
+    """The "no state change" check above is only as good as `snapshot`: each change a
+    wrongly accepted request could make must show in it."""
+    changes = [
+        ("a request added", lambda: client.step(POOL, [ops.add("probe", [1, 2, 3])]),
+         lambda: client.step(POOL, [ops.free("probe")])),
+        ("blocks allocated", lambda: client.step(CBOR_POOL, [ops.add("probe", [1] * 20),
+                                                             ops.lookup("probe"),
+                                                             ops.allocate("probe", 20)]),
+         lambda: client.step(CBOR_POOL, [ops.free("probe")])),
+        ("a pool registered", lambda: client.register_pool("hostile-probe", full_layers(),
+                                                           num_blocks=64, max_model_len=MAX_LEN),
+         lambda: client.delete_pool("hostile-probe")),
+    ]
+    for what, change, undo in changes:
+        before = snapshot(client)
+        change()
+        try:
+            assert snapshot(client) != before, f"snapshot missed: {what}"
+        finally:
+            undo()
 
 
 def test_subscribing_from_a_future_sequence_is_out_of_range(client: CacheClient,

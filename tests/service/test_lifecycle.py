@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import CacheClient, CacheError, ops
+from cache_service.client import AllocateResult, CacheClient, CacheError, ops
 from kvcache_common.launch import start_cache_service
 
-from .conftest import full_layers
+from .builders import full_layers, result_of
 
 
 def _watch_health(target: str, seen: list[str], stop: threading.Event) -> None:
@@ -32,7 +33,8 @@ def _watch_health(target: str, seen: list[str], stop: threading.Event) -> None:
             return
 
 
-def _hammer(target: str, pool: str, worker: int, codes: list, stop: threading.Event) -> None:
+def _hammer(target: str, pool: str, worker: int, codes: list, stop: threading.Event,
+            progress: threading.Condition) -> None:
     with CacheClient(target, max_retries=0, default_timeout=10) as client:
         i = 0
         while not stop.is_set():
@@ -46,6 +48,9 @@ def _hammer(target: str, pool: str, worker: int, codes: list, stop: threading.Ev
                 codes.append(exc.code.name)
                 if exc.code == grpc.StatusCode.UNAVAILABLE:
                     return
+            finally:
+                with progress:
+                    progress.notify_all()
 
 
 def test_sigterm_under_load_drains_and_exits_zero() -> None:
@@ -68,15 +73,15 @@ def test_sigterm_under_load_drains_and_exits_zero() -> None:
             stop = threading.Event()
             health: list[str] = []
             codes: list[list] = [[] for _ in range(6)]
+            progress = threading.Condition()
             threads = [threading.Thread(target=_watch_health, args=(srv.target, health, stop))]
             threads += [threading.Thread(target=_hammer, args=(srv.target, "p", w, codes[w],
-                                                               stop))
+                                                               stop, progress))
                         for w in range(6)]
             for t in threads:
                 t.start()
-            deadline = time.monotonic() + 20
-            while sum(map(len, codes)) < 60 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            with progress:  # SIGTERM while the load is running
+                assert progress.wait_for(lambda: sum(map(len, codes)) >= 60, timeout=20), codes
             srv.signal()
             assert srv.proc.wait(20) == 0, srv.output()
             stop.set()
@@ -101,7 +106,7 @@ def _self_signed(tmp: Path) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5))
@@ -148,7 +153,7 @@ def test_tls_with_the_token_works_and_health_stays_open(secure_server) -> None:
         info = client.register_pool("tls-pool", full_layers(), num_blocks=64,
                                     max_model_len=128)
         result = client.step(info.pool_id, [ops.add("r", [1, 2, 3]), ops.allocate("r", 3)])
-        assert result.results[1].ok
+        assert result_of(result, 1, AllocateResult).ok
     creds = grpc.ssl_channel_credentials(root_certificates=ca)
     with grpc.secure_channel(srv.target, creds) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
@@ -175,28 +180,81 @@ def test_bad_settings_exit_with_a_usage_error_naming_the_flag() -> None:
     assert proc.returncode == 2 and "port" in proc.stderr
 
 
-def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged() -> None:
-    import socket
+class _Gate:
+    """A TCP endpoint the test owns for its whole life (no port is reserved and released): it
+    hangs up on every connection until `open_to` names a server, then forwards to it. Counts
+    the connections it hung up on, so a test can wait for a client's first failed attempt."""
 
-    with socket.socket() as sock:  # a free port to start the server on, later
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._upstream: tuple[str, int] | None = None
+        self._cond = threading.Condition()
+        self.refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def open_to(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        with self._cond:
+            self._upstream = (host, int(port))
+
+    def wait_refused(self, count: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.refused >= count, timeout)
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._cond:
+                upstream = self._upstream
+                if upstream is None:
+                    self.refused += 1
+                    self._cond.notify_all()
+            if upstream is None:
+                conn.close()
+                continue
+            server = socket.create_connection(upstream)
+            for src, dst in ((conn, server), (server, conn)):
+                threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
+def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged() -> None:
+    gate = _Gate()
     outcome: list = []
 
     def call() -> None:
-        with CacheClient(f"127.0.0.1:{port}", max_retries=30, backoff_base=0.1,
-                         backoff_max=0.5) as client:
+        with CacheClient(gate.target, max_retries=30, backoff_base=0.1, backoff_max=0.5) as client:
             try:
                 outcome.append(client.list_pools())
             except CacheError as exc:
                 outcome.append(exc)
 
     thread = threading.Thread(target=call)
-    thread.start()
-    time.sleep(0.3)  # the first attempts find nothing listening
-    with start_cache_service("--port", str(port), "--log-level", "debug") as srv:
-        thread.join(30)
-        assert outcome == [[]], outcome
-        record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
+    try:
+        thread.start()
+        # The client's first attempt meets no server: the call can only succeed by retrying.
+        assert gate.wait_refused(1, timeout=20), "the client never tried to connect"
+        assert not outcome, outcome
+        with start_cache_service("--log-level", "debug") as srv:
+            gate.open_to(srv.target)
+            thread.join(30)
+            assert outcome == [[]], outcome
+            record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
+    finally:
+        gate.close()
     assert record["rpc"] == "kvcache.v1.CacheService/ListPools"
     assert record["code"] == "OK" and len(record["request_id"]) >= 16

@@ -12,28 +12,27 @@ import grpc
 import pytest
 
 from cache_service import convert
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import (
+    AddResult,
     AllocateResult,
     CacheClient,
     CacheError,
+    FreeResult,
     LookupResult,
     layers,
     ops,
     register_request,
 )
 from cache_service.registry import build_pool
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .conftest import EVENT_BUFFER, full_layers, hybrid_layers
+from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options, result_of
 
 
 def local_pool(pool_id: str, layer_specs, **kwargs):
     """The in-process twin of a pool registered with the same arguments."""
-    kwargs.setdefault("max_model_len", 1024)
-    if "available_memory_bytes" not in kwargs:
-        kwargs.setdefault("num_blocks", 256)
     return build_pool(convert.description_from_proto(
-        register_request(pool_id, layer_specs, **kwargs)))
+        register_request(pool_id, layer_specs, **pool_options(**kwargs))))
 
 
 def test_register_pool_answers_the_groups_and_is_idempotent(client: CacheClient,
@@ -79,9 +78,9 @@ def test_page_size_is_per_block_id_across_all_layers(new_pool) -> None:
     """page_size_bytes is what an executor allocates per block id: every layer of the
     largest group holds one page of the block; layer_page_size_bytes is one layer's page."""
     specs = hybrid_layers()
-    layer_page = {2 * s.block_size * s.num_kv_heads * s.head_size * 2 for s in specs}  # bf16 K+V
-    assert len(layer_page) == 1
-    (layer_page,) = layer_page
+    pages = {2 * s.block_size * s.num_kv_heads * s.head_size * 2 for s in specs}  # bf16 K+V
+    assert len(pages) == 1
+    (layer_page,) = pages
     info = new_pool(specs, available_memory_bytes=1 << 20, max_model_len=256)
     largest = max(len(g.layer_names) for g in info.groups)
     assert len(info.groups) == 2 and largest == 2  # hybrid: one full and one window group
@@ -241,7 +240,7 @@ def test_steps_match_the_in_process_core(client: CacheClient, new_pool,
                 hits[op.lookup.request_id] = result.hit_tokens
             expected.append(result)
         got = client.step(info.pool_id, batch)
-        for op, want, have in zip(batch, expected, got.results):
+        for want, have in zip(expected, got.results):
             if isinstance(have, AllocateResult):
                 assert have.ok == want.ok
                 assert have.block_ids == [list(g) for g in want.block_ids]
@@ -269,9 +268,10 @@ def test_step_stream_answers_each_request_in_order(client: CacheClient, new_pool
         second = stream.step(info.pool_id, [ops.append("a", [7]), ops.allocate("a", 1)],
                              begin_step=True)
         third = stream.step(info.pool_id, [ops.free("a")])
-    assert first.results[2].ok and first.results[2].num_computed_tokens == 40
-    assert second.results[1].num_computed_tokens == 41
-    assert third.results[0].num_free_blocks == info.num_blocks - 1
+    allocated = result_of(first, 2, AllocateResult)
+    assert allocated.ok and allocated.num_computed_tokens == 40
+    assert result_of(second, 1, AllocateResult).num_computed_tokens == 41
+    assert result_of(third, 0, FreeResult).num_free_blocks == info.num_blocks - 1
 
 
 def test_step_stream_ends_with_the_status_of_an_invalid_batch(client: CacheClient,
@@ -308,7 +308,7 @@ def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
     info = new_pool()
     res = client.step(info.pool_id, [ops.add("a", list(range(50))), ops.allocate("a", 50)])
     state = client.get_request(info.pool_id, "a")
-    assert state.block_ids == res.results[1].block_ids
+    assert state.block_ids == result_of(res, 1, AllocateResult).block_ids
     assert (state.num_computed_tokens, state.num_tokens) == (50, 50)
     stats = client.stats(info.pool_id)
     assert stats.num_requests == 1
@@ -405,6 +405,41 @@ def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
     assert "kvcache_pool_evictions_total" in body
 
 
+def _metric(body: str, name: str, method: str) -> float:
+    """The value of series ``name`` of ``kvcache.v1.CacheService/method`` (0 if absent)."""
+    for line in body.splitlines():
+        if line.startswith(name + "{") and f'grpc_method="{method}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_long_lived_stream_shows_in_the_metrics_while_it_runs(server, client: CacheClient,
+                                                                new_pool) -> None:
+    """An open StepStream's messages are counted as they pass (and the call as started),
+    not only when the stream ends."""
+    info = new_pool()
+
+    def scrape() -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                      timeout=10).read().decode()
+
+    before = scrape()
+    stream = client.step_stream()
+    try:
+        for i in range(3):
+            stream.step(info.pool_id, [ops.add(f"r{i}", [1, 2, 3])])
+        during = scrape()
+    finally:
+        stream.close()
+    for name in ("grpc_server_msg_received_total", "grpc_server_msg_sent_total"):
+        assert _metric(during, name, "StepStream") - _metric(before, name, "StepStream") == 3, name
+    assert _metric(during, "grpc_server_started_total", "StepStream") \
+        - _metric(before, "grpc_server_started_total", "StepStream") == 1
+    # still open: not handled yet
+    assert _metric(during, "grpc_server_handled_total", "StepStream") \
+        == _metric(before, "grpc_server_handled_total", "StepStream")
+
+
 def test_client_computed_hashes_hit_like_server_hashed_tokens(client: CacheClient,
                                                               new_pool) -> None:
     from cache_service.core.hashing import hash_request_tokens, sha256_cbor
@@ -421,8 +456,8 @@ def test_client_computed_hashes_hit_like_server_hashed_tokens(client: CacheClien
     assert client.peek_prefix([info.pool_id], prompt) == {info.pool_id: 0}  # other salt
     res = client.step(info.pool_id, [ops.add("b", prompt, block_hashes=hashes, cache_salt="s"),
                                      ops.lookup("b")])
-    assert res.results[0].num_block_hashes == 4
-    assert res.results[1].hit_tokens == 64
+    assert result_of(res, 0, AddResult).num_block_hashes == 4
+    assert result_of(res, 1, LookupResult).hit_tokens == 64
 
 
 def test_async_client_stream_builder_and_events(server, new_pool) -> None:

@@ -27,16 +27,24 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("argv", [["--port", "-1"], ["--metrics-port", "-2"],
                                   ["--event-buffer", "0"], ["--tls-cert", "c.pem"],
                                   ["--log-level", "loud"]])
-def test_bad_values_are_usage_errors(argv: list[str]) -> None:
+def test_bad_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv)
     assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    # One line naming the offending flag, no traceback.
+    assert err and err[-1].startswith("kvcache-server: error:")
+    assert argv[0] in err[-1] or (argv[0] == "--tls-cert" and "--tls-key" in err[-1])
 
 
-def test_every_field_has_a_flag_and_a_description() -> None:
-    from cache_service.settings import build_parser
-
-    help_text = build_parser().format_help()
+def test_every_field_has_a_flag_an_env_var_and_a_description(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_settings(["--help"])
+    assert exc.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
     for name, info in Settings.model_fields.items():
         assert info.description
         assert "--" + name.replace("_", "-") in help_text
+        assert "KVCACHE_" + name.upper() in help_text
+    assert "{debug,info,warning,error}" in help_text  # choices are listed

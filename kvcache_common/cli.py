@@ -1,0 +1,59 @@
+"""Command lines of both servers, from their pydantic-settings models.
+
+Precedence: flags over environment variables over defaults. ``--help`` lists every field as a
+``--kebab-case`` flag with its description, its environment variable and its default;
+booleans are ``--x`` / ``--no-x`` flags and ``Literal`` fields list their choices. A bad
+value is a usage error: one line naming the flag, exit status 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import BaseSettings, CliSettingsSource
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def _document_env_vars(model: type[BaseSettings]) -> None:
+    """Append ``[env PREFIX_NAME]`` to every field's description (once)."""
+    prefix = model.model_config.get("env_prefix", "")
+    changed = False
+    for name, info in model.model_fields.items():
+        tag = f"[env {prefix}{name.upper()}]"
+        if info.description is None or tag not in info.description:
+            info.description = f"{info.description or ''} {tag}".strip()
+            changed = True
+    if changed:
+        model.model_rebuild(force=True)
+
+
+def parse_cli(model: type[S], argv: Sequence[str] | None, *, prog: str,
+              description: str) -> S:
+    """``model`` from ``argv`` (default ``sys.argv[1:]``) and the environment."""
+    _document_env_vars(model)
+    args = list(sys.argv[1:] if argv is None else argv)
+    source: CliSettingsSource[S] = CliSettingsSource(
+        model, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True,
+        cli_exit_on_error=True, cli_hide_none_type=True)
+    source.root_parser.description = description
+    try:
+        return model(_cli_settings_source=source(args=args))  # type: ignore[call-arg]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "settings"
+        flag = "--" + where.replace("_", "-") if first["loc"] else where
+        sys.stderr.write(f"{prog}: error: {flag}: {first['msg']}\n")
+        raise SystemExit(2) from None
+
+
+def exit_with_error(prog: str, message: str, code: int) -> int:
+    """One line ``<prog>: error: <message>`` on stderr (the format of a usage error above, for
+    mistakes found after parsing: a port in use, a setting the model cannot work with);
+    returns ``code`` for the caller to exit with."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.stderr.flush()
+    return code

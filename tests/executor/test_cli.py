@@ -1,0 +1,193 @@
+"""Every user mistake is ONE clear line: the real commands (``python -m executor``,
+``python -m cache_service``, ``python -m executor.demo``) run as a user runs them, and each
+mistake must end with a non-zero exit code and one line naming what to change. Also: the
+readiness line at any log level, and a killed demo leaves no servers behind."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvcache_common.launch import start_cache_service
+from executor.launch import start_executor
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(*argv: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def one_error_line(done: subprocess.CompletedProcess, prog: str) -> str:
+    """The single line a failed start printed on stderr (nothing else there)."""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"{prog}: error: "), lines
+    return lines[0]
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port something is listening on (held for the test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("module,prog,flags", [
+    ("cache_service", "kvcache-server", []),
+    # a bare boolean flag parses too (else argparse would answer first)
+    ("executor", "kvcache-executor", ["--enable-prefix-caching"])])
+def test_a_port_in_use_is_one_line(busy_port: int, module: str, prog: str, flags: list[str]) -> None:
+    done = run("-m", module, *flags, "--host", "127.0.0.1", "--port", str(busy_port))
+    assert done.returncode == 2
+    assert f"--port: 127.0.0.1:{busy_port} is already in use" in one_error_line(done, prog)
+
+
+def test_an_unknown_preset_is_one_line_from_a_flag_or_the_environment() -> None:
+    for done in (run("-m", "executor", "--preset", "gemma-9000"),
+                 run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"})):
+        assert done.returncode == 2
+        line = one_error_line(done, "kvcache-executor")
+        assert line.startswith("kvcache-executor: error: --preset: ") and "'hybrid-fsm'" in line, line
+
+
+def test_a_setting_that_cannot_work_stops_the_start() -> None:
+    """Mamba align blocks of 48 tokens cannot be prefilled 24 at a time: refused before
+    listening."""
+    done = run("-m", "executor", "--preset", "hybrid-fsm", "--max-tokens-per-step", "24")
+    assert done.returncode == 2
+    line = one_error_line(done, "kvcache-executor")
+    assert line.startswith("kvcache-executor: error: --max-tokens-per-step: 24 is below the Mamba "
+                           "block size 48"), line
+    assert done.stdout == ""  # no "listening" / "serving" line
+
+
+def test_a_pool_the_cache_service_refuses_ends_the_process(cache_service) -> None:
+    """Found only at registration (after listening): the process exits 1 with one line, instead
+    of staying up and never SERVING."""
+    done = run("-m", "executor", "--port", "0", "--cache-service", cache_service.target,
+               "--preset", "hybrid-fsm", "--num-blocks", "3")
+    assert done.returncode == 1, done.stdout[-2000:]
+    line = one_error_line(done, "kvcache-executor")
+    assert "the cache service refused the pool (num_blocks: " in line and "--num-blocks" in line
+
+
+def test_help_lists_the_choices() -> None:
+    done = run("-m", "executor", "--help")
+    assert done.returncode == 0
+    assert "--preset {gemma3-like,hybrid-fsm,jamba-like,nemotron-h-like,plamo2-like}" in done.stdout
+    assert "--mamba-cache-mode {align,none}" in done.stdout
+    assert "[--enable-prefix-caching | --no-enable-prefix-caching]" in done.stdout
+
+
+def test_a_bare_boolean_flag_means_true() -> None:
+    from executor.settings import parse_settings
+
+    assert parse_settings(["--enable-prefix-caching"]).enable_prefix_caching is True
+    assert parse_settings(["--no-enable-prefix-caching"]).enable_prefix_caching is False
+
+
+def test_serving_means_serving_at_every_log_level() -> None:
+    """At --log-level warning both servers still print their readiness lines; the executor's
+    "serving" comes only once it has registered (its health is SERVING by then)."""
+    port = _free_port()
+    ex = start_executor(f"127.0.0.1:{port}", "--preset", "gemma3-like", "--log-level", "warning",
+                        wait_serving=False)
+    try:
+        assert ex.ready_record["event"] == "listening"
+        assert not any(r.get("event") == "serving" for r in ex.records)
+        with start_cache_service("--port", str(port), "--log-level", "warning") as cs:
+            assert cs.ready_record["event"] == "serving"
+            serving = ex.wait_for(lambda r: r.get("event") == "serving", timeout=60)
+            assert serving["port"] == ex.port
+            _assert_health_serving(ex.target)
+            ex.stop()
+    finally:
+        ex.stop()
+    assert ex.returncode == 0
+
+
+def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path) -> None:
+    """--target at an executor whose cache service is not up: the demo says what it waits for,
+    then gives up with one line; with the cache service started meanwhile it runs."""
+    port = _free_port()
+    ex = start_executor(f"127.0.0.1:{port}", "--preset", "hybrid-fsm", wait_serving=False)
+    small = ["--requests", "2", "--prefix-len", "16", "--max-tokens", "2", "--concurrency", "2"]
+    try:
+        done = run("-m", "executor.demo", *small, "--target", ex.target, "--wait-seconds", "1")
+        assert done.returncode == 1
+        assert "not registered with its cache service yet" in done.stdout.replace("\n", " ")
+        assert f"--target {ex.target}: no executor became SERVING within 1 s" in \
+            one_error_line(done, "kvcache-demo")
+        demo = subprocess.Popen([sys.executable, "-m", "executor.demo", *small, "--target", ex.target,
+                                 "--wait-seconds", "60"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert demo.stdout is not None
+            assert demo.stdout.readline().startswith("waiting up to 60 s for the executor")
+            with start_cache_service("--port", str(port)):
+                out, _ = demo.communicate(timeout=60)
+        finally:
+            demo.kill()
+        assert demo.returncode == 0, out
+        assert "a tiny random-weight model" in out
+    finally:
+        ex.stop()
+
+
+def test_sigkill_of_the_demo_stops_its_servers() -> None:
+    """The demo's servers die with it, even when it is SIGKILLed (one executor here, to keep
+    the test short; the other is started the same way)."""
+    demo = subprocess.Popen([sys.executable, "-m", "executor.demo", "--requests", "2000",
+                             "--no-compare"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # printed once all three are up
+            if line.startswith("cache service "):
+                break
+        children = _children(demo.pid)
+        assert len(children) == 2, children
+    finally:
+        demo.kill()
+        demo.wait()
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in children if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"servers {alive} outlived the demo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _assert_health_serving(target: str) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,90 @@
+"""Plain helpers of the kernel tests (imported as ``from kernel_helpers import ...``; pytest puts
+tests/kernels on sys.path): the tolerance table, reproducible random tensors, and the Mamba ops'
+packed batches with the "untouched slots stay bit-identical" check. conftest.py wraps some of
+them as fixtures; test modules never import conftest or each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# (rtol, atol) per (kind, dtype). "recurrence": outputs and states of the Mamba ops vs their
+# token-by-token references; "attention": paged attention and anything compared against a softmax
+# over many keys.
+TOLERANCES: dict[tuple[str, torch.dtype], tuple[float, float]] = {
+    ("recurrence", torch.float32): (6e-4, 2e-3),
+    ("recurrence", torch.float16): (3e-3, 5e-3),
+    ("recurrence", torch.bfloat16): (1e-2, 5e-2),
+    ("attention", torch.float32): (1e-4, 1e-4),
+    ("attention", torch.float16): (1e-3, 2e-3),
+    ("attention", torch.bfloat16): (1e-2, 1.5e-2),
+}
+
+
+def tolerance(dtype: torch.dtype, kind: str = "recurrence") -> tuple[float, float]:
+    """(rtol, atol) for comparing an output of ``dtype`` with its fp32 reference."""
+    return TOLERANCES[(kind, dtype)]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "recurrence") -> None:
+    """torch.testing.assert_close with the tolerance table; NaNs never pass."""
+    rtol, atol = tolerance(expected.dtype, kind)
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=rtol, atol=atol, equal_nan=False)
+
+
+def rms_error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected||_rms / ||expected||_rms in fp32: robust for bf16."""
+    diff = (actual.float() - expected.float()).pow(2).mean().sqrt()
+    return float(diff / expected.float().pow(2).mean().sqrt().clamp(min=1e-12))
+
+
+def randn(*shape: int, generator: torch.Generator, dtype: torch.dtype = torch.float32,
+          device: torch.device | str = "cpu", scale: float = 1.0) -> torch.Tensor:
+    """Standard-normal tensor drawn on CPU (reproducible across devices), then cast and moved."""
+    return (torch.randn(*shape, generator=generator) * scale).to(dtype=dtype, device=device)
+
+
+# ==================================================================================================
+# Mamba helpers: packed batches with cache slots, and the "untouched slots stay bit-identical"
+# check.
+# ==================================================================================================
+
+
+class MambaBatch:
+    """Packed-batch metadata of the Mamba ops: query_start_loc int32 [B+1], state_indices int64 [B]
+    (-1 = padding row), has_initial_state bool [B]."""
+
+    def __init__(self, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+                 has_initial_state: torch.Tensor) -> None:
+        self.query_start_loc = query_start_loc
+        self.state_indices = state_indices
+        self.has_initial_state = has_initial_state
+
+    @property
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.query_start_loc, self.state_indices, self.has_initial_state
+
+    def used_slots(self) -> list[int]:
+        return [int(i) for i in self.state_indices.tolist() if i >= 0]
+
+
+def mamba_batch(lengths: list[int], num_slots: int, *, generator: torch.Generator,
+                device: torch.device | str = "cpu", padding: tuple[int, ...] = (),
+                fresh: tuple[int, ...] = ()) -> MambaBatch:
+    """Sequences of ``lengths`` in distinct random slots; rows in ``padding`` get index -1, rows in
+    ``fresh`` get has_initial_state False."""
+    assert num_slots >= len(lengths)
+    slots = torch.randperm(num_slots, generator=generator)[: len(lengths)]
+    for row in padding:
+        slots[row] = -1
+    starts = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    has_initial = torch.tensor([row not in fresh for row in range(len(lengths))], dtype=torch.bool)
+    return MambaBatch(starts.to(device), slots.to(device), has_initial.to(device))
+
+
+def assert_only_slots_changed(before: torch.Tensor, after: torch.Tensor, slots: list[int]) -> None:
+    """Every slot (dim 0) not in ``slots`` is bit-identical, NaNs included."""
+    keep = [s for s in range(before.shape[0]) if s not in set(slots)]
+    b, a = before[keep].cpu().contiguous(), after[keep].cpu().contiguous()
+    assert torch.equal(b.view(torch.uint8), a.view(torch.uint8)), f"slots outside {slots} changed"

@@ -1,0 +1,47 @@
+"""Builders shared by the service-tier tests: layer lists, pool options, the server's settings.
+Test modules and conftest.py import them from here (never from conftest or each other)."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from cache_service.client import StepResult, layers
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+
+R = TypeVar("R")
+
+EVENT_BUFFER = 64  # the session server's event buffer: small, so OUT_OF_RANGE is cheap to provoke
+
+
+def pool_options(**kwargs: Any) -> dict[str, Any]:
+    """RegisterPool keyword arguments with the tier's defaults: max_model_len 1024 and, unless a
+    memory budget is given, 256 blocks."""
+    kwargs.setdefault("max_model_len", 1024)
+    if "available_memory_bytes" not in kwargs:
+        kwargs.setdefault("num_blocks", 256)
+    return kwargs
+
+
+def hybrid_layers() -> list[pb.LayerSpec]:
+    """2 full-attention + 2 sliding-window layers (window 32), block size 16."""
+    return [
+        layers.full_attention("f0", block_size=16, num_kv_heads=2, head_size=8),
+        layers.sliding_window("s0", block_size=16, num_kv_heads=2, head_size=8,
+                              sliding_window=32),
+        layers.full_attention("f1", block_size=16, num_kv_heads=2, head_size=8),
+        layers.sliding_window("s1", block_size=16, num_kv_heads=2, head_size=8,
+                              sliding_window=32),
+    ]
+
+
+def full_layers(n: int = 2, block_size: int = 16) -> list[pb.LayerSpec]:
+    return [layers.full_attention(f"l{i}", block_size=block_size, num_kv_heads=2, head_size=8)
+            for i in range(n)]
+
+
+def result_of(step: StepResult, index: int, kind: type[R]) -> R:
+    """``step.results[index]``, checked to be the answer of the op kind the test expects."""
+    answer = step.results[index]
+    got, want = type(answer).__name__, kind.__name__
+    assert isinstance(answer, kind), f"results[{index}] is a {got}, not a {want}"
+    return answer
