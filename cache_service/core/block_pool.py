@@ -264,7 +264,7 @@ class BlockPool:
         self.events = []
         return events
 
-    # -- invariants (docs/semantics.md#invariants) -----------------------------------------------------------
+    # -- invariants (docs/semantics.md#invariants) -------------------------------------
     def check_invariants(self) -> None:
         """Assert the pool-level invariants; O(num_blocks), for tests."""
         queue = self.free_block_queue

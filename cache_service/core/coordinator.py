@@ -1,4 +1,5 @@
-"""Coordinators: one block pool, one manager per group, and the prefix-hit search (docs/semantics.md#hit-search).
+"""Coordinators: one block pool, one manager per group, and the prefix-hit search
+(docs/semantics.md#hit-search).
 
 * :class:`NoPrefixCacheCoordinator` — caching off; any number of groups (even 0).
 * :class:`UnitaryCoordinator` — exactly one group with caching.
@@ -126,7 +127,8 @@ class KVCacheCoordinator:
     def allocate_new_computed_blocks(self, request_id: str, new_computed_blocks: HitBlocks,
                                      num_local_computed_tokens: int,
                                      num_external_computed_tokens: int) -> None:
-        """Pin hits (all groups first), then allocate external-token blocks (docs/semantics.md#adopting-hits)."""
+        """Pin hits (all groups first), then allocate external-token blocks
+        (docs/semantics.md#adopting-hits)."""
         if any(request_id in m.num_cached_block for m in self.managers):
             assert all(len(b) == 0 for b in new_computed_blocks)
             return
@@ -249,7 +251,8 @@ class SpecGroup:
 
 
 class HybridCoordinator(KVCacheCoordinator):
-    """Two or more groups with caching: the fixed-point hit search of docs/semantics.md#hybrid-fixed-point."""
+    """Two or more groups with caching: the fixed-point hit search of
+    docs/semantics.md#hybrid-fixed-point."""
 
     def __init__(self, config: KVCacheConfig, **kwargs) -> None:
         super().__init__(config, **kwargs)
@@ -323,7 +326,8 @@ def make_coordinator(config: KVCacheConfig, *, max_model_len: int,
                      max_in_flight_tokens: int | None, enable_caching: bool,
                      enable_events: bool, scheduler_block_size: int,
                      hash_block_size: int) -> KVCacheCoordinator:
-    """NoPrefixCache when caching is off, Unitary for one group, else Hybrid (docs/semantics.md#coordinator-selection)."""
+    """NoPrefixCache when caching is off, Unitary for one group, else Hybrid
+    (docs/semantics.md#coordinator-selection)."""
     kwargs = dict(max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
                   enable_caching=enable_caching, enable_events=enable_events,
                   scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)

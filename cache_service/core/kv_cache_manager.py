@@ -1,4 +1,5 @@
-"""The scheduler-facing manager (vLLM ``KVCacheManager``, docs/semantics.md#manager-api) over :class:`Request` objects.
+"""The scheduler-facing manager (vLLM ``KVCacheManager``) over :class:`Request` objects
+(docs/semantics.md#manager-api).
 
 Call order per scheduler step: ``new_step_starts()``; ``allocate_slots`` for running
 requests; for waiting ones ``get_computed_blocks`` immediately followed by

@@ -604,7 +604,8 @@ class Pool:
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
-        """Raise AssertionError naming the broken invariant (docs/semantics.md#invariants). O(pool)."""
+        """Raise AssertionError naming the broken invariant. O(pool).
+        (docs/semantics.md#invariants)"""
         pool = self._manager.pool
         pool.check_invariants()
         refs: dict[int, int] = {}

@@ -9,8 +9,8 @@ already hashed; *its presence marks a request that has been allocated before*
 ``find_longest_cache_hit`` is a classmethod: it is stateless and runs jointly for all
 groups sharing one spec (a position only counts as a hit if every group has it).
 ``block_hashes`` passed to it are the request's hashes at the pool's hash block
-size; each manager views them at its own block size (docs/semantics.md#coarse-hash-views: the coarse hash of
-block ``i`` is the fine hash at ``(i+1)*k - 1``).
+size; each manager views them at its own block size (the coarse hash of block ``i`` is
+the fine hash at ``(i+1)*k - 1``: docs/semantics.md#coarse-hash-views).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def _lookup(pool: BlockPool, block_hash: bytes, group_ids: Sequence[int]) -> lis
 
 
 class SingleTypeKVCacheManager:
-    """Base behaviour (docs/semantics.md#per-group-type-rules); subclasses change skipping, hits and allocation."""
+    """Base behaviour (docs/semantics.md#per-group-type-rules); subclasses change skipping,
+    hits and allocation."""
 
     #: False when ``get_num_skipped_tokens`` is always 0 (lets callers skip the call).
     frees_skipped_blocks: ClassVar[bool] = False
@@ -100,7 +101,8 @@ class SingleTypeKVCacheManager:
                                    total_computed_tokens: int, num_local_computed_tokens: int,
                                    num_tokens_main_model: int,
                                    apply_admission_cap: bool = False) -> int:
-        """Free-pool blocks the next allocation would consume (docs/semantics.md#capacity-prediction). No mutation."""
+        """Free-pool blocks the next allocation would consume. No mutation.
+        (docs/semantics.md#capacity-prediction)"""
         required = -(-num_tokens // self.block_size)
         if apply_admission_cap:
             cap = self.max_admission_blocks
@@ -139,7 +141,8 @@ class SingleTypeKVCacheManager:
                                   new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
-        """First allocation with a prefix hit: pin the hit blocks (docs/semantics.md#adopting-hits)."""
+        """First allocation with a prefix hit: pin the hit blocks
+        (docs/semantics.md#adopting-hits)."""
         table = self.req_to_blocks.get(request_id)
         assert not table, "hits are only adopted by a request without blocks"
         skipped = self.get_num_skipped_tokens(
@@ -156,7 +159,8 @@ class SingleTypeKVCacheManager:
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
-        """Fresh blocks for connector-provided tokens inside the window (docs/semantics.md#adopting-hits)."""
+        """Fresh blocks for connector-provided tokens inside the window
+        (docs/semantics.md#adopting-hits)."""
         total = num_local_computed_tokens + num_external_computed_tokens
         skipped = self.get_num_skipped_tokens(total)
         if skipped > 0:
@@ -197,7 +201,8 @@ class SingleTypeKVCacheManager:
         return None
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash the table's full blocks among the first ``num_tokens`` tokens (docs/semantics.md#caching-full-blocks)."""
+        """Hash the table's full blocks among the first ``num_tokens`` tokens
+        (docs/semantics.md#caching-full-blocks)."""
         hashes = request.block_hashes
         hbs = self.pool.hash_block_size
         num_hashed = len(hashes) * hbs
@@ -253,7 +258,8 @@ class SingleTypeKVCacheManager:
             self.pool.free_blocks(freed)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        """Release blocks that left the attention window (docs/semantics.md#releasing-out-of-window-blocks)."""
+        """Release blocks that left the attention window
+        (docs/semantics.md#releasing-out-of-window-blocks)."""
         skipped = self.get_num_skipped_tokens(num_computed_tokens)
         if skipped <= 0:
             return

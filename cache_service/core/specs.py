@@ -5,7 +5,8 @@ A spec says how one layer uses the block pool: how many tokens a block holds
 and the worst-case bytes one request can need (``max_memory_usage_bytes``).
 Equality and hashing are by fields, so layers with equal specs can share a group.
 
-Two relations drive grouping (``grouping.py``, docs/semantics.md#specs-and-sizing, docs/semantics.md#grouping):
+Two relations drive grouping (``grouping.py``; docs/semantics.md#specs-and-sizing and
+docs/semantics.md#grouping):
 ``merge`` (layers that can share one block table *and* one spec: equal specs, or full
 attention differing only in a promoted window) and ``is_uniform_with`` (layers of one
 type that need the same token slots but may have different page sizes; they form one

@@ -46,10 +46,11 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     while len(ops) < num_ops:
         if align:
             # Learn the real outcome of what was emitted so far (computed tokens).
-            for op in ops[applied:]:
-                out = replayer.apply(op)
-                if op.get("op") == "allocate" and op.get("req") in reqs and out.get("ok"):
-                    reqs[op["req"]][1] = out["num_computed_tokens"]
+            for emitted in ops[applied:]:
+                out = replayer.apply(emitted)
+                rid_ = emitted.get("req")
+                if emitted.get("op") == "allocate" and rid_ in reqs and out.get("ok"):
+                    reqs[rid_][1] = out["num_computed_tokens"]
             applied = len(ops)
         if len(reqs) > 6 and rng.random() < 0.3:
             ops.append({"op": "free", "req": rng.choice(list(reqs))})

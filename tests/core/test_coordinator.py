@@ -1,4 +1,5 @@
-"""Coordinators: selection, spec groups, and the hybrid fixed-point hit search (docs/semantics.md#hybrid-fixed-point)."""
+"""Coordinators: selection, spec groups, and the hybrid fixed-point hit search
+(docs/semantics.md#hybrid-fixed-point)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def test_hybrid_hits_are_multiples_of_the_lcm() -> None:
 
 
 def test_two_group_112_token_example_caches_96_tokens() -> None:
-    # docs/semantics.md#cacheable-tokens: block sizes 32 and 16 -> a 112-token request caches only 96 tokens.
+    # docs/semantics.md#cacheable-tokens:
+    # block sizes 32 and 16 -> a 112-token request caches only 96 tokens.
     p = make_pool(64, full(32), swa(16, 1024))
     assert (p.scheduler_block_size, p.hash_block_size) == (32, 16)
     p.add_request("r", list(range(112)))
@@ -101,7 +103,8 @@ def test_two_group_112_token_example_caches_96_tokens() -> None:
 
 
 def test_swa_cache_mask_under_alignment() -> None:
-    # docs/semantics.md#cacheable-tokens: full bs 32, SWA bs 8, window 8 -> only SWA blocks 3, 7, 11 are cached.
+    # docs/semantics.md#cacheable-tokens:
+    # full bs 32, SWA bs 8, window 8 -> only SWA blocks 3, 7, 11 are cached.
     p = make_pool(64, full(32), swa(8, 8))
     p.add_request("r", list(range(100)))
     assert p.allocate("r", 100).ok

@@ -27,7 +27,8 @@ def lazy(n: int) -> tuple[FreeKVCacheBlockQueue, dict[int, KVCacheBlock]]:
 
 
 def test_prepend_example_from_the_spec() -> None:
-    # docs/semantics.md#free-queue: prepend [4,5] to [0] -> [4,5,0]; then prepend [1,2] -> [1,2,4,5,0].
+    # docs/semantics.md#free-queue:
+    # prepend [4,5] to [0] -> [4,5,0]; then prepend [1,2] -> [1,2,4,5,0].
     blocks = [KVCacheBlock(i) for i in range(6)]
     q = FreeKVCacheBlockQueue([blocks[0]])
     q.prepend_n([blocks[4], blocks[5]])

@@ -9,11 +9,12 @@ arbitrary clients, so the pool checks it.
 from __future__ import annotations
 
 import pytest
-from builders import full, make_pool, mamba
 
 from cache_service.core.events import BlockStored
 from cache_service.core.hashing import external_block_hash
 from cache_service.core.pool import Pool
+
+from builders import full, make_pool, mamba
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(300)]
 

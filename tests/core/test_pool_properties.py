@@ -1,4 +1,5 @@
-"""Stateful property tests: random operation sequences keep the pool invariants (docs/semantics.md#invariants).
+"""Stateful property tests: random operation sequences keep the pool invariants
+(docs/semantics.md#invariants).
 
 After every step: every block is free, cached-and-free or referenced; ref counts equal
 the number of tables holding the block; free + used == num_blocks - 1; no block is in

@@ -1,4 +1,5 @@
-"""Per-type managers: the truth tables and worked examples of docs/semantics.md#per-group-type-rules."""
+"""Per-type managers: the truth tables and worked examples of
+docs/semantics.md#per-group-type-rules."""
 
 from __future__ import annotations
 
@@ -136,7 +137,8 @@ def test_get_num_blocks_to_allocate_counts_evictable_hits(cls, spec) -> None:
 
 
 def test_admission_cap_limits_sliding_window_need() -> None:
-    # docs/semantics.md#specs-and-sizing example: bs 16, sw 64, in-flight 128 -> cdiv(191, 16) + 1 = 13 blocks.
+    # docs/semantics.md#specs-and-sizing example:
+    # bs 16, sw 64, in-flight 128 -> cdiv(191, 16) + 1 = 13 blocks.
     p = make_pool(64, swa(16, 64), max_model_len=4096, max_in_flight_tokens=128,
                   enable_caching=False)
     manager = p.manager.coordinator.managers[0]

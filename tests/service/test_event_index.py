@@ -13,28 +13,29 @@ import random
 
 import pytest
 
-from cache_service.client import CacheClient, layers, ops
+from cache_service.client import AllocateResult, CacheClient, LookupResult, layers, ops
 from cache_service.client.prefix_index import PrefixIndex
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
-HEADS = dict(num_kv_heads=2, head_size=8)
-MAMBA_STATE = dict(shapes=[[4]], dtypes=["float32"], mamba_cache_mode="align")
+from .builders import result_of
+
+FULL = layers.full_attention("f", block_size=16, num_kv_heads=2, head_size=8)
+SWA = layers.sliding_window("s", block_size=16, sliding_window=32, num_kv_heads=2, head_size=8)
+MAMBA = layers.mamba("m", block_size=16, shapes=[[4]], dtypes=["float32"],
+                     mamba_cache_mode="align")
 
 POOLS = {
-    "full": [layers.full_attention("f", block_size=16, **HEADS)],
-    "full_swa": [layers.full_attention("f", block_size=16, **HEADS),
-                 layers.sliding_window("s", block_size=16, sliding_window=32, **HEADS)],
+    "full": [FULL],
+    "full_swa": [FULL, SWA],
     # Sliding block 16 under a 32-token hit alignment: only some blocks are cached.
     "full32_swa16": [layers.full_attention("f", block_size=32, num_kv_heads=2, head_size=8),
                      layers.sliding_window("s", block_size=16, sliding_window=17,
                                            num_kv_heads=2, head_size=16)],
-    "full_chunked": [layers.full_attention("f", block_size=16, **HEADS),
-                     layers.chunked_local("c", block_size=16, attention_chunk_size=64, **HEADS)],
-    "mamba": [layers.mamba("m", block_size=16, **MAMBA_STATE)],
-    "full_swa_mamba": [layers.full_attention("f", block_size=16, **HEADS),
-                       layers.sliding_window("s", block_size=16, sliding_window=32, **HEADS),
-                       layers.mamba("m", block_size=16, **MAMBA_STATE)],
+    "full_chunked": [FULL, layers.chunked_local("c", block_size=16, attention_chunk_size=64,
+                                                num_kv_heads=2, head_size=8)],
+    "mamba": [MAMBA],
+    "full_swa_mamba": [FULL, SWA, MAMBA],
 }
 
 
@@ -100,9 +101,9 @@ def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
             first = rng.choice([len(prompt), rng.randrange(1, len(prompt) + 1), 16, 120])
             batch = [ops.add(rid, prompt), ops.lookup(rid)]
             res = client.step(pool_id, batch, begin_step=True)
-            hit = res.results[1].hit_tokens
+            hit = result_of(res, 1, LookupResult).hit_tokens
             n = max(1, min(first, len(prompt) - hit))
-            out = client.step(pool_id, [ops.allocate(rid, n)]).results[0]
+            out = result_of(client.step(pool_id, [ops.allocate(rid, n)]), 0, AllocateResult)
             if out.ok:
                 running[rid] = [out.num_computed_tokens, len(prompt)]
             else:
@@ -112,12 +113,13 @@ def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
             computed, total = running[rid]
             if computed < total:
                 n = rng.choice([total - computed, rng.randrange(1, total - computed + 1)])
-                out = client.step(pool_id, [ops.allocate(rid, n)], begin_step=True).results[0]
+                out = result_of(client.step(pool_id, [ops.allocate(rid, n)], begin_step=True), 0,
+                                AllocateResult)
             else:
                 tok = rng.randrange(500)
                 prompts[rid].append(tok)
-                out = client.step(pool_id, [ops.allocate(rid, 1, append_token_ids=[tok])],
-                                  begin_step=True).results[0]
+                out = result_of(client.step(pool_id, [ops.allocate(rid, 1, append_token_ids=[tok])],
+                                            begin_step=True), 0, AllocateResult)
                 running[rid][1] += 1
             if out.ok:
                 running[rid][0] = out.num_computed_tokens
