@@ -19,6 +19,8 @@ from .conftest import full_layers
 class Recorder(Durability):
     """Keeps every appended record; fails the next append when ``fail`` is set."""
 
+    keeps_records = True
+
     def __init__(self) -> None:
         self.records: list[WalRecord] = []
         self.fail = False
