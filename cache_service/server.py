@@ -35,6 +35,7 @@ from kvcache_common.metrics_http import serve_metrics
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
+from cache_service.state import ServiceState
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -66,11 +67,13 @@ async def serve(settings: Settings) -> int:
         return exit_with_error("kvcache-server", busy, 2)
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer)
-    prom_registry, rpc_metrics = new_registry(registry.stats)
+    state = ServiceState(registry, lease_ttl_seconds=settings.lease_ttl_seconds,
+                         max_ops_per_step=settings.max_ops_per_step)
+    prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
-    servicer = CacheServicer(registry, max_ops_per_step=settings.max_ops_per_step)
+    servicer = CacheServicer(state)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -100,10 +103,13 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             tls=settings.tls_cert is not None, auth=token is not None)
+             tls=settings.tls_cert is not None, auth=token is not None,
+             lease_ttl_seconds=settings.lease_ttl_seconds)
 
     await stop.wait()
+    reaper.cancel()  # no lease expires while draining: clients cannot renew then
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.

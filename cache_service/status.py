@@ -14,6 +14,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from cache_service.core import errors as core
+from cache_service.core.errors import qualify
 from cache_service.event_feed import SequenceOutOfRange
 
 # Most specific first: ConfigError is an InvalidArgument, UnknownRequest a NotFound...
@@ -45,13 +46,6 @@ def status_code_of(exc: Exception) -> grpc.StatusCode:
         if isinstance(exc, cls):
             return code
     return grpc.StatusCode.INTERNAL
-
-
-def qualify(exc: core.KVCacheError, prefix: str) -> core.KVCacheError:
-    """Prefixes the error's field with the path of its message (``ops[3].allocate``)."""
-    if prefix:
-        exc.field = f"{prefix}.{exc.field}" if exc.field else prefix
-    return exc
 
 
 def to_status(exc: Exception) -> grpc.Status:

@@ -47,3 +47,11 @@ class UnknownRequest(NotFound):
 
 class DuplicateRequest(AlreadyExists):
     """A request with this id is already registered in the pool."""
+
+
+def qualify(exc: KVCacheError, prefix: str) -> KVCacheError:
+    """Prefixes the error's field with the path of the message it sits in
+    (``ops[3].allocate`` + ``num_new_tokens``)."""
+    if prefix:
+        exc.field = f"{prefix}.{exc.field}" if exc.field else prefix
+    return exc

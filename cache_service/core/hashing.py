@@ -14,6 +14,7 @@ import hashlib
 import os
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import cbor2
 
@@ -174,3 +175,40 @@ def external_block_hash(h: bytes) -> int:
     """The 64-bit integer published for a block hash in KV events (vLLM 0.33 default):
     the last 8 bytes of the hash as an unsigned big-endian integer."""
     return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+@dataclass(frozen=True)
+class HashRecipe:
+    """How the pool hashes blocks: a client that computes its own hashes (or a router that
+    predicts hits) must use the same. ``none_hash = hash_fn(none_hash_seed)`` is the parent
+    of every chain's first block (docs/hashing.md)."""
+
+    hash_algo: str
+    none_hash_seed: str
+    none_hash: bytes
+    hash_block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredRecipe:
+    """What a client says it hashes with; None = not declared (not checked)."""
+
+    hash_algo: str | None = None
+    none_hash_seed: str | None = None
+    none_hash: bytes | None = None
+    hash_block_size: int | None = None
+
+
+def check_declared_recipe(recipe: HashRecipe, declared: DeclaredRecipe) -> None:
+    """InvalidArgument naming the first declared field that differs from ``recipe``:
+    hashes computed any other way would never hit, so a mismatch is an error, not a silent
+    0% hit rate."""
+    for name in ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size"):
+        theirs = getattr(declared, name)
+        ours = getattr(recipe, name)
+        if theirs is not None and theirs != ours:
+            def shown(v: object) -> str:
+                return v.hex() if isinstance(v, bytes) else repr(v)
+            raise InvalidArgument(f"the pool hashes with {name} {shown(ours)}, the client "
+                                  f"declared {shown(theirs)}: its hashes would never hit",
+                                  field=name)

@@ -7,6 +7,7 @@ state sizes are keyword-only (``full(16, head=64)``, ``swa(16, 128)``, ``mamba(1
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from cache_service.replay import load_config
 
 SAMPLES = Path(__file__).resolve().parents[2] / "cache_service" / "replay_samples"
 SAMPLE_CONFIGS = sorted(p.stem for p in SAMPLES.glob("*.json"))
@@ -119,7 +121,11 @@ def snapshot(p: Pool) -> tuple[Any, ...]:
     free = [b.block_id for b in p.manager.pool.free_block_queue.get_all_free_blocks()]
     reqs = {rid: (p.request_info(rid), p.block_ids(rid), p.block_hashes(rid))
             for rid in p.request_ids()}
-    return p.stats(), free, reqs, dict(p._pending)
+    # Pending lookups by block id: block objects compare by identity, and twin pools (built
+    # to be compared with each other) hold different objects for the same block.
+    pending = {rid: ([[b.block_id for b in group] for group in blocks], hit, epoch)
+               for rid, (blocks, hit, epoch) in p._pending.items()}
+    return p.stats(), free, reqs, pending
 
 
 def snapshot_with_events(pool: Pool) -> tuple[Any, ...]:
@@ -129,3 +135,10 @@ def snapshot_with_events(pool: Pool) -> tuple[Any, ...]:
 
 def cross_attention(bs: int = 16) -> CrossAttentionSpec:
     return CrossAttentionSpec(block_size=bs)
+
+
+def twin_pools(name: str) -> tuple[Pool, Pool]:
+    """Two identical small pools of a sample config, with KV events on."""
+    config, options = load_config(small_config(name))
+    options = dataclasses.replace(options, enable_events=True)
+    return Pool(config, options), Pool(config, options)

@@ -15,7 +15,7 @@ from cache_service.core.errors import (
     UnknownRequest,
 )
 from cache_service.core.events import BlockStored
-from cache_service.core.hashing import get_hash_fn, hash_request_tokens
+from cache_service.core.hashing import DeclaredRecipe, get_hash_fn, hash_request_tokens
 from cache_service.core.pool import Pool
 
 from builders import full, make_pool, snapshot, swa
@@ -264,7 +264,8 @@ def test_hash_recipe_check_names_the_differing_field(small_full_pool: Pool) -> N
     recipe = small_full_pool.hash_recipe
     assert (recipe.hash_algo, recipe.none_hash_seed, recipe.hash_block_size) == \
         ("sha256", "vllm-none-hash", 4)
-    small_full_pool.check_hash_recipe(hash_algo="sha256", none_hash=recipe.none_hash)
+    small_full_pool.check_hash_recipe(
+        DeclaredRecipe(hash_algo="sha256", none_hash=recipe.none_hash))
     with pytest.raises(InvalidArgument) as err:
-        small_full_pool.check_hash_recipe(hash_algo="sha256", hash_block_size=16)
+        small_full_pool.check_hash_recipe(DeclaredRecipe(hash_algo="sha256", hash_block_size=16))
     assert err.value.field == "hash_block_size"

@@ -3,24 +3,14 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError, UnknownRequest
 from cache_service.core.pool import Pool
-from cache_service.replay import load_config
 
-from builders import SAMPLE_CONFIGS, full, make_pool, small_config, snapshot_with_events, swa
-
-
-def twin_pools(name: str) -> tuple[Pool, Pool]:
-    """Two identical small pools of a sample config, with KV events on."""
-    config, options = load_config(small_config(name))
-    options = dataclasses.replace(options, enable_events=True)
-    return Pool(config, options), Pool(config, options)
+from builders import SAMPLE_CONFIGS, full, make_pool, snapshot_with_events, swa, twin_pools
 
 
 def loop_decode(pool: Pool, rids: list[str], tokens: list[int]) -> tuple[list[bool], dict]:

@@ -186,6 +186,15 @@ CASES = [
          Code.NOT_FOUND, "pool_id"),
     Case("delete unknown pool", "DeletePool", lambda: pb.DeletePoolRequest(pool_id="x"),
          Code.NOT_FOUND, "pool_id"),
+    Case("a client name of 257 characters", "OpenSession",
+         lambda: pb.OpenSessionRequest(client_name="x" * 257),
+         grpc.StatusCode.INVALID_ARGUMENT, "client_name"),
+    Case("keep an unknown session alive", "KeepAlive",
+         lambda: pb.KeepAliveRequest(session_id="no-such-session"),
+         grpc.StatusCode.NOT_FOUND, "session_id"),
+    Case("close an unknown session", "CloseSession",
+         lambda: pb.CloseSessionRequest(session_id="no-such-session"),
+         grpc.StatusCode.NOT_FOUND, "session_id"),
 ]
 
 
