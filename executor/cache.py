@@ -16,8 +16,8 @@ Attention page: ``[2, block_size, Hkv, D]`` (K then V). Mamba page: conv state
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor

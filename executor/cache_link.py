@@ -7,17 +7,24 @@ restarted) into :class:`PoolLost` so the engine re-registers.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import grpc
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult, StepStream
-from cache_service.client import layers
+from cache_service.client import (
+    CacheClient,
+    CacheError,
+    PoolInfo,
+    PoolStats,
+    StepResult,
+    StepStream,
+    layers,
+)
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
 from executor.errors import CacheUnavailable, PoolLost
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 __all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_layouts"]
 

@@ -3,8 +3,8 @@ and the tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import grpc
 
@@ -51,7 +51,7 @@ class ExecutorClient:
         self.channel = grpc.insecure_channel(target)
         self.stub = epb_grpc.ExecutorServiceStub(self.channel)
 
-    def __enter__(self) -> "ExecutorClient":
+    def __enter__(self) -> ExecutorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

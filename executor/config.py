@@ -89,7 +89,7 @@ class ModelConfig:
     def layer_kind(self, i: int) -> str:
         return LAYER_KINDS[self.pattern[i]]
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"ModelConfig.{name}: {why}")
 
@@ -113,7 +113,7 @@ class ModelConfig:
             raise bad("dtype", "must be float32, bfloat16 or float16")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise bad("rope_fraction", "must be in (0, 1]")
-        if self.use_rope and not (1 <= self.rotary_dim and -(-self.rotary_dim // 2) * 2 <= self.head_dim):
+        if self.use_rope and not (self.rotary_dim >= 1 and -(-self.rotary_dim // 2) * 2 <= self.head_dim):
             raise bad("rope_fraction", f"rotates {self.rotary_dim} of {self.head_dim} channels")
         for name in ("rope_linear_factor", "rope_linear_factor_local"):
             if not getattr(self, name) >= 1.0:
@@ -126,7 +126,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -136,7 +136,7 @@ class ModelConfig:
             d["mamba2_dt_limit"] = tuple(float(v) for v in d["mamba2_dt_limit"])
         return cls(**d).validate()
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes).validate()
 
 

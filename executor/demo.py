@@ -27,8 +27,8 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from executor.client import AsyncExecutorClient, Generation
 from executor.presets import DEFAULT_PRESET, PRESETS

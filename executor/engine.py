@@ -46,8 +46,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import structlog
 
@@ -164,7 +164,7 @@ class StepRollback:
         """Remember ``req``'s sync state before the step changes it."""
         self._requests.append((req, req.added, req.pending_append))
 
-    def restore(self, engine: "Engine") -> None:
+    def restore(self, engine: Engine) -> None:
         engine.to_free = self.to_free + engine.to_free
         engine.to_preempt = self.to_preempt + engine.to_preempt
         for req, added, pending in reversed(self._requests):
@@ -210,7 +210,7 @@ class Engine:
         self.to_free: list[str] = []
         # Requests the engine moved to waiting whose preempt has not reached the service yet.
         self.to_preempt: list[str] = []
-        self.inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
         self.on_reregister = on_reregister

@@ -18,8 +18,9 @@ names the key. A checkpoint loads with transformers' logits or not at all.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -9,7 +9,8 @@ tensors; it never allocates cache memory itself. Weights are random but determin
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn

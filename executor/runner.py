@@ -4,7 +4,7 @@ the next-token logits of each request (the engine and ``Execute`` share it)."""
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

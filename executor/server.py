@@ -39,25 +39,30 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
-from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from kvcache_common.cli import exit_with_error
-from kvcache_common.logs import lifecycle
-from kvcache_common.metrics_http import serve_metrics
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.config import ModelConfig
 from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
-from executor.errors import (CacheUnavailable, ExecutorError, InvalidArgument, NotReady,
-                             RequestFailed)
+from executor.errors import (
+    CacheUnavailable,
+    ExecutorError,
+    InvalidArgument,
+    NotReady,
+    RequestFailed,
+)
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
 from executor.settings import ExecutorSettings
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.cli import exit_with_error
+from kvcache_common.logs import lifecycle
+from kvcache_common.metrics_http import serve_metrics
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 log = structlog.get_logger("executor.server")
@@ -355,14 +360,14 @@ class EngineCollector:
             yield g
 
 
-def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> "Executor":
+def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> Executor:
     """The model and the executor the settings describe; raises SettingError (or another
     InvalidArgument) naming the setting that cannot work. Nothing listens yet."""
     model = (model or build_model(settings)).to(settings.device)
     return Executor(settings, model)
 
 
-async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
+async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     """Runs the prepared executor until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),

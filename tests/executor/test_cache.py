@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_service.core.grouping import get_kv_cache_config
 from cache_service.core.specs import AttentionSpec, MambaSpec, SlidingWindowSpec

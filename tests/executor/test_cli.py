@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor
+from kvcache_common.launch import start_cache_service
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,12 +15,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from cache_service.client import CacheClient, ops
 from executor.client import ExecutorClient, generate_request
-from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor, wait_ready
 from executor.presets import PRESETS
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.launch import start_cache_service
 
 from paged_helpers import run_concurrently, shared_prefix_workload
 

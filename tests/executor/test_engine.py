@@ -6,7 +6,8 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
@@ -16,6 +17,7 @@ from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
+
 from paged_helpers import shared_prefix_workload
 
 

@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
+from test_model import run, tables_for
 
 from executor.errors import SettingError
 from executor.hf_loader import load_hf_model, read_config
 
 from paged_helpers import BlockSource, one_group_per_layer
-from test_model import run, tables_for
 
 transformers = pytest.importorskip("transformers")
 
