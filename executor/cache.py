@@ -22,7 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cache_service.core.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from cache_service.core.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from executor.batch import GroupLayout
 from executor.config import ModelConfig
 from executor.model import layer_name
@@ -38,7 +44,8 @@ def mamba_state_shapes(cfg: ModelConfig, kind: str) -> tuple[tuple[int, ...], tu
     return (w, cfg.mamba1_d_inner), (cfg.mamba1_d_inner, cfg.mamba1_d_state)
 
 
-def model_layer_specs(cfg: ModelConfig, *, block_size: int = 16, mamba_cache_mode: str = "align",
+def model_layer_specs(cfg: ModelConfig, *, block_size: int = 16,
+                      mamba_cache_mode: MambaCacheMode = "align",
                       kernel_block_alignment: int = 16) -> dict[str, KVCacheSpec]:
     """Every layer's cache need, in layer order. Mamba hybrids are unified the way vLLM's
     platform code does it (attention block size raised until a page holds a Mamba state;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict, Unpack
 
 import grpc
 
@@ -22,6 +23,18 @@ class Generation:
     time_to_first_token_s: float = 0.0
     num_preemptions: int = 0
     total_time_s: float = 0.0
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The optional keywords of :func:`generate_request` (what ``generate`` passes on)."""
+
+    request_id: str
+    temperature: float
+    seed: int
+    top_k: int
+    top_p: float
+    stop_token_ids: Sequence[int]
+    cache_salt: str
 
 
 def generate_request(prompt: Sequence[int], max_tokens: int, *, request_id: str = "",
@@ -61,9 +74,10 @@ class ExecutorClient:
         self.channel.close()
 
     def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 120.0,
-                 **kwargs: object) -> Generation:
+                 **kwargs: Unpack[GenerateOptions]) -> Generation:
         gen = Generation("")
-        for msg in self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout):  # type: ignore[arg-type]
+        request = generate_request(prompt, max_tokens, **kwargs)
+        for msg in self.stub.Generate(request, timeout=timeout):
             _collect(gen, msg)
         return gen
 
@@ -85,9 +99,9 @@ class AsyncExecutorClient:
         await self.channel.close()
 
     async def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 300.0,
-                       **kwargs: object) -> Generation:
+                       **kwargs: Unpack[GenerateOptions]) -> Generation:
         gen = Generation("")
-        call = self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout)  # type: ignore[arg-type]
+        call = self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout)
         async for msg in call:
             _collect(gen, msg)
         return gen

@@ -29,9 +29,14 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from executor.client import AsyncExecutorClient, Generation
 from executor.presets import DEFAULT_PRESET, PRESETS
+
+if TYPE_CHECKING:  # rich is imported when the demo runs, not when its module is imported
+    from rich.console import Console
+    from rich.progress import Progress
 
 
 @dataclass
@@ -56,6 +61,10 @@ class RunSummary:
         values = sorted(g.time_to_first_token_s for g in self.generations)
         return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / max(self.wall_s, 1e-9)
+
     def as_dict(self) -> dict[str, float | int | str]:
         return {"label": self.label, "requests": len(self.generations),
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
@@ -64,7 +73,7 @@ class RunSummary:
                 "ttft_p50_s": self.ttft(0.5), "ttft_p99_s": self.ttft(0.99),
                 "ttft_mean_s": statistics.fmean(g.time_to_first_token_s for g in self.generations),
                 "output_tokens": self.output_tokens, "wall_s": self.wall_s,
-                "tokens_per_s": self.output_tokens / max(self.wall_s, 1e-9),
+                "tokens_per_s": self.tokens_per_s,
                 # Requests the executor preempted for lack of free blocks (then recomputed). The
                 # cache service's kvcache_pool_preemptions also counts the executor's admission
                 # roll-backs, which it sends as preempt ops: a different number.
@@ -81,16 +90,16 @@ def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int
 
 
 async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                       concurrency: int, label: str, progress: object | None = None) -> RunSummary:
+                       concurrency: int, label: str, progress: Progress | None = None) -> RunSummary:
     client = AsyncExecutorClient(target)
     sem = asyncio.Semaphore(concurrency)
-    task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None  # type: ignore[attr-defined]
+    task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None
 
     async def one(p: Sequence[int]) -> Generation:
         async with sem:
             g = await client.generate(p, max_tokens)
-        if progress is not None:
-            progress.advance(task_id)  # type: ignore[attr-defined]
+        if progress is not None and task_id is not None:
+            progress.advance(task_id)
         return g
 
     start = time.perf_counter()
@@ -112,7 +121,7 @@ def model_line(name: str, *, local: bool) -> str:
             f"text; compare what the cache saves")
 
 
-def print_summary(runs: list[RunSummary], identical: bool | None, console: object,
+def print_summary(runs: list[RunSummary], identical: bool | None, console: Console,
                   model: str = "") -> None:
     from rich.table import Table
 
@@ -129,19 +138,21 @@ def print_summary(runs: list[RunSummary], identical: bool | None, console: objec
             ("preemptions (no free blocks)", "engine_preemptions", "{}")]
     for name, key, fmt in rows:
         table.add_row(name, *(fmt.format(s[key]) for s in stats))
-    console.print(table)  # type: ignore[attr-defined]
+    console.print(table)
     if model:
-        console.print(model)  # type: ignore[attr-defined]
+        console.print(model)
     if len(runs) == 2:
-        on, off = stats
-        console.print(f"TTFT p50 speed-up with prefix caching: {off['ttft_p50_s'] / max(on['ttft_p50_s'], 1e-9):.2f}x; "  # type: ignore[attr-defined]
-                      f"throughput ratio: {on['tokens_per_s'] / max(off['tokens_per_s'], 1e-9):.2f}x")
+        on, off = runs
+        speedup = off.ttft(0.5) / max(on.ttft(0.5), 1e-9)
+        ratio = on.tokens_per_s / max(off.tokens_per_s, 1e-9)
+        console.print(f"TTFT p50 speed-up with prefix caching: {speedup:.2f}x; "
+                      f"throughput ratio: {ratio:.2f}x")
     if identical is not None:
-        console.print("greedy outputs identical with and without caching: "  # type: ignore[attr-defined]
+        console.print("greedy outputs identical with and without caching: "
                       + ("[green]yes[/green]" if identical else "[red]NO[/red]"))
 
 
-def wait_until_serving(target: str, seconds: float, console: object) -> bool:
+def wait_until_serving(target: str, seconds: float, console: Console) -> bool:
     """Until the executor at ``target`` is SERVING (True) or ``seconds`` pass (False), with a
     status line saying what it waits for."""
     import grpc
@@ -150,7 +161,7 @@ def wait_until_serving(target: str, seconds: float, console: object) -> bool:
     deadline = time.monotonic() + seconds
     told = False
     with grpc.insecure_channel(target) as channel, \
-            console.status(f"waiting for the executor at {target} ...") as status:  # type: ignore[attr-defined]
+            console.status(f"waiting for the executor at {target} ...") as status:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -164,7 +175,7 @@ def wait_until_serving(target: str, seconds: float, console: object) -> bool:
             if left <= 0:
                 return False
             if not told:  # once, also where the status line does not render (no terminal)
-                console.print(f"waiting up to {seconds:g} s for the executor at {target} to be "  # type: ignore[attr-defined]
+                console.print(f"waiting up to {seconds:g} s for the executor at {target} to be "
                               f"SERVING: {what}")
                 told = True
             status.update(f"waiting for the executor at {target}: {what} ({left:.0f} s left)")

@@ -97,7 +97,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     cache_salt: str = ""
-    sink: Callable[[TokenEvent], None] | None = None
+    sink: Callable[[TokenEvent], object] | None = None  # its return value is ignored
     # engine state
     outputs: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -210,7 +210,7 @@ class Engine:
         self.to_free: list[str] = []
         # Requests the engine moved to waiting whose preempt has not reached the service yet.
         self.to_preempt: list[str] = []
-        self.inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, Request | str | None]] = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
         self.on_reregister = on_reregister
@@ -288,10 +288,9 @@ class Engine:
             return
         while True:
             kind, payload = item
-            if kind == "add":
-                req = payload  # type: ignore[assignment]
-                req.stats.prompt_tokens = len(req.prompt)
-                self.waiting.append(req)
+            if isinstance(payload, Request):  # kind "add"
+                payload.stats.prompt_tokens = len(payload.prompt)
+                self.waiting.append(payload)
             elif kind == "abort":
                 self._abort(str(payload))
             try:

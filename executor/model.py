@@ -48,8 +48,8 @@ class DecoderLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, eps, off)
         self.mlp = GatedMLP(cfg)
         if cfg.sandwich_norm:
-            self.post_mixer_layernorm = RMSNorm(cfg.hidden_size, eps, off)
-            self.post_ff_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+            self.post_mixer_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, eps, off)
+            self.post_ff_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, eps, off)
         else:
             self.post_mixer_layernorm = self.post_ff_layernorm = None
 
@@ -85,7 +85,8 @@ class HybridModel(nn.Module):
 
     @property
     def layer_names(self) -> list[str]:
-        return [layer_name(i, layer.kind) for i, layer in enumerate(self.layers)]
+        cfg = self.config
+        return [layer_name(i, cfg.layer_kind(i)) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, meta: ForwardMeta, caches: LayerCaches) -> Tensor:

@@ -21,7 +21,7 @@ def test_specs_describe_every_layer_with_one_page_size(preset: str) -> None:
     assert len(specs) == cfg.num_layers
     pages = {s.page_size_bytes for s in specs.values()}
     assert len(pages) == 1  # unified: attention and Mamba pages share one size
-    for i, (name, spec) in enumerate(specs.items()):
+    for i, spec in enumerate(specs.values()):
         kind = cfg.layer_kind(i)
         if isinstance(spec, MambaSpec):
             assert kind.startswith("mamba") and spec.mamba_cache_mode == "align"

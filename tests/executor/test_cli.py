@@ -103,10 +103,10 @@ def test_serving_means_serving_at_every_log_level() -> None:
     ex = start_executor(f"127.0.0.1:{port}", "--preset", "gemma3-like", "--log-level", "warning",
                         wait_serving=False)
     try:
-        assert ex.ready_record["event"] == "listening"
+        assert ex.ready_record is not None and ex.ready_record["event"] == "listening"
         assert not any(r.get("event") == "serving" for r in ex.records)
         with start_cache_service("--port", str(port), "--log-level", "warning") as cs:
-            assert cs.ready_record["event"] == "serving"
+            assert cs.ready_record is not None and cs.ready_record["event"] == "serving"
             serving = ex.wait_for(lambda r: r.get("event") == "serving", timeout=60)
             assert serving["port"] == ex.port
             _assert_health_serving(ex.target)

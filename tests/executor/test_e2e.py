@@ -15,14 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cache_service.client import CacheClient, ops
+from cache_service.client import AllocateResult, CacheClient, LookupResult, ops
 from executor.client import ExecutorClient, generate_request
 from executor.launch import start_executor, wait_ready
 from executor.presets import PRESETS
 from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from kvcache_common.launch import start_cache_service
 
-from paged_helpers import run_concurrently, shared_prefix_workload
+from paged_helpers import op_result, run_concurrently, shared_prefix_workload
 
 MAX_TOKENS = 6
 pytestmark = pytest.mark.timeout(180)  # a hang fails fast, with its traceback
@@ -103,13 +103,14 @@ def _external_prefill(cc: CacheClient, ex: ExecutorClient, pool: str, rid: str, 
                       salt: str, first_chunk: int) -> tuple[int, int]:
     """A minimal external scheduler: add + lookup, then lookup + allocate per chunk, Execute
     with the tables it got. Returns (hit tokens, next token)."""
-    hit = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
-                  begin_step=True).results[1].hit_tokens
+    looked_up = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
+                        begin_step=True)
+    hit = op_result(looked_up, 1, LookupResult).hit_tokens
     start, token = hit, -1
     while start < len(prompt):
         n = min(first_chunk if start == hit else len(prompt), len(prompt) - start)
         step_ops = [ops.lookup(rid), ops.allocate(rid, n)] if start == hit else [ops.allocate(rid, n)]
-        alloc = cc.step(pool, step_ops, begin_step=start != hit).results[-1]
+        alloc = op_result(cc.step(pool, step_ops, begin_step=start != hit), -1, AllocateResult)
         assert alloc.ok
         out = ex.execute(epb.ExecuteRequest(sequences=[epb.ExecuteSequence(
             request_id=rid, token_ids=prompt[start:start + n], num_computed_tokens=start,
@@ -148,8 +149,9 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
                 tokens = [tok]
                 while len(tokens) < 6:
                     pos = len(prompt) + len(tokens) - 1
-                    alloc = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
-                                    begin_step=True).results[-1]
+                    step = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
+                                   begin_step=True)
+                    alloc = op_result(step, -1, AllocateResult)
                     out = ex.execute(epb.ExecuteRequest(return_logits=True, sequences=[epb.ExecuteSequence(
                         request_id=rid, token_ids=[tokens[-1]], num_computed_tokens=pos,
                         block_tables=[epb.GroupBlockTable(block_ids=t) for t in alloc.block_ids])]))

@@ -3,22 +3,25 @@ session's real cache service (which ops each step sends, "no room" in a decode o
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
+from cache_service.client import AllocateResult, CacheError, DecodeResult, StepResult, ops
 from executor.cache import CacheTensors, GroupInfo, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
-from executor.engine import Engine, EngineConfig, Request, plan_chunk
+from executor.engine import Engine, EngineConfig, Request, TokenEvent, plan_chunk
 from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from paged_helpers import shared_prefix_workload
+from paged_helpers import op_result, shared_prefix_workload
 
 
 @given(start=st.integers(0, 500), extra=st.integers(0, 500), budget=st.integers(1, 300),
@@ -56,14 +59,15 @@ class RecordingLink(CacheLink):
     step), and fails the calls whose 0-based numbers are in ``fail_at`` with
     CacheUnavailable before sending them: a failed call applies nothing on the service."""
 
-    def __init__(self, *args, fail_at: frozenset[int] = frozenset(), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent: list[tuple[list, object, bool]] = []
+    def __init__(self, target: str, plan: PoolPlan, *,
+                 fail_at: frozenset[int] = frozenset()) -> None:
+        super().__init__(target, plan)
+        self.sent: list[tuple[list[pb.Op], StepResult, bool]] = []
         self.fail_at = fail_at
         self.attempts = 0
-        self.failed: list[list] = []
+        self.failed: list[list[pb.Op]] = []
 
-    def step(self, step_ops, *, begin_step=False):
+    def step(self, step_ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         n, self.attempts = self.attempts, self.attempts + 1
         if n in self.fail_at:
             self.failed.append(list(step_ops))
@@ -98,6 +102,11 @@ def assert_views_agree(engine: Engine, link: CacheLink) -> None:
     assert link.client.stats(pool).num_requests == len(registered) + len(engine.to_free)
 
 
+def collect_into(out: list[int]) -> Callable[[TokenEvent], None]:
+    """A request's sink that appends its tokens to ``out``."""
+    return lambda ev: out.extend(ev.token_ids)
+
+
 def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_tokens: int, *,
                num_blocks: int | None = None, fail_at: frozenset[int] = frozenset()
                ) -> tuple[list[list[int]], Engine, RecordingLink]:
@@ -114,16 +123,13 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
     cache = CacheTensors(cfg, groups, info.num_blocks, info.layer_page_size_bytes)
     engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
     outputs: list[list[int]] = [[] for _ in prompts]
-    for i, prompt in enumerate(prompts):
-        engine.submit(Request(engine.new_request_id(), prompt, max_tokens,
-                              sink=lambda ev, i=i: outputs[i].extend(ev.token_ids)))
+    for prompt, out in zip(prompts, outputs):
+        engine.submit(Request(engine.new_request_id(), prompt, max_tokens, sink=collect_into(out)))
     engine._drain_inbox(block=False)
     try:
         while engine.has_work:
-            try:
+            with contextlib.suppress(CacheUnavailable):  # Engine.run backs off and steps again
                 engine.step()
-            except CacheUnavailable:
-                pass  # Engine.run backs off and steps again
             assert_views_agree(engine, link)
         stats = link.client.stats(plan.pool_id)
         assert stats.num_requests == 0 and stats.num_free_blocks == info.num_blocks - 1
@@ -132,12 +138,12 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
     return outputs, engine, link
 
 
-def decode_ops(link: RecordingLink) -> list[tuple[object, DecodeResult]]:
+def decode_ops(link: RecordingLink) -> list[tuple[pb.DecodeOp, DecodeResult]]:
     out = []
     for batch, result, _ in link.sent:
-        for op, res in zip(batch, result.results):
+        for i, op in enumerate(batch):
             if op.WhichOneof("op") == "decode":
-                out.append((op.decode, res))
+                out.append((op.decode, op_result(result, i, DecodeResult)))
     return out
 
 
@@ -197,7 +203,7 @@ def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> N
             link.step([ops.decode(["a", "nope"], [4, 5])])
         assert exc.value.field == "ops[0].decode.request_ids[1]"
         result = link.step([ops.decode(["a"], [4])], begin_step=True)
-        assert result.results[0].ok == [True]
+        assert op_result(result, 0, DecodeResult).ok == [True]
         assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
     finally:
         link.close()

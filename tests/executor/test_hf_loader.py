@@ -12,12 +12,11 @@ import json
 
 import pytest
 import torch
-from test_model import run, tables_for
 
 from executor.errors import SettingError
 from executor.hf_loader import load_hf_model, read_config
 
-from paged_helpers import BlockSource, one_group_per_layer
+from paged_helpers import BlockSource, one_group_per_layer, run_chunks, tables_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +106,7 @@ def test_logits_match_transformers_in_both_config_layouts(checkpoint) -> None:
         refs.append((tokens, ref))
         # prompt in two chunks (when long enough), then three decode steps
         cuts = ([n // 2] if n > 1 else []) + [n, n + 1, n + 2, n + 3]
-        got = run(ours, cache, tokens, cuts, tables_for(cache, n + 3, src))
+        got = run_chunks(ours, cache, tokens, cuts, tables_for(cache, n + 3, src))
         scale = ref.abs().max().item()
         torch.testing.assert_close(got, ref, atol=2e-4 * max(scale, 1.0), rtol=1e-4)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
