@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 import structlog
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
@@ -396,7 +397,9 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
                  model=ex.model.config.name, pool_id=ex.plan.pool_id,
                  cache_service=settings.cache_service)
     # Lifecycle lines print at any --log-level (supervisors and launchers wait for them).
-    lifecycle().info("listening", **where)
+    # torch_threads: the intra-op threads torch got (OMP_NUM_THREADS, set by executor.cli
+    # before torch is imported).
+    lifecycle().info("listening", **where, torch_threads=torch.get_num_threads())
 
     async def mark_serving() -> None:
         if not ex.draining:

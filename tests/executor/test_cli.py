@@ -96,6 +96,23 @@ def test_a_bare_boolean_flag_means_true() -> None:
     assert parse_settings(["--no-enable-prefix-caching"]).enable_prefix_caching is False
 
 
+def test_the_executor_runs_one_intra_op_thread_unless_told_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executors share the host's cores: ``python -m executor`` sets OMP_NUM_THREADS=1 (unless
+    set) before torch is imported, so torch in the started process runs one intra-op thread
+    where it would default to one per core; a value in the environment wins."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: torch would default to one thread anyway")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # tests/conftest.py sets both
+        monkeypatch.delenv(var, raising=False)
+    unreachable = f"127.0.0.1:{_free_port()}"  # listening comes before registering
+    for env, threads in (({}, 1), ({"OMP_NUM_THREADS": "2"}, 2)):
+        with start_executor(unreachable, "--preset", "gemma3-like", wait_serving=False,
+                            env=env) as ex:
+            assert ex.ready_record is not None
+            assert ex.ready_record["torch_threads"] == threads, env
+
+
 def test_serving_means_serving_at_every_log_level() -> None:
     """At --log-level warning both servers still print their readiness lines; the executor's
     "serving" comes only once it has registered (its health is SERVING by then)."""
