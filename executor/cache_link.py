@@ -103,7 +103,8 @@ class CacheLink:
         try:
             self.info = self.client.register_pool(
                 self.plan.pool_id, self.plan.layer_protos(), num_blocks=self.plan.num_blocks,
-                available_memory_bytes=None if self.plan.num_blocks else int(self.plan.memory_bytes or 0),
+                available_memory_bytes=(None if self.plan.num_blocks
+                                        else int(self.plan.memory_bytes or 0)),
                 max_model_len=self.plan.max_model_len, enable_caching=self.plan.enable_caching,
                 vocab_size=self.plan.vocab_size or None)
         except CacheError as exc:

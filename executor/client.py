@@ -39,7 +39,8 @@ class GenerateOptions(TypedDict, total=False):
 
 def generate_request(prompt: Sequence[int], max_tokens: int, *, request_id: str = "",
                      temperature: float = 0.0, seed: int = 0, top_k: int = 0, top_p: float = 0.0,
-                     stop_token_ids: Sequence[int] = (), cache_salt: str = "") -> epb.GenerateRequest:
+                     stop_token_ids: Sequence[int] = (),
+                     cache_salt: str = "") -> epb.GenerateRequest:
     return epb.GenerateRequest(
         request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), cache_salt=cache_salt,

@@ -85,12 +85,14 @@ def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int
     """``n`` prompts over ``num_prefixes`` shared prefixes with unique tails."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    return [prefixes[i % num_prefixes] + [rng.randrange(vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len))]
+    return [prefixes[i % num_prefixes]
+            + [rng.randrange(vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len))]
             for i in range(n)]
 
 
 async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                       concurrency: int, label: str, progress: Progress | None = None) -> RunSummary:
+                       concurrency: int, label: str,
+                       progress: Progress | None = None) -> RunSummary:
     client = AsyncExecutorClient(target)
     sem = asyncio.Semaphore(concurrency)
     task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None
@@ -131,7 +133,8 @@ def print_summary(runs: list[RunSummary], identical: bool | None, console: Conso
         table.add_column(r.label, justify="right")
     stats = [r.as_dict() for r in runs]
     rows = [("requests", "requests", "{}"), ("prefix hit rate", "hit_rate", "{:.1%}"),
-            ("prompt tokens", "prompt_tokens", "{}"), ("  computed", "computed_prompt_tokens", "{}"),
+            ("prompt tokens", "prompt_tokens", "{}"),
+            ("  computed", "computed_prompt_tokens", "{}"),
             ("  saved (cache hits)", "cached_tokens", "{}"), ("TTFT p50", "ttft_p50_s", "{:.3f} s"),
             ("TTFT p99", "ttft_p99_s", "{:.3f} s"), ("output tokens", "output_tokens", "{}"),
             ("tokens / s", "tokens_per_s", "{:.1f}"), ("wall time", "wall_s", "{:.2f} s"),
@@ -205,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--target", default="", help="HOST:PORT of a running executor (no local servers)")
+    p.add_argument("--target", default="",
+                   help="HOST:PORT of a running executor (no local servers)")
     p.add_argument("--wait-seconds", type=float, default=120.0,
                    help="with --target: how long to wait for the executor to be SERVING")
     p.add_argument("--no-compare", action="store_true", help="skip the run without prefix caching")
@@ -240,14 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.target:
             if not wait_until_serving(args.target, args.wait_seconds, console):
                 return _error(f"--target {args.target}: no executor became SERVING within "
-                              f"{args.wait_seconds:g} s; start one (kvcache-executor --cache-service "
-                              f"HOST:PORT) and check that it registered with its cache service (its "
-                              f"'serving' log line)", 1)
+                              f"{args.wait_seconds:g} s; start one (kvcache-executor "
+                              f"--cache-service HOST:PORT) and check that it registered with its "
+                              f"cache service (its 'serving' log line)", 1)
             model = target_model(args.target)
             with progress:
-                runs.append(asyncio.run(run_workload(args.target, prompts, max_tokens=args.max_tokens,
-                                                     concurrency=args.concurrency, label=args.target,
-                                                     progress=progress)))
+                runs.append(asyncio.run(run_workload(
+                    args.target, prompts, max_tokens=args.max_tokens,
+                    concurrency=args.concurrency, label=args.target, progress=progress)))
         else:
             with console.status("starting the cache service and executors ..."):
                 cache = start_cache_service()
@@ -261,12 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     procs.append(ex)
                     targets.append((label, ex.target))
             console.print(f"cache service {cache.target}; executors "
-                          + ", ".join(f"{t} ({label})" for label, t in targets) + f"; preset {args.preset}")
+                          + ", ".join(f"{t} ({label})" for label, t in targets)
+                          + f"; preset {args.preset}")
             with progress:
                 for label, target in targets:
-                    runs.append(asyncio.run(run_workload(target, prompts, max_tokens=args.max_tokens,
-                                                         concurrency=args.concurrency, label=label,
-                                                         progress=progress)))
+                    runs.append(asyncio.run(run_workload(
+                        target, prompts, max_tokens=args.max_tokens,
+                        concurrency=args.concurrency, label=label, progress=progress)))
             model = args.preset
     except KeyboardInterrupt:
         console.print("interrupted; stopping servers")
@@ -276,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.stop()
     identical = None
     if len(runs) == 2:
-        identical = [g.token_ids for g in runs[0].generations] == [g.token_ids for g in runs[1].generations]
+        on, off = runs
+        identical = [g.token_ids for g in on.generations] == [g.token_ids for g in off.generations]
     print_summary(runs, identical, console, model_line(model, local=not args.target))
     if args.json:
         with open(args.json, "w") as f:

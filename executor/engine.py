@@ -202,7 +202,8 @@ class Engine:
         self.layout: list[GroupLayout] = runner.layout
         self.max_model_len = runner.model.config.max_model_len
         self.vocab_size = runner.model.config.vocab_size
-        aligned = [g.block_size for g in self.layout if g.kind == "mamba" and g.mamba_cache_mode == "align"]
+        aligned = [g.block_size for g in self.layout
+                   if g.kind == "mamba" and g.mamba_cache_mode == "align"]
         self.mamba_align_block = max(aligned) if aligned else 0
         check_engine_config(config, self.mamba_align_block)
         self.waiting: deque[Request] = deque()
@@ -344,7 +345,8 @@ class Engine:
         self.free_blocks_hint = result.num_free_blocks
 
         scheduled: list[ScheduledChunk] = []
-        failed: list[PendingAllocate] = []  # no room: their tokens are appended, the retry allocates
+        # no room: their tokens are appended, the retry allocates
+        failed: list[PendingAllocate] = []
         if decoding:
             decoded = result.results[decoding.op_index]
             assert isinstance(decoded, DecodeResult)
@@ -419,7 +421,8 @@ class Engine:
             step_ops.append(ops.allocate(req.request_id, n))
         return (decode if decode.requests else None), planned, budget
 
-    def _plan_candidates(self, step_ops: list, rollback: StepRollback, budget: int) -> list[Candidate]:
+    def _plan_candidates(self, step_ops: list, rollback: StepRollback,
+                         budget: int) -> list[Candidate]:
         """Append ``add``/``append`` + ``lookup`` of the waiting requests that may be admitted
         this step (FCFS, within the budget, ``max_num_seqs`` and the free-block estimate)."""
         candidates: list[Candidate] = []
@@ -434,7 +437,8 @@ class Engine:
                 free_est -= need
             rollback.touch(req)
             if not req.added:
-                step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
+                step_ops.append(ops.add(req.request_id, req.tokens,
+                                        cache_salt=req.cache_salt or None))
                 req.added = True
             elif req.pending_append:
                 step_ops.append(ops.append(req.request_id, req.pending_append))
@@ -444,7 +448,8 @@ class Engine:
             budget -= 1  # a candidate computes at least one token
         return candidates
 
-    def _preempt_and_retry(self, scheduled: list[ScheduledChunk], failed: list[PendingAllocate]) -> list[ScheduledChunk]:
+    def _preempt_and_retry(self, scheduled: list[ScheduledChunk],
+                           failed: list[PendingAllocate]) -> list[ScheduledChunk]:
         """vLLM's policy: while a running request gets no room, preempt the newest running
         request and retry; a request that is itself the newest is preempted. If a round's call
         fails, the victim's preempt is sent with the next step and the requests still without
@@ -486,7 +491,8 @@ class Engine:
         self.metrics.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, candidates: list[Candidate], first: Sequence[object], budget: int) -> list[ScheduledChunk]:
+    def _admit(self, candidates: list[Candidate], first: Sequence[object],
+               budget: int) -> list[ScheduledChunk]:
         """The admission call (``lookup`` + ``allocate(full_sequence_must_fit)`` per
         candidate); returns the admitted chunks. If the call fails the candidates stay
         waiting (nothing applied; they look up again next step)."""
@@ -500,7 +506,8 @@ class Engine:
             shared = max((_common_prefix(req.tokens, a.req.tokens) for a in plan), default=0)
             if shared // unit * unit > lk.hit_tokens:
                 break  # an earlier candidate computes our prefix now: wait one step, then hit it
-            req.boundary = lk.shared_prefix_boundary if lk.shared_prefix_boundary > lk.hit_tokens else 0
+            req.boundary = (lk.shared_prefix_boundary
+                            if lk.shared_prefix_boundary > lk.hit_tokens else 0)
             n = self.chunk_len(req, lk.hit_tokens, budget)
             if n <= 0:
                 break
@@ -636,7 +643,8 @@ def check_engine_config(config: EngineConfig, mamba_align_block: int) -> None:
                            field="--max-tokens-per-step")
 
 
-def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0, align_block: int = 0) -> int:
+def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0,
+               align_block: int = 0) -> int:
     """Length of the next chunk of a request with ``start`` of ``total`` tokens computed.
 
     Never more than ``budget``; never across the shared-prefix ``boundary``; with Mamba

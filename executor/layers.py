@@ -74,7 +74,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, sliding: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
@@ -83,14 +84,16 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps,
                                                   cfg.norm_unit_offset)
-            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps,
+                                                  cfg.norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
         self.sliding_window = cfg.sliding_window if sliding else None
         theta = cfg.rope_theta_local if (sliding and cfg.rope_theta_local) else cfg.rope_theta
         self.rope_theta = theta if cfg.use_rope else None
         self.rotary_dim = cfg.rotary_dim
-        self.rope_linear_factor = cfg.rope_linear_factor_local if sliding else cfg.rope_linear_factor
+        self.rope_linear_factor = (cfg.rope_linear_factor_local if sliding
+                                   else cfg.rope_linear_factor)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
 
@@ -160,7 +163,8 @@ class Mamba2Mixer(nn.Module):
         xs, b, c = torch.split(xbc, [d_ssm, g * n, g * n], dim=-1)
         t = x.shape[0]
         # contiguous: the kernels may view their inputs (splits of one projection are strided)
-        xs, b, c = xs.reshape(t, h, p).contiguous(), b.reshape(t, g, n).contiguous(), c.reshape(t, g, n).contiguous()
+        xs = xs.reshape(t, h, p).contiguous()
+        b, c = b.reshape(t, g, n).contiguous(), c.reshape(t, g, n).contiguous()
         z, dt = z.contiguous(), dt.contiguous()
         a = -torch.exp(self.A_log.float())
         if is_decode:

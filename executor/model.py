@@ -76,7 +76,8 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         if init:
             init_random_weights(self, cfg.seed, cfg.weight_scale)
         self.to(getattr(torch, cfg.dtype))
@@ -126,7 +127,8 @@ def init_random_weights(model: HybridModel, seed: int, scale: float = 1.0) -> No
                 if p.dim() == 1:  # Mamba-2: one decay per head
                     p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 15 + 1))
                 else:  # Mamba-1: S4D-real init, A = -(1..N) per channel
-                    p.copy_(torch.log(torch.arange(1, p.shape[1] + 1, dtype=torch.float32)).expand_as(p))
+                    one_to_n = torch.arange(1, p.shape[1] + 1, dtype=torch.float32)
+                    p.copy_(torch.log(one_to_n).expand_as(p))
             elif leaf == "dt_bias" or name.endswith("dt_proj.bias"):
                 dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
                                + math.log(1e-3))

@@ -114,9 +114,11 @@ def build_model(settings: ExecutorSettings) -> HybridModel:
         from executor.hf_loader import load_hf_model
 
         try:
-            return load_hf_model(settings.hf_checkpoint, max_model_len=settings.max_model_len or None)
+            return load_hf_model(settings.hf_checkpoint,
+                                 max_model_len=settings.max_model_len or None)
         except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{settings.hf_checkpoint}: {exc}", field="--hf-checkpoint") from None
+            raise InvalidArgument(f"{settings.hf_checkpoint}: {exc}",
+                                  field="--hf-checkpoint") from None
     if settings.model_config_json is not None:
         try:
             cfg = ModelConfig.from_dict(json.loads(settings.model_config_json.read_text()))
@@ -161,8 +163,8 @@ def _sampling(msg: epb.SamplingParams) -> SamplingParams:
 def _stats_msg(stats: Any) -> epb.RequestStats:
     return epb.RequestStats(prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                             time_to_first_token_s=stats.time_to_first_token_s,
-                            output_tokens=stats.output_tokens, num_preemptions=stats.num_preemptions,
-                            total_time_s=stats.total_time_s)
+                            output_tokens=stats.output_tokens,
+                            num_preemptions=stats.num_preemptions, total_time_s=stats.total_time_s)
 
 
 class Executor:
@@ -183,8 +185,8 @@ class Executor:
     def start(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         """Registers and brings up the engine on a thread; then ``on_ready()``, or
         ``on_fatal(one line saying why)`` if the executor can never serve."""
-        t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal), name="executor-register",
-                             daemon=True)
+        t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal),
+                             name="executor-register", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -207,9 +209,10 @@ class Executor:
         else:
             return
         try:  # a failure here must end the process, not leave it up and never SERVING
-            groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-            cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
-                                 device=self.settings.device)
+            groups = [GroupInfo(tuple(g.layer_names), lay)
+                      for g, lay in zip(info.groups, group_layouts(info))]
+            cache = CacheTensors(self.model.config, groups, info.num_blocks,
+                                 info.layer_page_size_bytes, device=self.settings.device)
             self.runner = ModelRunner(self.model, cache)
             self.engine = Engine(self.runner, self.link, engine_config(self.settings))
         except Exception as exc:
@@ -291,7 +294,8 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
         tokens, chunks, params, positions = [], [], [], []
         for i, s in enumerate(request.sequences):
             if not s.token_ids:
-                raise InvalidArgument("at least one token is required", field=f"sequences[{i}].token_ids")
+                raise InvalidArgument("at least one token is required",
+                                      field=f"sequences[{i}].token_ids")
             if s.num_computed_tokens < 0:
                 raise InvalidArgument("must be >= 0", field=f"sequences[{i}].num_computed_tokens")
             end = s.num_computed_tokens + len(s.token_ids)
@@ -330,7 +334,8 @@ class EngineCollector:
 
     def collect(self) -> Iterable[Any]:
         engine = self.ex.engine
-        ready = GaugeMetricFamily("kvcache_executor_ready", "1 once registered with the cache service")
+        ready = GaugeMetricFamily("kvcache_executor_ready",
+                                  "1 once registered with the cache service")
         ready.add_metric([], 1.0 if self.ex.ready.is_set() else 0.0)
         yield ready
         if engine is None:
@@ -376,13 +381,15 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     epb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(ex), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     except RuntimeError:  # taken since prepare() checked it
         port = 0
     if port == 0:
-        return exit_with_error("kvcache-executor", f"--port: cannot listen on {settings.host}:{settings.port}", 2)
+        return exit_with_error("kvcache-executor",
+                               f"--port: cannot listen on {settings.host}:{settings.port}", 2)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -424,7 +431,8 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     ex.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.drain_seconds
-    while ex.engine is not None and (ex.engine.running or ex.engine.waiting) and time.monotonic() < deadline:
+    while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+           and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
     await server.stop(1.0)
     await asyncio.to_thread(ex.close)

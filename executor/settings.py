@@ -1,5 +1,6 @@
 """Executor settings: flags over ``KVCACHE_EXECUTOR_*`` environment variables over defaults
-(the same command-line mechanism as ``cache_service.settings``: :func:`kvcache_common.cli.parse_cli`).
+(the same command-line mechanism as ``cache_service.settings``:
+:func:`kvcache_common.cli.parse_cli`).
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> as
                          b"\r\nContent-Length: " + str(len(body)).encode() +
                          b"\r\nConnection: close\r\n\r\n" + body)
             await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+                asyncio.LimitOverrunError):
             pass
         finally:
             writer.close()
