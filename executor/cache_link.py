@@ -23,10 +23,12 @@ from cache_service.client import (
 )
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
+from executor.cache import GroupInfo
 from executor.errors import CacheUnavailable, PoolLost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_layouts"]
+__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_infos",
+           "group_layouts"]
 
 
 @dataclass
@@ -55,6 +57,12 @@ def group_layouts(info: PoolInfo) -> list[GroupLayout]:
         else:
             out.append(GroupLayout("attention", g.block_size))
     return out
+
+
+def group_infos(info: PoolInfo) -> list[GroupInfo]:
+    """Each of the pool's groups as CacheTensors takes it: its layer names and its layout."""
+    return [GroupInfo(tuple(g.layer_names), lay)
+            for g, lay in zip(info.groups, group_layouts(info))]
 
 
 class CacheLink:

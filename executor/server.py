@@ -43,8 +43,8 @@ from prometheus_client.process_collector import ProcessCollector
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
 from executor.batch import SeqChunk
-from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_layouts
+from executor.cache import CacheTensors, model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, group_infos
 from executor.config import ModelConfig
 from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
 from executor.errors import (
@@ -209,9 +209,7 @@ class Executor:
         else:
             return
         try:  # a failure here must end the process, not leave it up and never SERVING
-            groups = [GroupInfo(tuple(g.layer_names), lay)
-                      for g, lay in zip(info.groups, group_layouts(info))]
-            cache = CacheTensors(self.model.config, groups, info.num_blocks,
+            cache = CacheTensors(self.model.config, group_infos(info), info.num_blocks,
                                  info.layer_page_size_bytes, device=self.settings.device)
             self.runner = ModelRunner(self.model, cache)
             self.engine = Engine(self.runner, self.link, engine_config(self.settings))

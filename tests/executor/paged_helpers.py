@@ -1,11 +1,12 @@
 """Helpers of the executor tier: cache layouts without a cache service (for model unit
-tests), a trivial block-id source, chunked runs of a model on the paged cache, and typed
-access to per-group metadata and op results."""
+tests), a trivial block-id source, chunked runs of a model on the paged cache, typed
+access to per-group metadata and op results, and small probes of a running executor."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import socket
 from typing import TypeVar, Unpack
 
 import torch
@@ -127,3 +128,20 @@ def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int,
     with ExecutorClient(target) as client, ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(client.generate, p, max_tokens, **kwargs) for p in prompts]
         return [f.result() for f in futures]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of the call)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(target: str) -> str:
+    """The overall gRPC health status of ``target`` by name ("SERVING", "NOT_SERVING" ...)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)

@@ -15,7 +15,8 @@ ALIGN = GroupLayout("mamba", 4, "align")
 NONE = GroupLayout("mamba", 1024, "none")
 
 
-@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 12)), min_size=1, max_size=4), st.randoms())
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 12)), min_size=1, max_size=4),
+       st.randoms())
 def test_slot_mapping_follows_the_tables(reqs, rnd) -> None:
     ids = list(range(1, 400))
     rnd.shuffle(ids)
@@ -28,9 +29,11 @@ def test_slot_mapping_follows_the_tables(reqs, rnd) -> None:
     expected = [c.block_tables[0][p // 4] * 4 + p % 4
                 for c in chunks for p in range(c.num_computed, c.num_computed + c.query_len)]
     assert slots == expected
-    assert meta.positions.tolist() == [p for c in chunks for p in range(c.num_computed, c.num_computed + c.query_len)]
+    assert meta.positions.tolist() == [p for c in chunks
+                                       for p in range(c.num_computed, c.num_computed + c.query_len)]
     assert meta.query_start_loc.tolist()[-1] == len(slots)
-    assert attention_meta(meta, 0).seq_lens.tolist() == [c.num_computed + c.query_len for c in chunks]
+    seq_lens = [c.num_computed + c.query_len for c in chunks]
+    assert attention_meta(meta, 0).seq_lens.tolist() == seq_lens
     assert meta.is_decode == all(c.query_len == 1 and c.num_computed > 0 for c in chunks)
 
 

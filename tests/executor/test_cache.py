@@ -75,8 +75,9 @@ def test_a_block_of_any_layer_lives_inside_its_page(layer: int, block: int, whic
 def test_layers_must_match_their_groups() -> None:
     cfg = PRESETS["hybrid-fsm"]
     t = _tensors("hybrid-fsm")
-    swapped = [GroupInfo(g.layer_names, GroupLayout("attention" if g.layout.kind == "mamba" else "mamba",
-                                                    g.layout.block_size)) for g in t.groups]
+    swapped = [GroupInfo(g.layer_names,
+                         GroupLayout("attention" if g.layout.kind == "mamba" else "mamba",
+                                     g.layout.block_size)) for g in t.groups]
     with pytest.raises(ValueError, match="groups"):
         CacheTensors(cfg, swapped, 12, t.page_size_bytes)
     with pytest.raises(ValueError, match="num_blocks"):

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cache_service.client import AllocateResult, CacheError, DecodeResult, StepResult, ops
-from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_layouts
+from executor.cache import CacheTensors, model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, group_infos
 from executor.engine import Engine, EngineConfig, Request, TokenEvent, plan_chunk
 from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
@@ -26,7 +26,8 @@ from paged_helpers import op_result, shared_prefix_workload
 
 @given(start=st.integers(0, 500), extra=st.integers(0, 500), budget=st.integers(1, 300),
        block=st.sampled_from([0, 16, 48]), boundary=st.integers(0, 1000))
-def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int, boundary: int) -> None:
+def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int,
+                               boundary: int) -> None:
     total = start + extra
     if block and boundary:
         boundary = boundary // block * block  # lookups report block-aligned boundaries
@@ -36,7 +37,8 @@ def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int, 
     assert not (start < boundary < end)  # never crosses the shared-prefix boundary
     if block and n:
         # mid-prompt chunks end on block boundaries; the final partial block runs alone
-        assert end % block == 0 or end == boundary or (end == total and start >= total // block * block)
+        last_partial = end == total and start >= total // block * block
+        assert end % block == 0 or end == boundary or last_partial
     if extra and budget >= max(block, 1):
         assert n > 0  # progress whenever the budget holds a block
 
@@ -119,8 +121,7 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
                     vocab_size=cfg.vocab_size)
     link = RecordingLink(target, plan, fail_at=fail_at)
     info = link.register()
-    groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-    cache = CacheTensors(cfg, groups, info.num_blocks, info.layer_page_size_bytes)
+    cache = CacheTensors(cfg, group_infos(info), info.num_blocks, info.layer_page_size_bytes)
     engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
     outputs: list[list[int]] = [[] for _ in prompts]
     for prompt, out in zip(prompts, outputs):
@@ -178,7 +179,8 @@ def test_no_room_in_a_decode_op_preempts_the_newest_and_keeps_outputs(cache_serv
     failed = [(op, res) for op, res in decode_ops(link) if not res.all_ok]
     assert failed, "no decode op ran out of room: the test does not reach that path"
     # The retry round after such a step preempts the newest request and allocates the rest.
-    retries = [batch for batch, _, _ in link.sent if batch and batch[0].WhichOneof("op") == "preempt"
+    retries = [batch for batch, _, _ in link.sent
+               if batch and batch[0].WhichOneof("op") == "preempt"
                and any(op.WhichOneof("op") == "allocate" for op in batch[1:])]
     assert retries
     for batch, result, _ in link.sent:

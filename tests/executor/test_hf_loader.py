@@ -183,7 +183,8 @@ def test_executor_serves_a_checkpoint(cache_service, tmp_path) -> None:
         ids = torch.tensor([prompt])
         for _ in range(4):
             ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
-    proc = start_executor(cache_service.target, "--hf-checkpoint", str(tmp_path), "--max-model-len", "256")
+    proc = start_executor(cache_service.target, "--hf-checkpoint", str(tmp_path),
+                          "--max-model-len", "256")
     try:
         with ExecutorClient(proc.target) as ex:
             info = ex.info()

@@ -18,15 +18,21 @@ BS = 16
 ATOL, RTOL = 2e-3, 1e-4  # logits have std ~10; fp32 kernels agree to ~1e-5
 
 
+def random_tokens(model: HybridModel, n: int, *, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (n,),
+                         generator=torch.Generator().manual_seed(seed))
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_chunked_prefill_and_decode_match_one_shot(models, preset: str) -> None:
     model = models[preset]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource()
-    tokens = torch.randint(0, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(3))
+    tokens = random_tokens(model, 90, seed=3)
     one_shot = run_chunks(model, cache, tokens, [90], tables_for(cache, 90, src))
     # chunks that straddle block boundaries, then three decode steps
-    pieces = run_chunks(model, cache, tokens, [13, 16, 50, 87, 88, 89, 90], tables_for(cache, 90, src))
+    pieces = run_chunks(model, cache, tokens, [13, 16, 50, 87, 88, 89, 90],
+                        tables_for(cache, 90, src))
     torch.testing.assert_close(pieces, one_shot, atol=ATOL, rtol=RTOL)
     assert one_shot.std() > 3.0  # random weights give clear greedy winners
 
@@ -70,7 +76,7 @@ def test_align_mode_never_writes_a_checkpoint_in_place(models) -> None:
     model = models["hybrid-fsm"]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource()
-    tokens = torch.randint(0, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(9))
+    tokens = random_tokens(model, 48, seed=9)
     tables = tables_for(cache, 48, src)
     run_chunks(model, cache, tokens, [32], tables)  # state after 32 tokens lives in block index 1
     mamba = [i for i, g in enumerate(cache.layout) if g.kind == "mamba"]
@@ -98,7 +104,7 @@ def test_any_chunking_matches_one_shot(models, cuts: list[int]) -> None:
     model = models["plamo2-like"]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource(start=sum(cuts) % 100)
-    tokens = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(11))
+    tokens = random_tokens(model, 60, seed=11)
     ref = run_chunks(model, cache, tokens, [60], tables_for(cache, 60, src))
     got = run_chunks(model, cache, tokens, sorted(cuts) + [60], tables_for(cache, 60, src))
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
