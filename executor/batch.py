@@ -13,8 +13,8 @@ checkpoint block is never written in place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -75,7 +75,8 @@ def _block(table: Sequence[int], index: int, *, group: int, what: str) -> int:
                               f"table has {len(table)} entries")
     block = int(table[index])
     if block <= 0:
-        raise InvalidArgument(f"block_tables[{group}][{index}]: {what} needs a real block, got {block}")
+        raise InvalidArgument(f"block_tables[{group}][{index}]: {what} needs a real block, "
+                              f"got {block}")
     return block
 
 
@@ -102,7 +103,8 @@ def build_forward_meta(chunks: Sequence[SeqChunk], layout: Sequence[GroupLayout]
             bt = torch.zeros(len(chunks), width, dtype=torch.int32)
             for b, t in enumerate(tables):
                 bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            seq_lens = torch.tensor([c.num_computed + c.query_len for c in chunks], dtype=torch.int32)
+            seq_lens = torch.tensor([c.num_computed + c.query_len for c in chunks],
+                                    dtype=torch.int32)
             slots = []
             for b, c in enumerate(chunks):
                 pos = torch.arange(c.num_computed, c.num_computed + c.query_len)
@@ -110,7 +112,8 @@ def build_forward_meta(chunks: Sequence[SeqChunk], layout: Sequence[GroupLayout]
                 _block(tables[b], last, group=g, what=f"request {b} token {int(pos[-1])}")
                 blocks = bt[b].long()[pos // gl.block_size]
                 if bool((blocks <= 0).any()):
-                    raise InvalidArgument(f"block_tables[{g}]: request {b} maps a new token to the null block")
+                    raise InvalidArgument(f"block_tables[{g}]: request {b} maps a new token to "
+                                          f"the null block")
                 slots.append(blocks * gl.block_size + pos % gl.block_size)
             meta.groups.append(AttentionMeta(bt.to(device), seq_lens.to(device),
                                              torch.cat(slots).to(device)))

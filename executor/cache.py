@@ -16,13 +16,19 @@ Attention page: ``[2, block_size, Hkv, D]`` (K then V). Mamba page: conv state
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from cache_service.core.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+from cache_service.core.specs import (
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 from executor.batch import GroupLayout
 from executor.config import ModelConfig
 from executor.model import layer_name
@@ -38,7 +44,8 @@ def mamba_state_shapes(cfg: ModelConfig, kind: str) -> tuple[tuple[int, ...], tu
     return (w, cfg.mamba1_d_inner), (cfg.mamba1_d_inner, cfg.mamba1_d_state)
 
 
-def model_layer_specs(cfg: ModelConfig, *, block_size: int = 16, mamba_cache_mode: str = "align",
+def model_layer_specs(cfg: ModelConfig, *, block_size: int = 16,
+                      mamba_cache_mode: MambaCacheMode = "align",
                       kernel_block_alignment: int = 16) -> dict[str, KVCacheSpec]:
     """Every layer's cache need, in layer order. Mamba hybrids are unified the way vLLM's
     platform code does it (attention block size raised until a page holds a Mamba state;
@@ -83,7 +90,8 @@ class CacheTensors:
     def __init__(self, cfg: ModelConfig, groups: Sequence[GroupInfo], num_blocks: int,
                  page_size_bytes: int, device: torch.device | str = "cpu") -> None:
         if num_blocks < 2:
-            raise ValueError(f"num_blocks: need the null block and at least one more, got {num_blocks}")
+            raise ValueError(f"num_blocks: need the null block and at least one more, "
+                             f"got {num_blocks}")
         self.cfg = cfg
         self.groups = list(groups)
         self.layout = [g.layout for g in self.groups]
@@ -95,7 +103,8 @@ class CacheTensors:
         for g, info in enumerate(self.groups):
             for j, name in enumerate(info.layer_names):
                 if name not in names:
-                    raise ValueError(f"groups[{g}].layer_names: {name!r} is not a layer of the model")
+                    raise ValueError(f"groups[{g}].layer_names: {name!r} is not a layer of "
+                                     f"the model")
                 where[name] = (g, j)
         missing = [n for n in names if n not in where]
         if missing:
@@ -112,11 +121,13 @@ class CacheTensors:
             gl = self.groups[g].layout
             expected = "attention" if kind in ("full_attention", "sliding_window") else "mamba"
             if gl.kind != expected:
-                raise ValueError(f"groups[{g}]: layer {name!r} is {kind} but the group is {gl.kind}")
+                raise ValueError(f"groups[{g}]: layer {name!r} is {kind} but the group is "
+                                 f"{gl.kind}")
             self.layer_group.append(g)
             self.layer_tensors.append(self._views(self.slots[j], kind, gl, dtype))
 
-    def _views(self, slot: Tensor, kind: str, gl: GroupLayout, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def _views(self, slot: Tensor, kind: str, gl: GroupLayout,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         cfg, n = self.cfg, self.num_blocks
         esize = torch.empty((), dtype=dtype).element_size()
         if kind in ("full_attention", "sliding_window"):
@@ -124,13 +135,15 @@ class CacheTensors:
             need = 2 * per * esize
             if need > self.page_size_bytes:
                 raise ValueError(f"page_size_bytes: {self.page_size_bytes} < attention page {need}")
-            kv = slot[:, :need].view(dtype).view(n, 2, gl.block_size, cfg.num_kv_heads, cfg.head_dim)
+            kv = slot[:, :need].view(dtype).view(n, 2, gl.block_size, cfg.num_kv_heads,
+                                                 cfg.head_dim)
             return kv[:, 0], kv[:, 1]
         conv_shape, ssm_shape = mamba_state_shapes(cfg, kind)
         conv_bytes = math.prod(conv_shape) * esize
         ssm_bytes = math.prod(ssm_shape) * esize
         if conv_bytes + ssm_bytes > self.page_size_bytes:
-            raise ValueError(f"page_size_bytes: {self.page_size_bytes} < Mamba state {conv_bytes + ssm_bytes}")
+            raise ValueError(f"page_size_bytes: {self.page_size_bytes} < Mamba state "
+                             f"{conv_bytes + ssm_bytes}")
         conv = slot[:, :conv_bytes].view(dtype).view(n, *conv_shape)
         ssm = slot[:, conv_bytes:conv_bytes + ssm_bytes].view(dtype).view(n, *ssm_shape)
         return conv, ssm

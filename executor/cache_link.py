@@ -8,20 +8,29 @@ freed our requests) into :class:`PoolLost` so the engine re-registers and re-adm
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import grpc
 import structlog
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult, StepStream
-from cache_service.client import layers
+from cache_service.client import (
+    CacheClient,
+    CacheError,
+    PoolInfo,
+    PoolStats,
+    StepResult,
+    StepStream,
+    layers,
+)
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
+from executor.cache import GroupInfo
 from executor.errors import CacheUnavailable, PoolLost
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_layouts"]
+__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_infos",
+           "group_layouts"]
 
 log = structlog.get_logger("executor.cache_link")
 
@@ -52,6 +61,12 @@ def group_layouts(info: PoolInfo) -> list[GroupLayout]:
         else:
             out.append(GroupLayout("attention", g.block_size))
     return out
+
+
+def group_infos(info: PoolInfo) -> list[GroupInfo]:
+    """Each of the pool's groups as CacheTensors takes it: its layer names and its layout."""
+    return [GroupInfo(tuple(g.layer_names), lay)
+            for g, lay in zip(info.groups, group_layouts(info))]
 
 
 class CacheLink:
@@ -112,7 +127,8 @@ class CacheLink:
         try:
             self.info = self.client.register_pool(
                 self.plan.pool_id, self.plan.layer_protos(), num_blocks=self.plan.num_blocks,
-                available_memory_bytes=None if self.plan.num_blocks else int(self.plan.memory_bytes or 0),
+                available_memory_bytes=(None if self.plan.num_blocks
+                                        else int(self.plan.memory_bytes or 0)),
                 max_model_len=self.plan.max_model_len, enable_caching=self.plan.enable_caching,
                 vocab_size=self.plan.vocab_size or None)
         except CacheError as exc:

@@ -13,11 +13,11 @@ import os
 import sys
 from collections.abc import Sequence
 
+from executor.errors import InvalidArgument
+from executor.settings import parse_settings
 from kvcache_common.cli import exit_with_error
 from kvcache_common.listen import port_in_use
 from kvcache_common.logs import configure_logging
-from executor.errors import InvalidArgument
-from executor.settings import parse_settings
 
 PROG = "kvcache-executor"
 

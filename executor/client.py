@@ -3,8 +3,9 @@ and the tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TypedDict, Unpack
 
 import grpc
 
@@ -24,9 +25,22 @@ class Generation:
     total_time_s: float = 0.0
 
 
+class GenerateOptions(TypedDict, total=False):
+    """The optional keywords of :func:`generate_request` (what ``generate`` passes on)."""
+
+    request_id: str
+    temperature: float
+    seed: int
+    top_k: int
+    top_p: float
+    stop_token_ids: Sequence[int]
+    cache_salt: str
+
+
 def generate_request(prompt: Sequence[int], max_tokens: int, *, request_id: str = "",
                      temperature: float = 0.0, seed: int = 0, top_k: int = 0, top_p: float = 0.0,
-                     stop_token_ids: Sequence[int] = (), cache_salt: str = "") -> epb.GenerateRequest:
+                     stop_token_ids: Sequence[int] = (),
+                     cache_salt: str = "") -> epb.GenerateRequest:
     return epb.GenerateRequest(
         request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), cache_salt=cache_salt,
@@ -51,7 +65,7 @@ class ExecutorClient:
         self.channel = grpc.insecure_channel(target)
         self.stub = epb_grpc.ExecutorServiceStub(self.channel)
 
-    def __enter__(self) -> "ExecutorClient":
+    def __enter__(self) -> ExecutorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -61,9 +75,10 @@ class ExecutorClient:
         self.channel.close()
 
     def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 120.0,
-                 **kwargs: object) -> Generation:
+                 **kwargs: Unpack[GenerateOptions]) -> Generation:
         gen = Generation("")
-        for msg in self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout):  # type: ignore[arg-type]
+        request = generate_request(prompt, max_tokens, **kwargs)
+        for msg in self.stub.Generate(request, timeout=timeout):
             _collect(gen, msg)
         return gen
 
@@ -85,9 +100,9 @@ class AsyncExecutorClient:
         await self.channel.close()
 
     async def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 300.0,
-                       **kwargs: object) -> Generation:
+                       **kwargs: Unpack[GenerateOptions]) -> Generation:
         gen = Generation("")
-        call = self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout)  # type: ignore[arg-type]
+        call = self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout)
         async for msg in call:
             _collect(gen, msg)
         return gen

@@ -89,16 +89,17 @@ class ModelConfig:
     def layer_kind(self, i: int) -> str:
         return LAYER_KINDS[self.pattern[i]]
 
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> ModelConfig:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"ModelConfig.{name}: {why}")
 
         if not self.pattern or any(c not in LAYER_KINDS for c in self.pattern):
-            raise bad("pattern", f"{self.pattern!r} must be a non-empty string over {sorted(LAYER_KINDS)}")
+            raise bad("pattern", f"{self.pattern!r} must be a non-empty string over "
+                                 f"{sorted(LAYER_KINDS)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                     "head_dim", "sliding_window", "mamba2_heads", "mamba2_head_dim", "mamba2_groups",
-                     "mamba2_d_state", "mamba2_chunk_size", "mamba1_d_inner", "mamba1_d_state",
-                     "mamba1_dt_rank", "mamba_d_conv", "max_model_len"):
+                     "head_dim", "sliding_window", "mamba2_heads", "mamba2_head_dim",
+                     "mamba2_groups", "mamba2_d_state", "mamba2_chunk_size", "mamba1_d_inner",
+                     "mamba1_d_state", "mamba1_dt_rank", "mamba_d_conv", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise bad(name, "must be positive")
         if self.num_heads % self.num_kv_heads:
@@ -113,7 +114,8 @@ class ModelConfig:
             raise bad("dtype", "must be float32, bfloat16 or float16")
         if not 0.0 < self.rope_fraction <= 1.0:
             raise bad("rope_fraction", "must be in (0, 1]")
-        if self.use_rope and not (1 <= self.rotary_dim and -(-self.rotary_dim // 2) * 2 <= self.head_dim):
+        rotated = -(-self.rotary_dim // 2) * 2  # an odd rotary_dim rotates one more channel
+        if self.use_rope and not (self.rotary_dim >= 1 and rotated <= self.head_dim):
             raise bad("rope_fraction", f"rotates {self.rotary_dim} of {self.head_dim} channels")
         for name in ("rope_linear_factor", "rope_linear_factor_local"):
             if not getattr(self, name) >= 1.0:
@@ -126,7 +128,7 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -136,7 +138,7 @@ class ModelConfig:
             d["mamba2_dt_limit"] = tuple(float(v) for v in d["mamba2_dt_limit"])
         return cls(**d).validate()
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes).validate()
 
 

@@ -27,11 +27,16 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING
 
 from executor.client import AsyncExecutorClient, Generation
 from executor.presets import DEFAULT_PRESET, PRESETS
+
+if TYPE_CHECKING:  # rich is imported when the demo runs, not when its module is imported
+    from rich.console import Console
+    from rich.progress import Progress
 
 
 @dataclass
@@ -56,6 +61,10 @@ class RunSummary:
         values = sorted(g.time_to_first_token_s for g in self.generations)
         return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / max(self.wall_s, 1e-9)
+
     def as_dict(self) -> dict[str, float | int | str]:
         return {"label": self.label, "requests": len(self.generations),
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
@@ -64,7 +73,7 @@ class RunSummary:
                 "ttft_p50_s": self.ttft(0.5), "ttft_p99_s": self.ttft(0.99),
                 "ttft_mean_s": statistics.fmean(g.time_to_first_token_s for g in self.generations),
                 "output_tokens": self.output_tokens, "wall_s": self.wall_s,
-                "tokens_per_s": self.output_tokens / max(self.wall_s, 1e-9),
+                "tokens_per_s": self.tokens_per_s,
                 # Requests the executor preempted for lack of free blocks (then recomputed). The
                 # cache service's kvcache_pool_preemptions also counts the executor's admission
                 # roll-backs, which it sends as preempt ops: a different number.
@@ -76,21 +85,23 @@ def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int
     """``n`` prompts over ``num_prefixes`` shared prefixes with unique tails."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(vocab) for _ in range(prefix_len)] for _ in range(num_prefixes)]
-    return [prefixes[i % num_prefixes] + [rng.randrange(vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len))]
+    return [prefixes[i % num_prefixes]
+            + [rng.randrange(vocab) for _ in range(rng.randint(suffix_len // 2, suffix_len))]
             for i in range(n)]
 
 
 async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                       concurrency: int, label: str, progress: object | None = None) -> RunSummary:
+                       concurrency: int, label: str,
+                       progress: Progress | None = None) -> RunSummary:
     client = AsyncExecutorClient(target)
     sem = asyncio.Semaphore(concurrency)
-    task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None  # type: ignore[attr-defined]
+    task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None
 
     async def one(p: Sequence[int]) -> Generation:
         async with sem:
             g = await client.generate(p, max_tokens)
-        if progress is not None:
-            progress.advance(task_id)  # type: ignore[attr-defined]
+        if progress is not None and task_id is not None:
+            progress.advance(task_id)
         return g
 
     start = time.perf_counter()
@@ -112,7 +123,7 @@ def model_line(name: str, *, local: bool) -> str:
             f"text; compare what the cache saves")
 
 
-def print_summary(runs: list[RunSummary], identical: bool | None, console: object,
+def print_summary(runs: list[RunSummary], identical: bool | None, console: Console,
                   model: str = "") -> None:
     from rich.table import Table
 
@@ -122,26 +133,29 @@ def print_summary(runs: list[RunSummary], identical: bool | None, console: objec
         table.add_column(r.label, justify="right")
     stats = [r.as_dict() for r in runs]
     rows = [("requests", "requests", "{}"), ("prefix hit rate", "hit_rate", "{:.1%}"),
-            ("prompt tokens", "prompt_tokens", "{}"), ("  computed", "computed_prompt_tokens", "{}"),
+            ("prompt tokens", "prompt_tokens", "{}"),
+            ("  computed", "computed_prompt_tokens", "{}"),
             ("  saved (cache hits)", "cached_tokens", "{}"), ("TTFT p50", "ttft_p50_s", "{:.3f} s"),
             ("TTFT p99", "ttft_p99_s", "{:.3f} s"), ("output tokens", "output_tokens", "{}"),
             ("tokens / s", "tokens_per_s", "{:.1f}"), ("wall time", "wall_s", "{:.2f} s"),
             ("preemptions (no free blocks)", "engine_preemptions", "{}")]
     for name, key, fmt in rows:
         table.add_row(name, *(fmt.format(s[key]) for s in stats))
-    console.print(table)  # type: ignore[attr-defined]
+    console.print(table)
     if model:
-        console.print(model)  # type: ignore[attr-defined]
+        console.print(model)
     if len(runs) == 2:
-        on, off = stats
-        console.print(f"TTFT p50 speed-up with prefix caching: {off['ttft_p50_s'] / max(on['ttft_p50_s'], 1e-9):.2f}x; "  # type: ignore[attr-defined]
-                      f"throughput ratio: {on['tokens_per_s'] / max(off['tokens_per_s'], 1e-9):.2f}x")
+        on, off = runs
+        speedup = off.ttft(0.5) / max(on.ttft(0.5), 1e-9)
+        ratio = on.tokens_per_s / max(off.tokens_per_s, 1e-9)
+        console.print(f"TTFT p50 speed-up with prefix caching: {speedup:.2f}x; "
+                      f"throughput ratio: {ratio:.2f}x")
     if identical is not None:
-        console.print("greedy outputs identical with and without caching: "  # type: ignore[attr-defined]
+        console.print("greedy outputs identical with and without caching: "
                       + ("[green]yes[/green]" if identical else "[red]NO[/red]"))
 
 
-def wait_until_serving(target: str, seconds: float, console: object) -> bool:
+def wait_until_serving(target: str, seconds: float, console: Console) -> bool:
     """Until the executor at ``target`` is SERVING (True) or ``seconds`` pass (False), with a
     status line saying what it waits for."""
     import grpc
@@ -150,7 +164,7 @@ def wait_until_serving(target: str, seconds: float, console: object) -> bool:
     deadline = time.monotonic() + seconds
     told = False
     with grpc.insecure_channel(target) as channel, \
-            console.status(f"waiting for the executor at {target} ...") as status:  # type: ignore[attr-defined]
+            console.status(f"waiting for the executor at {target} ...") as status:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -164,7 +178,7 @@ def wait_until_serving(target: str, seconds: float, console: object) -> bool:
             if left <= 0:
                 return False
             if not told:  # once, also where the status line does not render (no terminal)
-                console.print(f"waiting up to {seconds:g} s for the executor at {target} to be "  # type: ignore[attr-defined]
+                console.print(f"waiting up to {seconds:g} s for the executor at {target} to be "
                               f"SERVING: {what}")
                 told = True
             status.update(f"waiting for the executor at {target}: {what} ({left:.0f} s left)")
@@ -194,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--target", default="", help="HOST:PORT of a running executor (no local servers)")
+    p.add_argument("--target", default="",
+                   help="HOST:PORT of a running executor (no local servers)")
     p.add_argument("--wait-seconds", type=float, default=120.0,
                    help="with --target: how long to wait for the executor to be SERVING")
     p.add_argument("--no-compare", action="store_true", help="skip the run without prefix caching")
@@ -229,14 +244,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.target:
             if not wait_until_serving(args.target, args.wait_seconds, console):
                 return _error(f"--target {args.target}: no executor became SERVING within "
-                              f"{args.wait_seconds:g} s; start one (kvcache-executor --cache-service "
-                              f"HOST:PORT) and check that it registered with its cache service (its "
-                              f"'serving' log line)", 1)
+                              f"{args.wait_seconds:g} s; start one (kvcache-executor "
+                              f"--cache-service HOST:PORT) and check that it registered with its "
+                              f"cache service (its 'serving' log line)", 1)
             model = target_model(args.target)
             with progress:
-                runs.append(asyncio.run(run_workload(args.target, prompts, max_tokens=args.max_tokens,
-                                                     concurrency=args.concurrency, label=args.target,
-                                                     progress=progress)))
+                runs.append(asyncio.run(run_workload(
+                    args.target, prompts, max_tokens=args.max_tokens,
+                    concurrency=args.concurrency, label=args.target, progress=progress)))
         else:
             with console.status("starting the cache service and executors ..."):
                 cache = start_cache_service()
@@ -250,12 +265,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     procs.append(ex)
                     targets.append((label, ex.target))
             console.print(f"cache service {cache.target}; executors "
-                          + ", ".join(f"{t} ({label})" for label, t in targets) + f"; preset {args.preset}")
+                          + ", ".join(f"{t} ({label})" for label, t in targets)
+                          + f"; preset {args.preset}")
             with progress:
                 for label, target in targets:
-                    runs.append(asyncio.run(run_workload(target, prompts, max_tokens=args.max_tokens,
-                                                         concurrency=args.concurrency, label=label,
-                                                         progress=progress)))
+                    runs.append(asyncio.run(run_workload(
+                        target, prompts, max_tokens=args.max_tokens,
+                        concurrency=args.concurrency, label=label, progress=progress)))
             model = args.preset
     except KeyboardInterrupt:
         console.print("interrupted; stopping servers")
@@ -265,7 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.stop()
     identical = None
     if len(runs) == 2:
-        identical = [g.token_ids for g in runs[0].generations] == [g.token_ids for g in runs[1].generations]
+        on, off = runs
+        identical = [g.token_ids for g in on.generations] == [g.token_ids for g in off.generations]
     print_summary(runs, identical, console, model_line(model, local=not args.target))
     if args.json:
         with open(args.json, "w") as f:

@@ -46,8 +46,8 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import structlog
 
@@ -97,7 +97,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     cache_salt: str = ""
-    sink: Callable[[TokenEvent], None] | None = None
+    sink: Callable[[TokenEvent], object] | None = None  # its return value is ignored
     # engine state
     outputs: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -164,7 +164,7 @@ class StepRollback:
         """Remember ``req``'s sync state before the step changes it."""
         self._requests.append((req, req.added, req.pending_append))
 
-    def restore(self, engine: "Engine") -> None:
+    def restore(self, engine: Engine) -> None:
         engine.to_free = self.to_free + engine.to_free
         engine.to_preempt = self.to_preempt + engine.to_preempt
         for req, added, pending in reversed(self._requests):
@@ -202,7 +202,8 @@ class Engine:
         self.layout: list[GroupLayout] = runner.layout
         self.max_model_len = runner.model.config.max_model_len
         self.vocab_size = runner.model.config.vocab_size
-        aligned = [g.block_size for g in self.layout if g.kind == "mamba" and g.mamba_cache_mode == "align"]
+        aligned = [g.block_size for g in self.layout
+                   if g.kind == "mamba" and g.mamba_cache_mode == "align"]
         self.mamba_align_block = max(aligned) if aligned else 0
         check_engine_config(config, self.mamba_align_block)
         self.waiting: deque[Request] = deque()
@@ -210,7 +211,7 @@ class Engine:
         self.to_free: list[str] = []
         # Requests the engine moved to waiting whose preempt has not reached the service yet.
         self.to_preempt: list[str] = []
-        self.inbox: "queue.Queue[tuple[str, object]]" = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, Request | str | None]] = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
         self.on_reregister = on_reregister
@@ -288,10 +289,9 @@ class Engine:
             return
         while True:
             kind, payload = item
-            if kind == "add":
-                req = payload  # type: ignore[assignment]
-                req.stats.prompt_tokens = len(req.prompt)
-                self.waiting.append(req)
+            if isinstance(payload, Request):  # kind "add"
+                payload.stats.prompt_tokens = len(payload.prompt)
+                self.waiting.append(payload)
             elif kind == "abort":
                 self._abort(str(payload))
             try:
@@ -345,7 +345,8 @@ class Engine:
         self.free_blocks_hint = result.num_free_blocks
 
         scheduled: list[ScheduledChunk] = []
-        failed: list[PendingAllocate] = []  # no room: their tokens are appended, the retry allocates
+        # no room: their tokens are appended, the retry allocates
+        failed: list[PendingAllocate] = []
         if decoding:
             decoded = result.results[decoding.op_index]
             assert isinstance(decoded, DecodeResult)
@@ -420,7 +421,8 @@ class Engine:
             step_ops.append(ops.allocate(req.request_id, n))
         return (decode if decode.requests else None), planned, budget
 
-    def _plan_candidates(self, step_ops: list, rollback: StepRollback, budget: int) -> list[Candidate]:
+    def _plan_candidates(self, step_ops: list, rollback: StepRollback,
+                         budget: int) -> list[Candidate]:
         """Append ``add``/``append`` + ``lookup`` of the waiting requests that may be admitted
         this step (FCFS, within the budget, ``max_num_seqs`` and the free-block estimate)."""
         candidates: list[Candidate] = []
@@ -435,7 +437,8 @@ class Engine:
                 free_est -= need
             rollback.touch(req)
             if not req.added:
-                step_ops.append(ops.add(req.request_id, req.tokens, cache_salt=req.cache_salt or None))
+                step_ops.append(ops.add(req.request_id, req.tokens,
+                                        cache_salt=req.cache_salt or None))
                 req.added = True
             elif req.pending_append:
                 step_ops.append(ops.append(req.request_id, req.pending_append))
@@ -445,7 +448,8 @@ class Engine:
             budget -= 1  # a candidate computes at least one token
         return candidates
 
-    def _preempt_and_retry(self, scheduled: list[ScheduledChunk], failed: list[PendingAllocate]) -> list[ScheduledChunk]:
+    def _preempt_and_retry(self, scheduled: list[ScheduledChunk],
+                           failed: list[PendingAllocate]) -> list[ScheduledChunk]:
         """vLLM's policy: while a running request gets no room, preempt the newest running
         request and retry; a request that is itself the newest is preempted. If a round's call
         fails, the victim's preempt is sent with the next step and the requests still without
@@ -487,7 +491,8 @@ class Engine:
         self.metrics.preemptions += 1
         self.waiting.appendleft(req)
 
-    def _admit(self, candidates: list[Candidate], first: Sequence[object], budget: int) -> list[ScheduledChunk]:
+    def _admit(self, candidates: list[Candidate], first: Sequence[object],
+               budget: int) -> list[ScheduledChunk]:
         """The admission call (``lookup`` + ``allocate(full_sequence_must_fit)`` per
         candidate); returns the admitted chunks. If the call fails the candidates stay
         waiting (nothing applied; they look up again next step)."""
@@ -501,7 +506,8 @@ class Engine:
             shared = max((_common_prefix(req.tokens, a.req.tokens) for a in plan), default=0)
             if shared // unit * unit > lk.hit_tokens:
                 break  # an earlier candidate computes our prefix now: wait one step, then hit it
-            req.boundary = lk.shared_prefix_boundary if lk.shared_prefix_boundary > lk.hit_tokens else 0
+            req.boundary = (lk.shared_prefix_boundary
+                            if lk.shared_prefix_boundary > lk.hit_tokens else 0)
             n = self.chunk_len(req, lk.hit_tokens, budget)
             if n <= 0:
                 break
@@ -637,7 +643,8 @@ def check_engine_config(config: EngineConfig, mamba_align_block: int) -> None:
                            field="--max-tokens-per-step")
 
 
-def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0, align_block: int = 0) -> int:
+def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0,
+               align_block: int = 0) -> int:
     """Length of the next chunk of a request with ``start`` of ``total`` tokens computed.
 
     Never more than ``budget``; never across the shared-prefix ``boundary``; with Mamba

@@ -18,8 +18,9 @@ names the key. A checkpoint loads with transformers' logits or not at all.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,8 +42,8 @@ NO_MATH_KEYS = frozenset({
 
 #: 4.x keys AutoConfig folds into a 5.x key: honoured exactly when that key is.
 LEGACY_KEYS = {"rope_scaling": "rope_parameters", "rope_theta": "rope_parameters",
-               "rope_local_base_freq": "rope_parameters", "partial_rotary_factor": "rope_parameters",
-               "sliding_window_pattern": "layer_types"}
+               "rope_local_base_freq": "rope_parameters",
+               "partial_rotary_factor": "rope_parameters", "sliding_window_pattern": "layer_types"}
 
 
 class _Keys:
@@ -85,13 +86,17 @@ class _Keys:
             f"rope_parameters.{layer_type}" if keyed else "rope_parameters")
         kind = p.get("rope_type", "default")
         if kind not in ("default", "linear"):
-            raise ValueError(f"{where}.rope_type: {kind!r} is not supported (default or linear RoPE only)")
-        known = {"rope_type", "rope_theta", "partial_rotary_factor"} | ({"factor"} if kind == "linear" else set())
+            raise ValueError(f"{where}.rope_type: {kind!r} is not supported (default or linear "
+                             f"RoPE only)")
+        known = {"rope_type", "rope_theta", "partial_rotary_factor"}
+        if kind == "linear":
+            known.add("factor")
         extra = sorted(set(p) - known)
         if extra:
             raise ValueError(f"{where}.{extra[0]}: not supported with rope_type {kind!r}")
         if "rope_theta" not in p:
-            raise ValueError(f"rope_parameters: no rope_theta for {layer_type or 'the attention layers'}")
+            raise ValueError(f"rope_parameters: no rope_theta for "
+                             f"{layer_type or 'the attention layers'}")
         return (float(p["rope_theta"]), float(p["factor"]) if kind == "linear" else 1.0,
                 float(p.get("partial_rotary_factor", 1.0)))
 
@@ -119,7 +124,8 @@ def bamba_config(c: _Keys, max_model_len: int | None) -> ModelConfig:
     if d_head in (None, "auto"):
         d_head = d_inner // m_heads
     if d_head * m_heads != d_inner:
-        raise ValueError("mamba_d_head: mamba_n_heads * mamba_d_head must equal mamba_expand * hidden_size")
+        raise ValueError("mamba_d_head: mamba_n_heads * mamba_d_head must equal "
+                         "mamba_expand * hidden_size")
     limit = c.get("time_step_limit") or (0.0, float("inf"))
     theta, factor, fraction = c.rope(None)
     return ModelConfig(
@@ -158,14 +164,17 @@ def gemma3_config(c: _Keys, max_model_len: int | None) -> ModelConfig:
         name="gemma3", pattern="".join("S" if t == "sliding_attention" else "F" for t in types),
         vocab_size=c["vocab_size"], hidden_size=hidden, intermediate_size=c["intermediate_size"],
         mlp_activation="gelu_tanh", rms_norm_eps=c["rms_norm_eps"], norm_unit_offset=True,
-        sandwich_norm=True, embed_scale=hidden ** 0.5, tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+        sandwich_norm=True, embed_scale=hidden ** 0.5,
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)),
         final_logit_softcap=c.get("final_logit_softcapping"),
-        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"], head_dim=head_dim,
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+        head_dim=head_dim,
         rope_theta=theta, rope_theta_local=theta_local,
         rope_linear_factor=factor, rope_linear_factor_local=factor_local,
         sliding_window=c["sliding_window"], qk_norm=True,
         query_pre_attn_scalar=float(c.get("query_pre_attn_scalar") or head_dim),
-        attn_softcap=c.get("attn_logit_softcapping"), attention_bias=bool(c.get("attention_bias", False)),
+        attn_softcap=c.get("attn_logit_softcapping"),
+        attention_bias=bool(c.get("attention_bias", False)),
         max_model_len=_max_len(c, max_model_len),
     ).validate()
 
@@ -175,19 +184,23 @@ def _map_bamba(name: str) -> str | None:
     if name == "final_layernorm.weight":
         return "norm.weight"
     name = (name.replace(".feed_forward.", ".mlp.").replace(".self_attn.", ".mixer.")
-            .replace(".mamba.conv1d.weight", ".mixer.conv_weight").replace(".mamba.conv1d.bias", ".mixer.conv_bias")
+            .replace(".mamba.conv1d.weight", ".mixer.conv_weight")
+            .replace(".mamba.conv1d.bias", ".mixer.conv_bias")
             .replace(".mamba.norm.weight", ".mixer.norm_weight").replace(".mamba.", ".mixer."))
     return name
 
 
 def _map_gemma3(name: str) -> str | None:
     name = name.removeprefix("model.").removeprefix("language_model.")
-    return (name.replace(".self_attn.", ".mixer.").replace(".post_attention_layernorm.", ".post_mixer_layernorm.")
+    return (name.replace(".self_attn.", ".mixer.")
+            .replace(".post_attention_layernorm.", ".post_mixer_layernorm.")
             .replace(".pre_feedforward_layernorm.", ".pre_ff_layernorm.")
             .replace(".post_feedforward_layernorm.", ".post_ff_layernorm."))
 
 
-ARCHITECTURES: dict[str, tuple[Callable[[_Keys, int | None], ModelConfig], Callable[[str], str | None]]] = {
+#: model_type -> (its ModelConfig from the config's keys, a checkpoint tensor's name -> ours).
+ARCHITECTURES: dict[str, tuple[Callable[[_Keys, int | None], ModelConfig],
+                               Callable[[str], str | None]]] = {
     "bamba": (bamba_config, _map_bamba), "gemma3_text": (gemma3_config, _map_gemma3)}
 
 
@@ -198,7 +211,8 @@ def read_config(path: str | Path, max_model_len: int | None = None) -> ModelConf
     raw = json.loads((path / "config.json").read_text())
     model_type = raw.get("model_type", "")
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"model_type: {model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}")
+        raise ValueError(f"model_type: {model_type!r} is not supported; expected one of "
+                         f"{sorted(ARCHITECTURES)}")
     try:
         import transformers
         from transformers import AutoConfig
@@ -248,7 +262,8 @@ def load_hf_model(path: str | Path, *, max_model_len: int | None = None) -> Hybr
             if ours.endswith("conv_weight"):
                 tensor = tensor.squeeze(1)  # nn.Conv1d weight [C, 1, W] -> [C, W]
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != expected "
+                                 f"{tuple(target.shape)}")
             with torch.no_grad():
                 target.copy_(tensor.to(target.dtype))
             loaded.add(ours)

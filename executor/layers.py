@@ -74,22 +74,26 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, sliding: bool) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.q_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps,
+                                                  cfg.norm_unit_offset)
+            self.k_norm: RMSNorm | None = RMSNorm(cfg.head_dim, cfg.rms_norm_eps,
+                                                  cfg.norm_unit_offset)
         else:
             self.q_norm = self.k_norm = None
         self.sliding_window = cfg.sliding_window if sliding else None
         theta = cfg.rope_theta_local if (sliding and cfg.rope_theta_local) else cfg.rope_theta
         self.rope_theta = theta if cfg.use_rope else None
         self.rotary_dim = cfg.rotary_dim
-        self.rope_linear_factor = cfg.rope_linear_factor_local if sliding else cfg.rope_linear_factor
+        self.rope_linear_factor = (cfg.rope_linear_factor_local if sliding
+                                   else cfg.rope_linear_factor)
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.softcap = cfg.attn_softcap
 
@@ -100,7 +104,9 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
         if self.rope_theta is not None:
             q = apply_rope(q, positions, theta=self.rope_theta, rotary_dim=self.rotary_dim,
                            linear_factor=self.rope_linear_factor)
@@ -157,15 +163,19 @@ class Mamba2Mixer(nn.Module):
         xs, b, c = torch.split(xbc, [d_ssm, g * n, g * n], dim=-1)
         t = x.shape[0]
         # contiguous: the kernels may view their inputs (splits of one projection are strided)
-        xs, b, c = xs.reshape(t, h, p).contiguous(), b.reshape(t, g, n).contiguous(), c.reshape(t, g, n).contiguous()
+        xs = xs.reshape(t, h, p).contiguous()
+        b, c = b.reshape(t, g, n).contiguous(), c.reshape(t, g, n).contiguous()
         z, dt = z.contiguous(), dt.contiguous()
         a = -torch.exp(self.A_log.float())
-        common = dict(D=self.D, dt_bias=self.dt_bias, dt_softplus=True, dt_limit=cfg.mamba2_dt_limit)
         if is_decode:
-            y = kernels.ssd_state_update(xs, dt, a, b, c, ssm_states, meta.state_indices, **common)
+            y = kernels.ssd_state_update(xs, dt, a, b, c, ssm_states, meta.state_indices,
+                                         D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                         dt_limit=cfg.mamba2_dt_limit)
         else:
             y = kernels.ssd_scan(xs, dt, a, b, c, ssm_states, query_start_loc, meta.state_indices,
-                                 meta.has_initial_state, chunk_size=cfg.mamba2_chunk_size, **common)
+                                 meta.has_initial_state, chunk_size=cfg.mamba2_chunk_size,
+                                 D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                 dt_limit=cfg.mamba2_dt_limit)
         y = kernels.gated_rms_norm(y.reshape(t, d_ssm), z, self.norm_weight, eps=cfg.rms_norm_eps,
                                    group_size=d_ssm // g, norm_before_gate=False)
         return self.out_proj(y)
@@ -188,16 +198,16 @@ class Mamba1Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d))
         self.out_proj = nn.Linear(d, cfg.hidden_size, bias=cfg.mamba_proj_bias)
         if cfg.mamba1_inner_norms:
-            self.dt_layernorm = RMSNorm(r, cfg.rms_norm_eps)
-            self.b_layernorm = RMSNorm(n, cfg.rms_norm_eps)
-            self.c_layernorm = RMSNorm(n, cfg.rms_norm_eps)
+            self.dt_layernorm: RMSNorm | None = RMSNorm(r, cfg.rms_norm_eps)
+            self.b_layernorm: RMSNorm | None = RMSNorm(n, cfg.rms_norm_eps)
+            self.c_layernorm: RMSNorm | None = RMSNorm(n, cfg.rms_norm_eps)
         else:
             self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
 
     def forward(self, x: Tensor, query_start_loc: Tensor, is_decode: bool, meta: MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
         cfg = self.cfg
-        d, n, r = cfg.mamba1_d_inner, cfg.mamba1_d_state, cfg.mamba1_dt_rank
+        n, r = cfg.mamba1_d_state, cfg.mamba1_dt_rank
         conv_states, ssm_states = cache
         _copy_states(meta, cache)
         xs, z = (p.contiguous() for p in self.in_proj(x).chunk(2, dim=-1))
@@ -210,8 +220,13 @@ class Mamba1Mixer(nn.Module):
                                        activation="silu")
         xs = xs.contiguous()
         dt, b, c = torch.split(self.x_proj(xs), [r, n, n], dim=-1)
+        # Jamba's inner norms: all three or none (cfg.mamba1_inner_norms)
         if self.dt_layernorm is not None:
-            dt, b, c = self.dt_layernorm(dt), self.b_layernorm(b), self.c_layernorm(c)
+            dt = self.dt_layernorm(dt)
+        if self.b_layernorm is not None:
+            b = self.b_layernorm(b)
+        if self.c_layernorm is not None:
+            c = self.c_layernorm(c)
         dt = (dt @ self.dt_proj.weight.t()).contiguous()
         t = x.shape[0]
         b, c = b.reshape(t, 1, n).contiguous(), c.reshape(t, 1, n).contiguous()

@@ -9,7 +9,8 @@ tensors; it never allocates cache memory itself. Weights are random but determin
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -47,8 +48,8 @@ class DecoderLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, eps, off)
         self.mlp = GatedMLP(cfg)
         if cfg.sandwich_norm:
-            self.post_mixer_layernorm = RMSNorm(cfg.hidden_size, eps, off)
-            self.post_ff_layernorm = RMSNorm(cfg.hidden_size, eps, off)
+            self.post_mixer_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, eps, off)
+            self.post_ff_layernorm: RMSNorm | None = RMSNorm(cfg.hidden_size, eps, off)
         else:
             self.post_mixer_layernorm = self.post_ff_layernorm = None
 
@@ -75,7 +76,8 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if cfg.tie_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         if init:
             init_random_weights(self, cfg.seed, cfg.weight_scale)
         self.to(getattr(torch, cfg.dtype))
@@ -84,7 +86,8 @@ class HybridModel(nn.Module):
 
     @property
     def layer_names(self) -> list[str]:
-        return [layer_name(i, layer.kind) for i, layer in enumerate(self.layers)]
+        cfg = self.config
+        return [layer_name(i, cfg.layer_kind(i)) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor, meta: ForwardMeta, caches: LayerCaches) -> Tensor:
@@ -124,7 +127,8 @@ def init_random_weights(model: HybridModel, seed: int, scale: float = 1.0) -> No
                 if p.dim() == 1:  # Mamba-2: one decay per head
                     p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 15 + 1))
                 else:  # Mamba-1: S4D-real init, A = -(1..N) per channel
-                    p.copy_(torch.log(torch.arange(1, p.shape[1] + 1, dtype=torch.float32)).expand_as(p))
+                    one_to_n = torch.arange(1, p.shape[1] + 1, dtype=torch.float32)
+                    p.copy_(torch.log(one_to_n).expand_as(p))
             elif leaf == "dt_bias" or name.endswith("dt_proj.bias"):
                 dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3))
                                + math.log(1e-3))

@@ -42,4 +42,5 @@ def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"preset: unknown name {name!r}; expected one of {sorted(PRESETS)}") from None
+        raise ValueError(f"preset: unknown name {name!r}; expected one of "
+                         f"{sorted(PRESETS)}") from None

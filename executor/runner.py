@@ -4,7 +4,7 @@ the next-token logits of each request (the engine and ``Execute`` share it)."""
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -38,7 +38,8 @@ class ModelRunner:
                                       field=f"sequences[{b}].token_ids")
             if len(c.block_tables) != len(self.layout):
                 raise InvalidArgument(f"{len(c.block_tables)} tables but the pool has "
-                                      f"{len(self.layout)} groups", field=f"sequences[{b}].block_tables")
+                                      f"{len(self.layout)} groups",
+                                      field=f"sequences[{b}].block_tables")
             bad = [x for t in c.block_tables for x in t if not 0 <= int(x) < self.cache.num_blocks]
             if bad:
                 raise InvalidArgument(f"block id {bad[0]} is outside [0, {self.cache.num_blocks})",

@@ -21,7 +21,7 @@ class SamplingParams:
     top_p: float = 1.0  # 1 (or 0) -> no nucleus cut
     seed: int = 0
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         if not (self.temperature >= 0.0):
             raise InvalidArgument(f"must be >= 0, got {self.temperature}",
                                   field="sampling.temperature")

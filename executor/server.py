@@ -33,31 +33,37 @@ from typing import Any
 
 import grpc
 import structlog
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
-from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
-from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from kvcache_common.cli import exit_with_error
-from kvcache_common.logs import lifecycle
-from kvcache_common.metrics_http import serve_metrics
 from executor.batch import SeqChunk
-from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_layouts
+from executor.cache import CacheTensors, model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, group_infos
 from executor.config import ModelConfig
 from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
-from executor.errors import (CacheUnavailable, ExecutorError, InvalidArgument, NotReady,
-                             RequestFailed)
+from executor.errors import (
+    CacheUnavailable,
+    ExecutorError,
+    InvalidArgument,
+    NotReady,
+    RequestFailed,
+)
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
 from executor.settings import ExecutorSettings
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.cli import exit_with_error
+from kvcache_common.logs import lifecycle
+from kvcache_common.metrics_http import serve_metrics
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 log = structlog.get_logger("executor.server")
@@ -108,9 +114,11 @@ def build_model(settings: ExecutorSettings) -> HybridModel:
         from executor.hf_loader import load_hf_model
 
         try:
-            return load_hf_model(settings.hf_checkpoint, max_model_len=settings.max_model_len or None)
+            return load_hf_model(settings.hf_checkpoint,
+                                 max_model_len=settings.max_model_len or None)
         except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"{settings.hf_checkpoint}: {exc}", field="--hf-checkpoint") from None
+            raise InvalidArgument(f"{settings.hf_checkpoint}: {exc}",
+                                  field="--hf-checkpoint") from None
     if settings.model_config_json is not None:
         try:
             cfg = ModelConfig.from_dict(json.loads(settings.model_config_json.read_text()))
@@ -155,8 +163,8 @@ def _sampling(msg: epb.SamplingParams) -> SamplingParams:
 def _stats_msg(stats: Any) -> epb.RequestStats:
     return epb.RequestStats(prompt_tokens=stats.prompt_tokens, cached_tokens=stats.cached_tokens,
                             time_to_first_token_s=stats.time_to_first_token_s,
-                            output_tokens=stats.output_tokens, num_preemptions=stats.num_preemptions,
-                            total_time_s=stats.total_time_s)
+                            output_tokens=stats.output_tokens,
+                            num_preemptions=stats.num_preemptions, total_time_s=stats.total_time_s)
 
 
 class Executor:
@@ -177,8 +185,8 @@ class Executor:
     def start(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
         """Registers and brings up the engine on a thread; then ``on_ready()``, or
         ``on_fatal(one line saying why)`` if the executor can never serve."""
-        t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal), name="executor-register",
-                             daemon=True)
+        t = threading.Thread(target=self._bring_up, args=(on_ready, on_fatal),
+                             name="executor-register", daemon=True)
         t.start()
         self._threads.append(t)
 
@@ -201,9 +209,8 @@ class Executor:
         else:
             return
         try:  # a failure here must end the process, not leave it up and never SERVING
-            groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-            cache = CacheTensors(self.model.config, groups, info.num_blocks, info.layer_page_size_bytes,
-                                 device=self.settings.device)
+            cache = CacheTensors(self.model.config, group_infos(info), info.num_blocks,
+                                 info.layer_page_size_bytes, device=self.settings.device)
             self.runner = ModelRunner(self.model, cache)
             self.engine = Engine(self.runner, self.link, engine_config(self.settings))
         except Exception as exc:
@@ -285,7 +292,8 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
         tokens, chunks, params, positions = [], [], [], []
         for i, s in enumerate(request.sequences):
             if not s.token_ids:
-                raise InvalidArgument("at least one token is required", field=f"sequences[{i}].token_ids")
+                raise InvalidArgument("at least one token is required",
+                                      field=f"sequences[{i}].token_ids")
             if s.num_computed_tokens < 0:
                 raise InvalidArgument("must be >= 0", field=f"sequences[{i}].num_computed_tokens")
             end = s.num_computed_tokens + len(s.token_ids)
@@ -324,7 +332,8 @@ class EngineCollector:
 
     def collect(self) -> Iterable[Any]:
         engine = self.ex.engine
-        ready = GaugeMetricFamily("kvcache_executor_ready", "1 once registered with the cache service")
+        ready = GaugeMetricFamily("kvcache_executor_ready",
+                                  "1 once registered with the cache service")
         ready.add_metric([], 1.0 if self.ex.ready.is_set() else 0.0)
         yield ready
         if engine is None:
@@ -357,14 +366,14 @@ class EngineCollector:
             yield g
 
 
-def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> "Executor":
+def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> Executor:
     """The model and the executor the settings describe; raises SettingError (or another
     InvalidArgument) naming the setting that cannot work. Nothing listens yet."""
     model = (model or build_model(settings)).to(settings.device)
     return Executor(settings, model)
 
 
-async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
+async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     """Runs the prepared executor until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
@@ -372,13 +381,15 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
     epb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(ex), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:
         port = server.add_insecure_port(f"{settings.host}:{settings.port}")
     except RuntimeError:  # taken since prepare() checked it
         port = 0
     if port == 0:
-        return exit_with_error("kvcache-executor", f"--port: cannot listen on {settings.host}:{settings.port}", 2)
+        return exit_with_error("kvcache-executor",
+                               f"--port: cannot listen on {settings.host}:{settings.port}", 2)
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -393,7 +404,9 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
                  model=ex.model.config.name, pool_id=ex.plan.pool_id,
                  cache_service=settings.cache_service)
     # Lifecycle lines print at any --log-level (supervisors and launchers wait for them).
-    lifecycle().info("listening", **where)
+    # torch_threads: the intra-op threads torch got (OMP_NUM_THREADS, set by executor.cli
+    # before torch is imported).
+    lifecycle().info("listening", **where, torch_threads=torch.get_num_threads())
 
     async def mark_serving() -> None:
         if not ex.draining:
@@ -418,7 +431,8 @@ async def serve(settings: ExecutorSettings, ex: "Executor") -> int:
     ex.draining = True
     await health_servicer.enter_graceful_shutdown()
     deadline = time.monotonic() + settings.drain_seconds
-    while ex.engine is not None and (ex.engine.running or ex.engine.waiting) and time.monotonic() < deadline:
+    while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+           and time.monotonic() < deadline):
         await asyncio.sleep(0.05)
     await server.stop(1.0)
     await asyncio.to_thread(ex.close)

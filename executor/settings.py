@@ -1,12 +1,13 @@
 """Executor settings: flags over ``KVCACHE_EXECUTOR_*`` environment variables over defaults
-(the same command-line mechanism as ``cache_service.settings``: :func:`kvcache_common.cli.parse_cli`).
+(the same command-line mechanism as ``cache_service.settings``:
+:func:`kvcache_common.cli.parse_cli`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -14,8 +15,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from executor.presets import DEFAULT_PRESET, PRESETS
 from kvcache_common.cli import parse_cli
 
-#: The preset names as a Literal, so that --help lists them and a wrong one names the choices.
-PresetName = Literal[tuple(sorted(PRESETS))]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    # A Literal built at run time is no type to a static checker: to it a preset is a str.
+    PresetName = str
+else:
+    #: The preset names as a Literal, so that --help lists them and a wrong one names the
+    #: choices.
+    PresetName = Literal[tuple(sorted(PRESETS))]
 
 
 class ExecutorSettings(BaseSettings):

@@ -9,6 +9,7 @@ value is a usage error: one line naming the flag, exit status 2 (no traceback).
 from __future__ import annotations
 
 import sys
+from argparse import ArgumentParser
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -36,12 +37,12 @@ def parse_cli(model: type[S], argv: Sequence[str] | None, *, prog: str,
     """``model`` from ``argv`` (default ``sys.argv[1:]``) and the environment."""
     _document_env_vars(model)
     args = list(sys.argv[1:] if argv is None else argv)
-    source: CliSettingsSource[S] = CliSettingsSource(
+    source: CliSettingsSource[ArgumentParser] = CliSettingsSource(
         model, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True,
         cli_exit_on_error=True, cli_hide_none_type=True)
     source.root_parser.description = description
     try:
-        return model(_cli_settings_source=source(args=args))  # type: ignore[call-arg]
+        return model(_cli_settings_source=source(args=args))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "settings"

@@ -130,7 +130,7 @@ class ServerProcess:
         self._reader.join(5)
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

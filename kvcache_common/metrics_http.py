@@ -27,7 +27,7 @@ async def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> as
                          b"\r\nContent-Length: " + str(len(body)).encode() +
                          b"\r\nConnection: close\r\n\r\n" + body)
             await writer.drain()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError,
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError,
                 asyncio.LimitOverrunError):
             pass
         finally:

@@ -1,15 +1,31 @@
 """Helpers of the executor tier: cache layouts without a cache service (for model unit
-tests) and a trivial block-id source."""
+tests), a trivial block-id source, chunked runs of a model on the paged cache, typed
+access to per-group metadata and op results, and small probes of a running executor."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import socket
+from typing import TypeVar, Unpack
 
-from executor.batch import GroupLayout
+import torch
+
+from cache_service.client import StepResult
+from executor.batch import (
+    AttentionMeta,
+    ForwardMeta,
+    GroupLayout,
+    MambaMeta,
+    SeqChunk,
+    build_forward_meta,
+)
 from executor.cache import CacheTensors, GroupInfo, mamba_state_shapes
+from executor.client import GenerateOptions, Generation
 from executor.config import ModelConfig
-from executor.model import layer_name
+from executor.model import HybridModel, layer_name
+
+R = TypeVar("R")
 
 
 def one_group_per_layer(cfg: ModelConfig, block_size: int, mamba_cache_mode: str = "align",
@@ -39,7 +55,7 @@ class BlockSource:
         self._seen: set[int] = set()
 
     def take(self, n: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < n:
             b = next(self._ids)
             if b in self._seen:
@@ -47,6 +63,48 @@ class BlockSource:
             self._seen.add(b)
             out.append(b)
         return out
+
+
+def tables_for(cache: CacheTensors, n_tokens: int, src: BlockSource) -> list[list[int]]:
+    """One block table per group of ``cache``, long enough for ``n_tokens``, from ``src``."""
+    out = []
+    for gl in cache.layout:
+        n = -(-n_tokens // gl.block_size)
+        out.append(src.take(n))
+    return out
+
+
+def run_chunks(model: HybridModel, cache: CacheTensors, tokens: torch.Tensor, cuts: list[int],
+               tables: list[list[int]]) -> torch.Tensor:
+    """Feed ``tokens`` in chunks ending at ``cuts``; logits of every position."""
+    outs, start = [], 0
+    for end in cuts:
+        meta = build_forward_meta([SeqChunk(start, end - start, tables)], cache.layout)
+        h = model(tokens[start:end], meta, cache)
+        outs.append(model.compute_logits(h))
+        start = end
+    return torch.cat(outs)
+
+
+def attention_meta(meta: ForwardMeta, group: int) -> AttentionMeta:
+    """``meta.groups[group]``, asserted to be an attention group's."""
+    m = meta.groups[group]
+    assert isinstance(m, AttentionMeta), m
+    return m
+
+
+def mamba_meta(meta: ForwardMeta, group: int) -> MambaMeta:
+    """``meta.groups[group]``, asserted to be a Mamba group's."""
+    m = meta.groups[group]
+    assert isinstance(m, MambaMeta), m
+    return m
+
+
+def op_result(step: StepResult, i: int, kind: type[R]) -> R:
+    """``step.results[i]``, asserted to be a ``kind`` (the answer to op i's kind)."""
+    r = step.results[i]
+    assert isinstance(r, kind), r
+    return r
 
 
 def shared_prefix_workload(n: int, *, prefix_len: int = 100, vocab: int = 1000,
@@ -59,7 +117,8 @@ def shared_prefix_workload(n: int, *, prefix_len: int = 100, vocab: int = 1000,
     return [prefix + [rng.randrange(vocab) for _ in range(rng.randint(5, 30))] for _ in range(n)]
 
 
-def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int, **kwargs):
+def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int,
+                     **kwargs: Unpack[GenerateOptions]) -> list[Generation]:
     """Every prompt as its own Generate stream, all at once (threads, blocking client: the test
     process stays free of grpc.aio); results in prompt order."""
     from concurrent.futures import ThreadPoolExecutor
@@ -69,3 +128,20 @@ def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int, **k
     with ExecutorClient(target) as client, ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(client.generate, p, max_tokens, **kwargs) for p in prompts]
         return [f.result() for f in futures]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of the call)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_status(target: str) -> str:
+    """The overall gRPC health status of ``target`` by name ("SERVING", "NOT_SERVING" ...)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)

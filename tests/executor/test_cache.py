@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_service.core.grouping import get_kv_cache_config
 from cache_service.core.specs import AttentionSpec, MambaSpec, SlidingWindowSpec
@@ -20,7 +21,7 @@ def test_specs_describe_every_layer_with_one_page_size(preset: str) -> None:
     assert len(specs) == cfg.num_layers
     pages = {s.page_size_bytes for s in specs.values()}
     assert len(pages) == 1  # unified: attention and Mamba pages share one size
-    for i, (name, spec) in enumerate(specs.items()):
+    for i, spec in enumerate(specs.values()):
         kind = cfg.layer_kind(i)
         if isinstance(spec, MambaSpec):
             assert kind.startswith("mamba") and spec.mamba_cache_mode == "align"
@@ -74,8 +75,9 @@ def test_a_block_of_any_layer_lives_inside_its_page(layer: int, block: int, whic
 def test_layers_must_match_their_groups() -> None:
     cfg = PRESETS["hybrid-fsm"]
     t = _tensors("hybrid-fsm")
-    swapped = [GroupInfo(g.layer_names, GroupLayout("attention" if g.layout.kind == "mamba" else "mamba",
-                                                    g.layout.block_size)) for g in t.groups]
+    swapped = [GroupInfo(g.layer_names,
+                         GroupLayout("attention" if g.layout.kind == "mamba" else "mamba",
+                                     g.layout.block_size)) for g in t.groups]
     with pytest.raises(ValueError, match="groups"):
         CacheTensors(cfg, swapped, 12, t.page_size_bytes)
     with pytest.raises(ValueError, match="num_blocks"):

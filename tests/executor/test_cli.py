@@ -14,13 +14,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor
+from kvcache_common.launch import start_cache_service
+
+from paged_helpers import free_port, health_status
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def run(*argv: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run(*argv: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
 
@@ -46,7 +49,8 @@ def busy_port() -> Iterator[int]:
     ("cache_service", "kvcache-server", []),
     # a bare boolean flag parses too (else argparse would answer first)
     ("executor", "kvcache-executor", ["--enable-prefix-caching"])])
-def test_a_port_in_use_is_one_line(busy_port: int, module: str, prog: str, flags: list[str]) -> None:
+def test_a_port_in_use_is_one_line(busy_port: int, module: str, prog: str,
+                                   flags: list[str]) -> None:
     done = run("-m", module, *flags, "--host", "127.0.0.1", "--port", str(busy_port))
     assert done.returncode == 2
     assert f"--port: 127.0.0.1:{busy_port} is already in use" in one_error_line(done, prog)
@@ -57,7 +61,8 @@ def test_an_unknown_preset_is_one_line_from_a_flag_or_the_environment() -> None:
                  run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"})):
         assert done.returncode == 2
         line = one_error_line(done, "kvcache-executor")
-        assert line.startswith("kvcache-executor: error: --preset: ") and "'hybrid-fsm'" in line, line
+        assert line.startswith("kvcache-executor: error: --preset: "), line
+        assert "'hybrid-fsm'" in line, line
 
 
 def test_a_setting_that_cannot_work_stops_the_start() -> None:
@@ -96,20 +101,37 @@ def test_a_bare_boolean_flag_means_true() -> None:
     assert parse_settings(["--no-enable-prefix-caching"]).enable_prefix_caching is False
 
 
+def test_the_executor_runs_one_intra_op_thread_unless_told_otherwise(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Executors share the host's cores: ``python -m executor`` sets OMP_NUM_THREADS=1 (unless
+    set) before torch is imported, so torch in the started process runs one intra-op thread
+    where it would default to one per core; a value in the environment wins."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: torch would default to one thread anyway")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # tests/conftest.py sets both
+        monkeypatch.delenv(var, raising=False)
+    unreachable = f"127.0.0.1:{free_port()}"  # listening comes before registering
+    for env, threads in (({}, 1), ({"OMP_NUM_THREADS": "2"}, 2)):
+        with start_executor(unreachable, "--preset", "gemma3-like", wait_serving=False,
+                            env=env) as ex:
+            assert ex.ready_record is not None
+            assert ex.ready_record["torch_threads"] == threads, env
+
+
 def test_serving_means_serving_at_every_log_level() -> None:
     """At --log-level warning both servers still print their readiness lines; the executor's
     "serving" comes only once it has registered (its health is SERVING by then)."""
-    port = _free_port()
+    port = free_port()
     ex = start_executor(f"127.0.0.1:{port}", "--preset", "gemma3-like", "--log-level", "warning",
                         wait_serving=False)
     try:
-        assert ex.ready_record["event"] == "listening"
+        assert ex.ready_record is not None and ex.ready_record["event"] == "listening"
         assert not any(r.get("event") == "serving" for r in ex.records)
         with start_cache_service("--port", str(port), "--log-level", "warning") as cs:
-            assert cs.ready_record["event"] == "serving"
+            assert cs.ready_record is not None and cs.ready_record["event"] == "serving"
             serving = ex.wait_for(lambda r: r.get("event") == "serving", timeout=60)
             assert serving["port"] == ex.port
-            _assert_health_serving(ex.target)
+            assert health_status(ex.target) == "SERVING"
             ex.stop()
     finally:
         ex.stop()
@@ -119,7 +141,7 @@ def test_serving_means_serving_at_every_log_level() -> None:
 def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path) -> None:
     """--target at an executor whose cache service is not up: the demo says what it waits for,
     then gives up with one line; with the cache service started meanwhile it runs."""
-    port = _free_port()
+    port = free_port()
     ex = start_executor(f"127.0.0.1:{port}", "--preset", "hybrid-fsm", wait_serving=False)
     small = ["--requests", "2", "--prefix-len", "16", "--max-tokens", "2", "--concurrency", "2"]
     try:
@@ -128,8 +150,9 @@ def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path) -> None
         assert "not registered with its cache service yet" in done.stdout.replace("\n", " ")
         assert f"--target {ex.target}: no executor became SERVING within 1 s" in \
             one_error_line(done, "kvcache-demo")
-        demo = subprocess.Popen([sys.executable, "-m", "executor.demo", *small, "--target", ex.target,
-                                 "--wait-seconds", "60"], stdout=subprocess.PIPE, text=True)
+        demo = subprocess.Popen([sys.executable, "-m", "executor.demo", *small,
+                                 "--target", ex.target, "--wait-seconds", "60"],
+                                stdout=subprocess.PIPE, text=True)
         try:
             assert demo.stdout is not None
             assert demo.stdout.readline().startswith("waiting up to 60 s for the executor")
@@ -162,21 +185,6 @@ def test_sigkill_of_the_demo_stops_its_servers() -> None:
     while (alive := [pid for pid in children if _alive(pid)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, f"servers {alive} outlived the demo"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _assert_health_serving(target: str) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target) as ch:
-        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-    assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _children(pid: int) -> list[int]:

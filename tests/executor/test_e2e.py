@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,21 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
-from cache_service.client import CacheClient, ops
+from cache_service.client import AllocateResult, CacheClient, LookupResult, ops
 from executor.client import ExecutorClient, generate_request
-from kvcache_common.launch import start_cache_service
 from executor.launch import start_executor, wait_ready
 from executor.presets import PRESETS
+from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
+from kvcache_common.launch import start_cache_service
 
-from paged_helpers import run_concurrently, shared_prefix_workload
+from paged_helpers import (
+    free_port,
+    health_status,
+    op_result,
+    run_concurrently,
+    shared_prefix_workload,
+)
 
 MAX_TOKENS = 6
 pytestmark = pytest.mark.timeout(180)  # a hang fails fast, with its traceback
@@ -41,7 +45,8 @@ def test_prefix_caching_changes_no_output_and_hits(cache_service, preset: str) -
         rest_off = run_concurrently(off.target, prompts[1:], MAX_TOKENS)
         with_cache, without = first_on + rest_on, first_off + rest_off
         assert [g.token_ids for g in with_cache] == [g.token_ids for g in without]
-        assert all(len(g.token_ids) == MAX_TOKENS and g.finish_reason == "length" for g in with_cache)
+        assert all(len(g.token_ids) == MAX_TOKENS and g.finish_reason == "length"
+                   for g in with_cache)
         assert sum(g.cached_tokens for g in without) == 0
         assert sum(g.cached_tokens for g in rest_on) > 0, [g.cached_tokens for g in with_cache]
         assert all(g.prompt_tokens == len(p) for g, p in zip(with_cache, prompts))
@@ -103,13 +108,15 @@ def _external_prefill(cc: CacheClient, ex: ExecutorClient, pool: str, rid: str, 
                       salt: str, first_chunk: int) -> tuple[int, int]:
     """A minimal external scheduler: add + lookup, then lookup + allocate per chunk, Execute
     with the tables it got. Returns (hit tokens, next token)."""
-    hit = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
-                  begin_step=True).results[1].hit_tokens
+    looked_up = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
+                        begin_step=True)
+    hit = op_result(looked_up, 1, LookupResult).hit_tokens
     start, token = hit, -1
     while start < len(prompt):
         n = min(first_chunk if start == hit else len(prompt), len(prompt) - start)
-        step_ops = [ops.lookup(rid), ops.allocate(rid, n)] if start == hit else [ops.allocate(rid, n)]
-        alloc = cc.step(pool, step_ops, begin_step=start != hit).results[-1]
+        step_ops = ([ops.lookup(rid), ops.allocate(rid, n)] if start == hit
+                    else [ops.allocate(rid, n)])
+        alloc = op_result(cc.step(pool, step_ops, begin_step=start != hit), -1, AllocateResult)
         assert alloc.ok
         out = ex.execute(epb.ExecuteRequest(sequences=[epb.ExecuteSequence(
             request_id=rid, token_ids=prompt[start:start + n], num_computed_tokens=start,
@@ -148,13 +155,17 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
                 tokens = [tok]
                 while len(tokens) < 6:
                     pos = len(prompt) + len(tokens) - 1
-                    alloc = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
-                                    begin_step=True).results[-1]
-                    out = ex.execute(epb.ExecuteRequest(return_logits=True, sequences=[epb.ExecuteSequence(
-                        request_id=rid, token_ids=[tokens[-1]], num_computed_tokens=pos,
-                        block_tables=[epb.GroupBlockTable(block_ids=t) for t in alloc.block_ids])]))
+                    step = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
+                                   begin_step=True)
+                    alloc = op_result(step, -1, AllocateResult)
+                    out = ex.execute(epb.ExecuteRequest(
+                        return_logits=True, sequences=[epb.ExecuteSequence(
+                            request_id=rid, token_ids=[tokens[-1]], num_computed_tokens=pos,
+                            block_tables=[epb.GroupBlockTable(block_ids=t)
+                                          for t in alloc.block_ids])]))
                     assert len(out.outputs[0].logits) == 1000
-                    assert out.outputs[0].token_id == max(range(1000), key=lambda i: out.outputs[0].logits[i])
+                    logits = out.outputs[0].logits
+                    assert out.outputs[0].token_id == max(range(1000), key=lambda i: logits[i])
                     tokens.append(out.outputs[0].token_id)
                 cc.step(pool, [ops.free(rid)])
                 assert tokens == ref, rid
@@ -162,21 +173,13 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
         proc.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None:
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     proc = start_executor(target, "--preset", "gemma3-like", wait_serving=False)
     cs = None
     try:
-        with grpc.insecure_channel(proc.target) as ch:
-            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(proc.target) == "NOT_SERVING"
         with ExecutorClient(proc.target) as ex:
             with pytest.raises(grpc.RpcError) as err:
                 ex.generate([1, 2, 3], 2)
@@ -213,8 +216,10 @@ def gemma(cache_service):
 
 def test_bad_input_is_rejected_naming_the_field(gemma) -> None:
     with ExecutorClient(gemma.target) as ex:
-        for prompt, max_tokens, field in (([1, 5000], 3, "prompt_token_ids[1]"), ([], 3, "prompt_token_ids"),
-                                          ([1, 2], 0, "max_tokens"), ([1] * 2040, 20, "max_tokens")):
+        for prompt, max_tokens, field in (([1, 5000], 3, "prompt_token_ids[1]"),
+                                          ([], 3, "prompt_token_ids"),
+                                          ([1, 2], 0, "max_tokens"),
+                                          ([1] * 2040, 20, "max_tokens")):
             with pytest.raises(grpc.RpcError) as err:
                 ex.generate(prompt, max_tokens)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -226,7 +231,8 @@ def test_bad_input_is_rejected_naming_the_field(gemma) -> None:
             with pytest.raises(grpc.RpcError) as err:
                 ex.execute(epb.ExecuteRequest(sequences=[epb.ExecuteSequence(
                     token_ids=[1, 2], num_computed_tokens=0,
-                    block_tables=[epb.GroupBlockTable(block_ids=t) for t in tables] * ex.info().num_groups)]))
+                    block_tables=([epb.GroupBlockTable(block_ids=t) for t in tables]
+                                  * ex.info().num_groups))]))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field in err.value.details()
         assert ex.generate([1, 2, 3], 2).finish_reason == "length"  # still serving
@@ -238,11 +244,13 @@ def test_stop_tokens_and_seeded_sampling(gemma) -> None:
         ref = ex.generate(prompts[0], 8)
         stop = ref.token_ids[3]
         cut = ex.generate(prompts[0], 8, stop_token_ids=[stop])
-        assert cut.finish_reason == "stop" and cut.token_ids == ref.token_ids[:ref.token_ids.index(stop) + 1]
+        assert cut.finish_reason == "stop"
+        assert cut.token_ids == ref.token_ids[:ref.token_ids.index(stop) + 1]
         alone = ex.generate(prompts[1], 10, temperature=1.0, seed=42)
         other_seed = ex.generate(prompts[1], 10, temperature=1.0, seed=43)
     # the same seeded request inside a busy batch samples the same tokens
-    batch = run_concurrently(gemma.target, [prompts[2], prompts[1], prompts[3]], 10, temperature=1.0, seed=42)
+    batch = run_concurrently(gemma.target, [prompts[2], prompts[1], prompts[3]], 10,
+                             temperature=1.0, seed=42)
     assert batch[1].token_ids == alone.token_ids
     assert other_seed.token_ids != alone.token_ids
 
@@ -251,7 +259,8 @@ def test_drains_on_sigterm_and_frees_cancelled_requests(cache_service) -> None:
     """Settings from the environment; metrics; a cancelled stream frees its blocks; SIGTERM
     lets the running request finish before the process exits 0."""
     proc = start_executor(cache_service.target, "--metrics-port", "0",
-                          env={"KVCACHE_EXECUTOR_PRESET": "jamba-like", "KVCACHE_EXECUTOR_POOL_ID": "drain"})
+                          env={"KVCACHE_EXECUTOR_PRESET": "jamba-like",
+                               "KVCACHE_EXECUTOR_POOL_ID": "drain"})
     with ExecutorClient(proc.target) as ex, CacheClient(cache_service.target) as cc:
         assert ex.info().model == "jamba-like"
         prompt = shared_prefix_workload(1, prefix_len=40, seed=2)[0]
@@ -262,7 +271,8 @@ def test_drains_on_sigterm_and_frees_cancelled_requests(cache_service) -> None:
         while cc.stats("drain").num_requests and time.monotonic() < deadline:
             time.sleep(0.05)
         assert cc.stats("drain").num_requests == 0
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+        url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+        metrics = urllib.request.urlopen(url, timeout=5).read().decode()
         assert "kvcache_executor_ready 1.0" in metrics
         assert "kvcache_executor_generated_tokens_total" in metrics
         # a long request in flight, then SIGTERM: it still completes
@@ -289,8 +299,9 @@ def test_demo_runs_locally_and_against_a_target(cache_service, tmp_path) -> None
     assert "prefix hit rate" in done.stdout
     proc = start_executor(cache_service.target, "--preset", report["preset"])
     try:
-        done = subprocess.run([sys.executable, "-m", "executor.demo", *small, "--target", proc.target,
-                               "--json", str(out)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-m", "executor.demo", *small,
+                               "--target", proc.target, "--json", str(out)],
+                              capture_output=True, text=True, timeout=120)
     finally:
         proc.stop()
     assert done.returncode == 0, done.stdout + done.stderr

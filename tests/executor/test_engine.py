@@ -3,30 +3,36 @@ session's real cache service (which ops each step sends, "no room" in a decode o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 
 import pytest
 import structlog
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
-from executor.cache import CacheTensors, GroupInfo, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_layouts
-from executor.engine import Engine, EngineConfig, Request, plan_chunk
+from cache_service.client import AllocateResult, CacheError, DecodeResult, StepResult, ops
+from executor.cache import CacheTensors, model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, group_infos
+from executor.engine import Engine, EngineConfig, Request, TokenEvent, plan_chunk
 from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
-from paged_helpers import shared_prefix_workload
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+
+from paged_helpers import op_result, shared_prefix_workload
 
 
 @given(start=st.integers(0, 500), extra=st.integers(0, 500), budget=st.integers(1, 300),
        block=st.sampled_from([0, 16, 48]), boundary=st.integers(0, 1000))
-def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int, boundary: int) -> None:
+def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int,
+                               boundary: int) -> None:
     total = start + extra
     if block and boundary:
         boundary = boundary // block * block  # lookups report block-aligned boundaries
@@ -36,7 +42,8 @@ def test_chunk_plan_invariants(start: int, extra: int, budget: int, block: int, 
     assert not (start < boundary < end)  # never crosses the shared-prefix boundary
     if block and n:
         # mid-prompt chunks end on block boundaries; the final partial block runs alone
-        assert end % block == 0 or end == boundary or (end == total and start >= total // block * block)
+        last_partial = end == total and start >= total // block * block
+        assert end % block == 0 or end == boundary or last_partial
     if extra and budget >= max(block, 1):
         assert n > 0  # progress whenever the budget holds a block
 
@@ -59,14 +66,15 @@ class RecordingLink(CacheLink):
     step), and fails the calls whose 0-based numbers are in ``fail_at`` with
     CacheUnavailable before sending them: a failed call applies nothing on the service."""
 
-    def __init__(self, *args, fail_at: frozenset[int] = frozenset(), **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.sent: list[tuple[list, object, bool]] = []
+    def __init__(self, target: str, plan: PoolPlan, *,
+                 fail_at: frozenset[int] = frozenset()) -> None:
+        super().__init__(target, plan)
+        self.sent: list[tuple[list[pb.Op], StepResult, bool]] = []
         self.fail_at = fail_at
         self.attempts = 0
-        self.failed: list[list] = []
+        self.failed: list[list[pb.Op]] = []
 
-    def step(self, step_ops, *, begin_step=False):
+    def step(self, step_ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         n, self.attempts = self.attempts, self.attempts + 1
         if n in self.fail_at:
             self.failed.append(list(step_ops))
@@ -101,6 +109,11 @@ def assert_views_agree(engine: Engine, link: CacheLink) -> None:
     assert link.client.stats(pool).num_requests == len(registered) + len(engine.to_free)
 
 
+def collect_into(out: list[int]) -> Callable[[TokenEvent], None]:
+    """A request's sink that appends its tokens to ``out``."""
+    return lambda ev: out.extend(ev.token_ids)
+
+
 def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_tokens: int, *,
                num_blocks: int | None = None, fail_at: frozenset[int] = frozenset()
                ) -> tuple[list[list[int]], Engine, RecordingLink]:
@@ -113,20 +126,16 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
                     vocab_size=cfg.vocab_size)
     link = RecordingLink(target, plan, fail_at=fail_at)
     info = link.register()
-    groups = [GroupInfo(tuple(g.layer_names), lay) for g, lay in zip(info.groups, group_layouts(info))]
-    cache = CacheTensors(cfg, groups, info.num_blocks, info.layer_page_size_bytes)
+    cache = CacheTensors(cfg, group_infos(info), info.num_blocks, info.layer_page_size_bytes)
     engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
     outputs: list[list[int]] = [[] for _ in prompts]
-    for i, prompt in enumerate(prompts):
-        engine.submit(Request(engine.new_request_id(), prompt, max_tokens,
-                              sink=lambda ev, i=i: outputs[i].extend(ev.token_ids)))
+    for prompt, out in zip(prompts, outputs):
+        engine.submit(Request(engine.new_request_id(), prompt, max_tokens, sink=collect_into(out)))
     engine._drain_inbox(block=False)
     try:
         while engine.has_work:
-            try:
+            with contextlib.suppress(CacheUnavailable):  # Engine.run backs off and steps again
                 engine.step()
-            except CacheUnavailable:
-                pass  # Engine.run backs off and steps again
             assert_views_agree(engine, link)
         stats = link.client.stats(plan.pool_id)
         assert stats.num_requests == 0 and stats.num_free_blocks == info.num_blocks - 1
@@ -135,12 +144,12 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
     return outputs, engine, link
 
 
-def decode_ops(link: RecordingLink) -> list[tuple[object, DecodeResult]]:
+def decode_ops(link: RecordingLink) -> list[tuple[pb.DecodeOp, DecodeResult]]:
     out = []
     for batch, result, _ in link.sent:
-        for op, res in zip(batch, result.results):
+        for i, op in enumerate(batch):
             if op.WhichOneof("op") == "decode":
-                out.append((op.decode, res))
+                out.append((op.decode, op_result(result, i, DecodeResult)))
     return out
 
 
@@ -175,7 +184,8 @@ def test_no_room_in_a_decode_op_preempts_the_newest_and_keeps_outputs(cache_serv
     failed = [(op, res) for op, res in decode_ops(link) if not res.all_ok]
     assert failed, "no decode op ran out of room: the test does not reach that path"
     # The retry round after such a step preempts the newest request and allocates the rest.
-    retries = [batch for batch, _, _ in link.sent if batch and batch[0].WhichOneof("op") == "preempt"
+    retries = [batch for batch, _, _ in link.sent
+               if batch and batch[0].WhichOneof("op") == "preempt"
                and any(op.WhichOneof("op") == "allocate" for op in batch[1:])]
     assert retries
     for batch, result, _ in link.sent:
@@ -200,7 +210,7 @@ def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> N
             link.step([ops.decode(["a", "nope"], [4, 5])])
         assert exc.value.field == "ops[0].decode.request_ids[1]"
         result = link.step([ops.decode(["a"], [4])], begin_step=True)
-        assert result.results[0].ok == [True]
+        assert op_result(result, 0, DecodeResult).ok == [True]
         assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
     finally:
         link.close()
@@ -295,7 +305,7 @@ def test_a_hung_cache_service_costs_a_stream_retry_not_a_hang(cache_service,
             finally:
                 resumer.join()
                 os.kill(pid, signal.SIGCONT)
-        assert result.results[0].ok == [True] and link.stream_retries == 1
+        assert op_result(result, 0, DecodeResult).ok == [True] and link.stream_retries == 1
         assert link.client.get_request(plan.pool_id, "a").num_tokens == 4  # applied once
         retries = [e for e in logs if e["event"] == "step_stream_retry"]
         assert [(e["reason"], e["attempt"]) for e in retries] == [("deadline_exceeded", 1)]

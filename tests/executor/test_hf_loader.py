@@ -16,8 +16,7 @@ import torch
 from executor.errors import SettingError
 from executor.hf_loader import load_hf_model, read_config
 
-from paged_helpers import BlockSource, one_group_per_layer
-from test_model import run, tables_for
+from paged_helpers import BlockSource, one_group_per_layer, run_chunks, tables_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +106,7 @@ def test_logits_match_transformers_in_both_config_layouts(checkpoint) -> None:
         refs.append((tokens, ref))
         # prompt in two chunks (when long enough), then three decode steps
         cuts = ([n // 2] if n > 1 else []) + [n, n + 1, n + 2, n + 3]
-        got = run(ours, cache, tokens, cuts, tables_for(cache, n + 3, src))
+        got = run_chunks(ours, cache, tokens, cuts, tables_for(cache, n + 3, src))
         scale = ref.abs().max().item()
         torch.testing.assert_close(got, ref, atol=2e-4 * max(scale, 1.0), rtol=1e-4)
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
@@ -184,7 +183,8 @@ def test_executor_serves_a_checkpoint(cache_service, tmp_path) -> None:
         ids = torch.tensor([prompt])
         for _ in range(4):
             ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], dim=1)
-    proc = start_executor(cache_service.target, "--hf-checkpoint", str(tmp_path), "--max-model-len", "256")
+    proc = start_executor(cache_service.target, "--hf-checkpoint", str(tmp_path),
+                          "--max-model-len", "256")
     try:
         with ExecutorClient(proc.target) as ex:
             info = ex.info()

@@ -5,37 +5,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from executor.batch import SeqChunk, build_forward_meta
-from executor.cache import CacheTensors
 from executor.model import HybridModel
 from executor.presets import PRESETS
 
-from paged_helpers import BlockSource, one_group_per_layer
+from paged_helpers import BlockSource, mamba_meta, one_group_per_layer, run_chunks, tables_for
 
 BS = 16
 ATOL, RTOL = 2e-3, 1e-4  # logits have std ~10; fp32 kernels agree to ~1e-5
 
 
-def tables_for(cache: CacheTensors, n_tokens: int, src: BlockSource) -> list[list[int]]:
-    out = []
-    for gl in cache.layout:
-        n = -(-n_tokens // gl.block_size)
-        out.append(src.take(n))
-    return out
-
-
-def run(model: HybridModel, cache: CacheTensors, tokens: torch.Tensor, cuts: list[int],
-        tables: list[list[int]], *, all_logits: bool = True) -> torch.Tensor:
-    """Feed ``tokens`` in chunks ending at ``cuts``; logits of every position."""
-    outs, start = [], 0
-    for end in cuts:
-        meta = build_forward_meta([SeqChunk(start, end - start, tables)], cache.layout)
-        h = model(tokens[start:end], meta, cache)
-        outs.append(model.compute_logits(h))
-        start = end
-    return torch.cat(outs)
+def random_tokens(model: HybridModel, n: int, *, seed: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (n,),
+                         generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
@@ -43,10 +28,11 @@ def test_chunked_prefill_and_decode_match_one_shot(models, preset: str) -> None:
     model = models[preset]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource()
-    tokens = torch.randint(0, model.config.vocab_size, (90,), generator=torch.Generator().manual_seed(3))
-    one_shot = run(model, cache, tokens, [90], tables_for(cache, 90, src))
+    tokens = random_tokens(model, 90, seed=3)
+    one_shot = run_chunks(model, cache, tokens, [90], tables_for(cache, 90, src))
     # chunks that straddle block boundaries, then three decode steps
-    pieces = run(model, cache, tokens, [13, 16, 50, 87, 88, 89, 90], tables_for(cache, 90, src))
+    pieces = run_chunks(model, cache, tokens, [13, 16, 50, 87, 88, 89, 90],
+                        tables_for(cache, 90, src))
     torch.testing.assert_close(pieces, one_shot, atol=ATOL, rtol=RTOL)
     assert one_shot.std() > 3.0  # random weights give clear greedy winners
 
@@ -60,8 +46,8 @@ def test_packed_batch_equals_requests_alone(models, preset: str) -> None:
     a = torch.randint(0, model.config.vocab_size, (40,), generator=gen)
     b = torch.randint(0, model.config.vocab_size, (25,), generator=gen)
     ta, tb = tables_for(cache, 41, src), tables_for(cache, 26, src)
-    alone_a = run(model, cache, a, [40], ta)
-    alone_b = run(model, cache, b, [25], tb)
+    alone_a = run_chunks(model, cache, a, [40], ta)
+    alone_b = run_chunks(model, cache, b, [25], tb)
     ta2, tb2 = tables_for(cache, 41, src), tables_for(cache, 26, src)
     meta = build_forward_meta([SeqChunk(0, 40, ta2), SeqChunk(0, 25, tb2)], cache.layout)
     both = model.compute_logits(model(torch.cat([a, b]), meta, cache))
@@ -72,14 +58,14 @@ def test_packed_batch_equals_requests_alone(models, preset: str) -> None:
     meta = build_forward_meta([SeqChunk(40, 1, ta2), SeqChunk(25, 1, tb2)], cache.layout)
     assert meta.is_decode
     dec = model.compute_logits(model(x, meta, cache))
-    ref_a = run(model, cache, torch.cat([a, x[:1]]), [41], tables_for(cache, 41, src))[-1]
+    ref_a = run_chunks(model, cache, torch.cat([a, x[:1]]), [41], tables_for(cache, 41, src))[-1]
     torch.testing.assert_close(dec[0], ref_a, atol=ATOL, rtol=RTOL)
     # mixed: a decode row (varlen kernels, one token with a state) next to a fresh prefill
     tc = tables_for(cache, 26, src)
     meta = build_forward_meta([SeqChunk(41, 1, ta2), SeqChunk(0, 25, tc)], cache.layout)
     assert not meta.is_decode
     mixed = model.compute_logits(model(torch.cat([x[1:], b]), meta, cache))
-    ref = run(model, cache, torch.cat([a, x]), [42], tables_for(cache, 42, src))[-1]
+    ref = run_chunks(model, cache, torch.cat([a, x]), [42], tables_for(cache, 42, src))[-1]
     torch.testing.assert_close(mixed[0], ref, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(mixed[1:], alone_b, atol=ATOL, rtol=RTOL)
 
@@ -90,15 +76,15 @@ def test_align_mode_never_writes_a_checkpoint_in_place(models) -> None:
     model = models["hybrid-fsm"]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource()
-    tokens = torch.randint(0, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(9))
+    tokens = random_tokens(model, 48, seed=9)
     tables = tables_for(cache, 48, src)
-    run(model, cache, tokens, [32], tables)  # state after 32 tokens lives in block index 1
+    run_chunks(model, cache, tokens, [32], tables)  # state after 32 tokens lives in block index 1
     mamba = [i for i, g in enumerate(cache.layout) if g.kind == "mamba"]
     layer = next(i for i, g in enumerate(cache.layer_group) if g == mamba[0])
     ckpt = tables[mamba[0]][1]
     before = [t[ckpt].clone() for t in cache.layer_tensors[layer]]
     meta = build_forward_meta([SeqChunk(32, 8, tables)], cache.layout)
-    assert meta.groups[mamba[0]].copy_src.tolist() == [ckpt]
+    assert mamba_meta(meta, mamba[0]).copy_src.tolist() == [ckpt]
     model(tokens[32:40], meta, cache)
     for b, t in zip(before, cache.layer_tensors[layer]):
         assert torch.equal(b, t[ckpt])
@@ -107,7 +93,7 @@ def test_align_mode_never_writes_a_checkpoint_in_place(models) -> None:
 def test_weights_are_deterministic_in_the_seed() -> None:
     cfg = PRESETS["hybrid-fsm"]
     a, b, c = HybridModel(cfg), HybridModel(cfg), HybridModel(cfg.replace(seed=1))
-    for (na, pa), (_, pb), (_, pc) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
         assert torch.equal(pa, pb), na
     assert not torch.equal(a.embed_tokens.weight, c.embed_tokens.weight)
 
@@ -118,7 +104,7 @@ def test_any_chunking_matches_one_shot(models, cuts: list[int]) -> None:
     model = models["plamo2-like"]
     cache = one_group_per_layer(model.config, BS)
     src = BlockSource(start=sum(cuts) % 100)
-    tokens = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(11))
-    ref = run(model, cache, tokens, [60], tables_for(cache, 60, src))
-    got = run(model, cache, tokens, sorted(cuts) + [60], tables_for(cache, 60, src))
+    tokens = random_tokens(model, 60, seed=11)
+    ref = run_chunks(model, cache, tokens, [60], tables_for(cache, 60, src))
+    got = run_chunks(model, cache, tokens, sorted(cuts) + [60], tables_for(cache, 60, src))
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL)
