@@ -209,7 +209,8 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
         layer_page_size_bytes=max((g.page_size_bytes for g in groups), default=0),
         scheduler_block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
         options=options_to_proto(pool.options, desc.hybrid, desc.skip_capacity_check),
-        layers=[layers.from_spec(name, spec) for name, spec in desc.layers])
+        layers=[layers.from_spec(name, spec) for name, spec in desc.layers],
+        incarnation=entry.incarnation)
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,8 +238,14 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         last_event_sequence=last_sequence)
 
 
-def event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
-    """One sequenced ``KVEvent``."""
+def event_to_proto(sequence: int, event: ev.KVEvent, incarnation: int = 0) -> pb.KVEvent:
+    """One sequenced ``KVEvent`` of a pool incarnation."""
+    out = _event_to_proto(sequence, event)
+    out.incarnation = incarnation
+    return out
+
+
+def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
     if isinstance(event, ev.BlockStored):
         stored = pb.BlockStored(
             block_hashes=event.block_hashes, token_ids=event.token_ids,

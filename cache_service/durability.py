@@ -19,6 +19,7 @@ it was live (same state, same input), so replay skips it the same way.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
 import secrets
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import structlog
+
+from google.protobuf.message import Message
 
 from cache_service.core.errors import KVCacheError
 from cache_service.snapshot import Snapshotter, load_latest
@@ -41,21 +44,6 @@ _log = structlog.get_logger("cache_service.durability")
 
 class DataDirError(Exception):
     """The data directory cannot be used (locked by another server, not a directory)."""
-
-
-class InMemory:
-    """No data directory: mutations are applied and forgotten at exit."""
-
-    durable = False
-
-    def append(self, payload: bytes) -> None:
-        """Nothing to log."""
-
-    def after_apply(self) -> None:
-        """Nothing to snapshot."""
-
-    def close(self, state: Any = None) -> None:
-        """Nothing to flush."""
 
 
 @dataclass
@@ -76,10 +64,10 @@ class Recovery:
 
 
 class DataDir(Generic[S]):
-    """A data directory in use: appends go to its log, snapshots happen in the background.
-    Created by :func:`open_data_dir`."""
-
-    durable = True
+    """A data directory in use, as the state's durability hook: ``append`` logs each
+    accepted record before the state changes and the caller answers; ``sync`` (awaited
+    before the answer when ``needs_sync``) makes ``--fsync always`` durable with one
+    fdatasync per group of concurrent calls. Created by :func:`open_data_dir`."""
 
     def __init__(self, directory: Path, lock_fd: int, instance_id: str, wal: WriteAheadLog,
                  snapshotter: Snapshotter, recovery: Recovery) -> None:
@@ -88,16 +76,39 @@ class DataDir(Generic[S]):
         self.wal = wal
         self.snapshotter = snapshotter
         self.recovery = recovery
+        self.needs_sync = wal.fsync == "always"
         self._lock_fd = lock_fd
+        self._synced = wal.last_index
+        self._syncing: asyncio.Future[int] | None = None
 
-    def append(self, payload: bytes) -> None:
-        """Logs one accepted mutation (before it is answered)."""
-        self.wal.append(payload)
-
-    def after_apply(self) -> None:
-        """Starts a background snapshot when enough records were logged since the last."""
+    def append(self, record: Message) -> None:
+        """Logs one accepted record. Called between validation and mutation, so the state
+        is exactly the one after the previous record: the moment to fork a snapshot
+        (through the previous record) when one is due."""
         if self.snapshotter.due():
             self.snapshotter.start()
+        self.wal.append(record.SerializeToString())
+
+    async def sync(self) -> None:
+        """Returns once every record appended so far is on stable storage. Concurrent
+        callers share one fdatasync (group commit), run off the event loop."""
+        target = self.wal.last_index
+        while self._synced < target:
+            if self._syncing is None:
+                self._syncing = asyncio.get_running_loop().run_in_executor(
+                    None, self._sync_now)
+                self._syncing.add_done_callback(self._synced_through)
+            await asyncio.shield(self._syncing)
+
+    def _sync_now(self) -> int:
+        through = self.wal.last_index  # appends happen on the loop; what is written now
+        self.wal.sync()
+        return through
+
+    def _synced_through(self, future: asyncio.Future[int]) -> None:
+        self._syncing = None
+        if not future.cancelled() and future.exception() is None:
+            self._synced = max(self._synced, future.result())
 
     def close(self, state: Any = None) -> None:
         """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
@@ -178,5 +189,7 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
         os.close(lock_fd)
         raise
     snapshotter = Snapshotter(directory, wal, lambda: state, every=snapshot_every)
+    # The snapshot child pickles ``state``; it must not hold this object (open files,
+    # threads): ServiceState leaves its durability hook out of its pickled form.
     snapshotter.last_index = snapshot_index
     return DataDir(directory, lock_fd, instance_id, wal, snapshotter, recovery), state

@@ -29,6 +29,7 @@ from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
 from kvcache_common.logs import configure_logging, lifecycle
 from kvcache_common.metrics_http import serve_metrics
+from cache_service.durability import new_instance_id
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
@@ -58,7 +59,8 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
-    registry = PoolRegistry(settings.event_buffer)
+    # Without a data directory every start is a new instance: pools get new incarnations.
+    registry = PoolRegistry(settings.event_buffer, instance_id=new_instance_id())
     prom_registry, rpc_metrics = new_registry(registry.stats)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)

@@ -247,6 +247,17 @@ class StepValidator:
                                       f"max_model_len {limit}", field=f"token_ids[{i}]")
 
 
+def check_incarnation(entry: PoolEntry, request: pb.SubscribeEventsRequest) -> None:
+    """A resume must name the incarnation it resumes, if it names one: sequence numbers of
+    two incarnations overlap, and splicing them would corrupt the subscriber's index."""
+    if request.HasField("incarnation") and request.incarnation != entry.incarnation:
+        raise FailedPrecondition(
+            f"pool {entry.pool_id!r} is incarnation {entry.incarnation}, not "
+            f"{request.incarnation}: its state was not preserved (deleted and registered "
+            "again, or a restart without --data-dir), so events of the old incarnation are "
+            "gone; resynchronise and subscribe without from_sequence", field="incarnation")
+
+
 def write_decode(out: pb.DecodeResult, result: DecodeOutcome) -> None:
     """Fills a DecodeResult's packed arrays (the layout documented in the proto)."""
     out.ok.extend(result.ok)
@@ -523,10 +534,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                               ) -> AsyncIterator[pb.SubscribeEventsResponse]:
         try:
             entry = self.registry.get(request.pool_id)
+            check_incarnation(entry, request)
             start = request.from_sequence if request.HasField("from_sequence") else None
             subscription = entry.feed.subscribe(start)
+            incarnation = entry.incarnation
             async for batch in subscription:
                 yield pb.SubscribeEventsResponse(
-                    events=[convert.event_to_proto(seq, e) for seq, e in batch])
+                    events=[convert.event_to_proto(seq, e, incarnation) for seq, e in batch])
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)

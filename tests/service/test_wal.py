@@ -38,6 +38,22 @@ def _apply(state: Journal, payload: bytes) -> None:
     state.apply(payload)
 
 
+class Record(bytes):
+    """A payload with the one method the data directory asks of a record."""
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (the protobuf name)
+        return bytes(self)
+
+
+def _log(data_dir, state: Journal, payload: bytes) -> None:
+    """What ServiceState.apply does: log, then mutate."""
+    data_dir.append(Record(payload))
+    try:
+        state.apply(payload)
+    except Exception:
+        pass
+
+
 def _open(directory: Path, **kwargs):
     return open_data_dir(directory, new_state=Journal, apply=_apply, **kwargs)
 
@@ -137,17 +153,13 @@ def test_recovery_replays_the_log_and_continues(tmp_path: Path) -> None:
     data_dir, state = _open(tmp_path, fsync="never")
     assert data_dir.recovery.records_replayed == 0 and state.items == []
     for p in _payloads(4) + [b"bad"]:
-        data_dir.append(p)
-        try:
-            state.apply(p)
-        except Exception:
-            pass
+        _log(data_dir, state, p)
     data_dir.close()  # no state: no final snapshot, the log alone restores
     data_dir, restored = _open(tmp_path)
     assert restored.items == state.items == _payloads(4)
     assert restored.instance_id == state.instance_id  # the directory keeps its identity
     assert (data_dir.recovery.records_replayed, data_dir.recovery.records_rejected) == (5, 1)
-    data_dir.append(b"more")
+    _log(data_dir, restored, b"more")
     data_dir.close()
     assert _open(tmp_path)[1].items == _payloads(4) + [b"more"]
 
@@ -163,9 +175,7 @@ def test_one_server_per_directory(tmp_path: Path) -> None:
 def test_background_snapshot_truncates_the_log(tmp_path: Path) -> None:
     data_dir, state = _open(tmp_path, snapshot_every=10, fsync="batch")
     for p in _payloads(25):
-        data_dir.append(p)
-        state.apply(p)
-        data_dir.after_apply()
+        _log(data_dir, state, p)  # forks the snapshot child before records 11 and 21
         assert data_dir.snapshotter.wait(30)
     assert data_dir.snapshotter.completed == 2 and data_dir.snapshotter.failed == 0
     assert [i for i, _ in list_snapshots(tmp_path)] == [20]  # the older one is deleted
@@ -182,8 +192,7 @@ def test_background_snapshot_truncates_the_log(tmp_path: Path) -> None:
 
 def test_corrupt_snapshot_stops_the_start(tmp_path: Path) -> None:
     data_dir, state = _open(tmp_path)
-    data_dir.append(b"a")
-    state.apply(b"a")
+    _log(data_dir, state, b"a")
     data_dir.close(state)
     path = list_snapshots(tmp_path)[-1][1]
     data = bytearray(path.read_bytes())
@@ -193,3 +202,24 @@ def test_corrupt_snapshot_stops_the_start(tmp_path: Path) -> None:
         read_snapshot(path)
     with pytest.raises(SnapshotCorruption, match=path.name):
         _open(tmp_path)
+
+
+def test_fsync_always_syncs_groups_before_answers(tmp_path: Path) -> None:
+    import asyncio
+
+    data_dir, state = _open(tmp_path, fsync="always")
+    assert data_dir.needs_sync
+
+    async def call(i: int) -> None:
+        _log(data_dir, state, b"r%d" % i)
+        mine = data_dir.wal.last_index
+        await data_dir.sync()
+        assert data_dir._synced >= mine  # on disk before the caller answers
+
+    async def main() -> None:
+        await asyncio.gather(*(call(i) for i in range(1, 21)))
+
+    asyncio.run(main())
+    assert data_dir._synced == data_dir.wal.last_index == 20
+    data_dir.close()
+    assert _open(tmp_path)[1].items == [b"r%d" % i for i in range(1, 21)]
