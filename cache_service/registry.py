@@ -139,6 +139,15 @@ class PoolRegistry:
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
+        entry, created = self.prepare_register(pool_id, desc)
+        if created:
+            self.add(entry)
+        return entry, created
+
+    def prepare_register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
+        """The validation half of :meth:`register`: the existing pool (created False), or
+        a new one NOT yet registered (:meth:`add` it). Raises and changes nothing on a bad
+        description or one that differs from the registered pool's."""
         check_pool_id(pool_id)
         existing = self._pools.get(pool_id)
         if existing is not None:
@@ -147,11 +156,14 @@ class PoolRegistry:
                 return existing, False
             raise AlreadyExists(f"pool {pool_id!r} exists with a different description "
                                 f"(first difference: {diff})", field=diff)
-        entry = PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer),
-                          incarnation_id(self.instance_id, self._created))
+        return PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer)), True
+
+    def add(self, entry: PoolEntry) -> None:
+        """Registers a pool from :meth:`prepare_register`, giving it the next incarnation."""
+        assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
+        entry.incarnation = incarnation_id(self.instance_id, self._created)
         self._created += 1
-        self._pools[pool_id] = entry
-        return entry, True
+        self._pools[entry.pool_id] = entry
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
         """The pool, or NotFound naming ``field``."""

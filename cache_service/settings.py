@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
     max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step")
+    lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
+                                     "with no call (nor KeepAlive) for this long expires "
+                                     "and its requests are freed")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")
