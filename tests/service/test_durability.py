@@ -50,21 +50,22 @@ class LoadClient:
     seen: dict[str, Seen] = field(default_factory=dict)
     freed: set[str] = field(default_factory=set)
     in_flight: dict[str, int] | None = None  # request id -> tokens it adds (-1 = free)
+    in_flight_acked: bool = False  # answered, but the server died before it was read back
     acked: int = 0
+    next_id: int = 0
     error: Exception | None = None
 
     def run(self, target: str, stop: threading.Event, progress: threading.Semaphore,
             seed: int) -> None:
         rng = random.Random(seed)
-        n = 0
         try:
             with CacheClient(target, default_timeout=10) as client:
                 while not stop.is_set():
                     batch = StepBuilder(self.pool_id)
                     delta: dict[str, int] = {}
                     if len(self.seen) < 3 or rng.random() < 0.2:
-                        rid = f"{self.name}-{n}"
-                        n += 1
+                        rid = f"{self.name}-{self.next_id}"
+                        self.next_id += 1
                         prompt = [rng.randrange(500) for _ in range(rng.randrange(8, 70))]
                         batch.add(rid, prompt).allocate(rid, len(prompt))
                         delta[rid] = len(prompt)
@@ -76,17 +77,19 @@ class LoadClient:
                     if live:
                         batch.decode(live, [rng.randrange(500) for _ in live])
                         delta.update((rid, 1) for rid in live)
-                    self.in_flight = delta
+                    self.in_flight, self.in_flight_acked = delta, False
                     client.step_batch(batch)
-                    self.in_flight = None
+                    # Acknowledged; its effect is recorded once read back (the server may
+                    # die in between: the checker then requires the Step applied whole).
+                    self.in_flight_acked = True
+                    now = {rid: _as_seen(client.get_request(self.pool_id, rid))
+                           for rid, d in delta.items() if d >= 0}
                     for rid, d in delta.items():
                         if d < 0:
                             del self.seen[rid]
                             self.freed.add(rid)
-                        else:
-                            r = client.get_request(self.pool_id, rid)
-                            self.seen[rid] = Seen(r.num_tokens, r.num_computed_tokens,
-                                                  r.block_ids)
+                    self.seen.update(now)
+                    self.in_flight = None
                     self.acked += 1
                     progress.release()
         except CacheError as exc:
@@ -208,6 +211,8 @@ def _check_acknowledged(admin: CacheClient, c: LoadClient) -> None:
     new_ids = [rid for rid, d in delta.items() if rid not in c.seen]
     applied.extend(_exists(admin, rid) for rid in new_ids)
     assert len(set(applied)) <= 1, f"{c.name}: in-flight Step half applied: {applied}"
+    if c.in_flight_acked:
+        assert all(applied), f"{c.name}: an acknowledged Step is missing"
     for rid in c.freed:
         assert not _exists(admin, rid)
 
