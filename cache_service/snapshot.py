@@ -22,17 +22,21 @@ snapshot with its log or the new one: the rename is the commit.
 from __future__ import annotations
 
 import gc
+import io
 import os
 import pickle
 import struct
 import threading
 import time
+import traceback
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import structlog
+from google.protobuf import descriptor_pool, message_factory
+from google.protobuf.message import Message
 
 from cache_service.wal import WriteAheadLog, _fsync_dir
 
@@ -67,13 +71,32 @@ def list_snapshots(directory: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+class _StatePickler(pickle.Pickler):
+    """Pickles protobuf messages (sessions keep their last request and answer) by type
+    name and wire bytes: the generated classes are not importable under the module name
+    protoc gives them, so pickle's default (by class reference) fails on them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Message):
+            return _restore_message, (obj.DESCRIPTOR.full_name, obj.SerializeToString())
+        return NotImplemented
+
+
+def _restore_message(full_name: str, data: bytes) -> Message:
+    cls = message_factory.GetMessageClass(
+        descriptor_pool.Default().FindMessageTypeByName(full_name))
+    return cls.FromString(data)
+
+
 def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
     """Pickles ``state`` as the snapshot through WAL index ``last_index`` (atomic)."""
+    buffer = io.BytesIO()
     gc.disable()  # pickling allocates nothing the collector could free; it only slows down
     try:
-        payload = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+        _StatePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
     finally:
         gc.enable()
+    payload = buffer.getbuffer()
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, last_index, len(payload), zlib.crc32(payload))
     final = directory / snapshot_name(last_index)
     tmp = final.with_suffix(".tmp")
@@ -175,6 +198,8 @@ class Snapshotter:
             try:
                 write_snapshot(self.directory, self.get_state(), through)
                 code = 0
+            except BaseException:
+                traceback.print_exc()  # the parent logs only the exit status
             finally:
                 os._exit(code)
         threading.Thread(target=self._reap, args=(pid, through, started),

@@ -151,6 +151,7 @@ def test_recovered_state_is_the_state_after_the_surviving_records(
         assert accepted[0] is recs[0]  # the pool exists: the history is not vacuous
         # The crash: no final snapshot; a snapshot child may have died mid-write.
         data_dir.snapshotter.wait()
+        assert data_dir.snapshotter.failed == 0
         data_dir.wal.close()
         os.close(data_dir._lock_fd)  # what the kernel does for a killed process
         if torn_snapshot:
