@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import gc
 import os
 import secrets
 import time
@@ -179,6 +180,10 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
                 apply(state, payload)
             except KVCacheError:
                 rejected += 1
+        # The recovered state lives as long as the server: keep the cyclic collector from
+        # traversing it again and again (a full collection over a million-block pool
+        # stalls the loop for a noticeable time).
+        gc.freeze()
         replayed_at = time.perf_counter()
         recovery = Recovery(snapshot_index, len(result.records), rejected,
                             result.truncated_bytes, loaded_at - started,

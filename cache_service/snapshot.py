@@ -128,10 +128,14 @@ def read_snapshot(path: Path) -> tuple[Any, int]:
     if zlib.crc32(payload) != crc:
         raise SnapshotCorruption(path, "checksum mismatch")
     # Unpickling builds hundreds of thousands of objects and no garbage: the cyclic
-    # collector would run dozens of times for nothing (it doubled the load time).
+    # collector would run dozens of times for nothing (it doubled the load time). The
+    # loaded state is then frozen out of the collector's generations: it lives as long as
+    # the server, and otherwise the first collections after the load traverse all of it
+    # again (seconds of pauses in the log replay that follows).
     gc.disable()
     try:
         state = pickle.loads(payload)
+        gc.freeze()
     finally:
         gc.enable()
     return state, last_index
