@@ -69,14 +69,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         """Applies one record (the one way the servicer changes state)."""
         return self.state.apply(record)
 
-    async def _mutate(self, context: grpc.aio.ServicerContext, session_id: str,
-                      build: Callable[[], WalRecord]) -> Any:
-        """Renews the caller's lease, applies the call's record, waits until it is
-        durable (when the durability policy asks for it) and answers the response."""
+    async def _mutate(self, context: grpc.aio.ServicerContext, kind: str,
+                      request: Message, session_id: str = "") -> Any:
+        """Renews the caller's lease, applies the call as the record
+        ``WalRecord(<kind>=request)``, waits until it is durable (when the durability
+        policy asks for it) and answers the response."""
         if session_id:
             self.leases.renew(session_id)
         try:
-            response = self.state.apply(build())
+            response = self.state.apply_call(kind, request)
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         if self.state.durability.needs_sync:
@@ -92,14 +93,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         """One Step as the handlers apply it, without gRPC (raises a core error and
         changes nothing if the batch is rejected)."""
-        return self.state.apply(WalRecord(step=request))  # type: ignore[return-value]
+        return self.state.apply_call("step", request)  # type: ignore[return-value]
 
     # -- pools -------------------------------------------------------------------------
 
     async def RegisterPool(self, request: pb.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> pb.RegisterPoolResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(register_pool=request))
+        return await self._mutate(context, "register_pool", request, request.session_id)
 
     async def GetPool(self, request: pb.GetPoolRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetPoolResponse:
@@ -113,14 +113,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(delete_pool=request))
+        return await self._mutate(context, "delete_pool", request, request.session_id)
 
     # -- steps -------------------------------------------------------------------------
 
     async def Step(self, request: pb.StepRequest,
                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self._mutate(context, request.session_id, lambda: WalRecord(step=request))
+        return await self._mutate(context, "step", request, request.session_id)
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
@@ -130,8 +129,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if self.draining:
                 await _abort(context, Unavailable(
                     "server is draining; reconnect to another instance"))
-            yield await self._mutate(context, request.session_id,
-                                     lambda: WalRecord(step=request))
+            yield await self._mutate(context, "step", request, request.session_id)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -143,8 +141,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # The id is chosen here, outside apply, and carried by the record (apply stays
         # deterministic). 128 random bits: unguessable by other clients.
         sid = secrets.token_hex(16)
-        response = await self._mutate(context, "", lambda: WalRecord(
-            open_session=wal_pb2.OpenSession(session_id=sid, client_name=request.client_name)))
+        response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
+            session_id=sid, client_name=request.client_name))
         self.leases.start(sid)
         _log.info("session_opened", session_id=sid, client=request.client_name)
         return response
@@ -159,7 +157,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest,
                            context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        response = await self._mutate(context, "", lambda: WalRecord(close_session=request))
+        response = await self._mutate(context, "close_session", request)
         self.leases.end(request.session_id)
         _log.info("session_closed", session_id=request.session_id,
                   requests_freed=response.num_requests_freed)
@@ -221,8 +219,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext
                                ) -> pb.ResetPrefixCacheResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(reset_prefix_cache=request))
+        return await self._mutate(context, "reset_prefix_cache", request, request.session_id)
 
     # -- events ------------------------------------------------------------------------
 

@@ -177,6 +177,7 @@ class BatchCheck:
         # request id -> [exists, num_tokens, may_have_computed_tokens] as the batch goes
         self.state: dict[str, list] = {}
         self.blocks_moved = False  # a block-changing op came earlier in the batch
+        self.last = False  # the op being checked is the batch's last (nothing reads after)
 
     def _state(self, rid: str) -> list:
         st = self.state.get(rid)
@@ -305,8 +306,9 @@ class BatchCheck:
             except KeyError:
                 reqs = None
             if reqs is not None and max(map(len, [r.all_token_ids for r in reqs])) < limit:
-                state.update(zip(rids, [[True, len(r.all_token_ids) + 1, True]
-                                        for r in reqs]))
+                if not self.last:  # the simulation only matters to later ops
+                    state.update(zip(rids, [[True, len(r.all_token_ids) + 1, True]
+                                            for r in reqs]))
                 return reqs
         for i, rid in enumerate(rids):
             name = f"request_ids[{i}]"
@@ -330,7 +332,9 @@ def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:
     out = []
     append = out.append
     c = check.check
+    last = len(ops) - 1
     for i, op in enumerate(ops):
+        check.last = i == last
         try:
             append(c(op))
         except KVCacheError as exc:
