@@ -78,6 +78,7 @@ class DataDir(Generic[S]):
         self.snapshotter = snapshotter
         self.recovery = recovery
         self.needs_sync = wal.fsync == "always"
+        self.keeps_records = True
         self._lock_fd = lock_fd
         self._synced = wal.last_index
         self._syncing: asyncio.Future[int] | None = None
