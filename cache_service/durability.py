@@ -155,7 +155,7 @@ def new_instance_id() -> str:
 
 def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
                   apply: Callable[[S, bytes], Any], fsync: FsyncPolicy = "batch",
-                  fsync_interval: float = 0.05, snapshot_every: int = 20000,
+                  fsync_interval: float = 0.05, snapshot_every: int = 5000,
                   ) -> tuple[DataDir[S], S]:
     """Locks ``directory`` (created if missing), restores its state (snapshot + log
     replay through ``apply``) and opens its log for appends. ``new_state(instance_id)``
