@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import structlog
-
 from google.protobuf.message import Message
 
 from cache_service.core.errors import KVCacheError
