@@ -15,9 +15,11 @@ import random
 import signal
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import pytest
 
 from cache_service.client import CacheClient, CacheError, StepBuilder
@@ -126,6 +128,19 @@ def _wait_progress(progress: threading.Semaphore, n: int) -> None:
         assert progress.acquire(timeout=60), "the load made no progress"
 
 
+def _reachable(call, timeout: float = 60.0):
+    """``call()`` once the restarted server is reachable on its port: gRPC shares one
+    connection per address in a process, and the load clients' reconnect attempts while the
+    server was down may have put it into backoff (fails fast until the backoff ends)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except CacheError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+
+
 def _state_of(client: CacheClient, request_ids: list[str]) -> tuple:
     return client.stats("p"), {rid: client.get_request("p", rid) for rid in request_ids}
 
@@ -162,7 +177,7 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path) -> None:
         assert sum(c.in_doubt for c in clients) > 0  # the kill did hit calls in flight
 
         with CacheClient(server.target) as admin:
-            assert admin.get_pool("p").incarnation == info.incarnation
+            assert _reachable(lambda: admin.get_pool("p")).incarnation == info.incarnation
             for c in clients:  # exactly what each client saw acknowledged, nothing more
                 for rid, seen in c.seen.items():
                     assert _as_seen(admin.get_request("p", rid)) == seen, (c.name, rid)
@@ -177,7 +192,7 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path) -> None:
 
         server = _start(data_dir, *flags)
         with CacheClient(server.target) as admin:
-            assert _state_of(admin, live) == before
+            assert _reachable(lambda: _state_of(admin, live)) == before
             assert admin.get_pool("p").incarnation == info.incarnation
     finally:
         for c in clients:
