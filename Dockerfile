@@ -38,6 +38,7 @@ COPY pyproject.toml README.m[d] /src/
 COPY cache_service/ /src/cache_service/
 COPY executor/ /src/executor/
 COPY kernels/ /src/kernels/
+COPY kvcache_common/ /src/kvcache_common/
 RUN /opt/venv/bin/pip wheel -q --no-deps -w /dist /src
 
 # ---- runtime stages: base image + one venv + an unprivileged user, nothing else ----
