@@ -10,7 +10,6 @@ Reads go to the state directly. Sessions: every call naming a session renews its
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
