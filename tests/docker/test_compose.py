@@ -151,17 +151,23 @@ def test_restarting_the_cache_service_loses_no_request(project, docker_client):
     host_port = project.run("port", "executor", "50061").stdout.strip()
     prompt = [(7 * i) % 50 + 1 for i in range(40)]
     with ExecutorClient(host_port) as ex:
-        reference = ex.generate(prompt, 48, timeout=300).token_ids
-        stream = ex.stub.Generate(generate_request(prompt, 48), timeout=300)
+        # Long enough (milliseconds per token) to still run when the SIGTERM arrives.
+        reference = ex.generate(prompt, 1500, timeout=300).token_ids
+        stream = ex.stub.Generate(generate_request(prompt, 1500), timeout=300)
         first = next(stream)  # in flight
         project.run("restart", "cache-service", timeout=120)
         rest = list(stream)
     assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == reference
     assert rest[-1].stats.num_preemptions == 0  # nothing recomputed
+    _wait_healthy(project, docker_client, "cache-service")
     cache_logs = project.run("logs", "--no-color", "cache-service").stdout
-    assert '"event": "recovered"' in cache_logs and '"pools": 1' in cache_logs, cache_logs[-3000:]
+    recovered = [line for line in cache_logs.splitlines() if '"event": "recovered"' in line]
+    assert len(recovered) == 2 and '"pools": 1' in recovered[1], cache_logs[-3000:]
     executor_logs = project.run("logs", "--no-color", "executor").stdout
     assert "pool_lost" not in executor_logs, executor_logs[-3000:]
+    # The restart hit the generation: the executor resent a Step whose outcome was in doubt.
+    assert "cache_step_in_doubt" in executor_logs or "step_stream_retry" in executor_logs, \
+        executor_logs[-3000:]
 
 
 def test_gpu_profile_reserves_one_nvidia_gpu(project, docker_client):
