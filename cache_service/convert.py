@@ -223,7 +223,8 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
         hash_recipe=pb.HashRecipe(hash_algo=HASH_ALGOS.value(recipe.hash_algo),
                                   none_hash_seed=recipe.none_hash_seed,
                                   none_hash=recipe.none_hash,
-                                  hash_block_size=recipe.hash_block_size))
+                                  hash_block_size=recipe.hash_block_size),
+        incarnation=entry.incarnation)
 
 
 def declared_recipe_from_proto(recipe: pb.HashRecipe) -> DeclaredRecipe:
@@ -263,8 +264,14 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         last_event_sequence=last_sequence)
 
 
-def event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
-    """One sequenced ``KVEvent``."""
+def event_to_proto(sequence: int, event: ev.KVEvent, incarnation: int = 0) -> pb.KVEvent:
+    """One sequenced ``KVEvent`` of a pool incarnation."""
+    out = _event_to_proto(sequence, event)
+    out.incarnation = incarnation
+    return out
+
+
+def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
     if isinstance(event, ev.BlockStored):
         stored = pb.BlockStored(
             block_hashes=event.block_hashes, token_ids=event.token_ids,

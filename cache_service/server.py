@@ -32,10 +32,13 @@ from kvcache_common.cli import exit_with_error
 from kvcache_common.listen import port_in_use
 from kvcache_common.logs import configure_logging, lifecycle
 from kvcache_common.metrics_http import serve_metrics
+from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
-from cache_service.state import ServiceState
+from cache_service.snapshot import SnapshotCorruption
+from cache_service.state import ServiceState, WalRecord
+from cache_service.wal import WalCorruption
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -59,6 +62,45 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
+def _new_state(settings: Settings, instance_id: str) -> ServiceState:
+    return ServiceState(PoolRegistry(settings.event_buffer, instance_id=instance_id),
+                        lease_ttl_seconds=settings.lease_ttl_seconds,
+                        max_ops_per_step=settings.max_ops_per_step)
+
+
+def _replay(state: ServiceState, payload: bytes) -> None:
+    state.apply(WalRecord.FromString(payload))
+
+
+def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
+    """The service state: empty and in memory without ``--data-dir`` (says so in one log
+    line), else recovered from the directory, which then logs every accepted record."""
+    if settings.data_dir is None:
+        lifecycle().info("in_memory", detail="no --data-dir: pools, requests and sessions "
+                         "live in memory only and a restart loses them (pools come back "
+                         "with new incarnations)")
+        # Every start is a new instance: its pools get new incarnations.
+        return _new_state(settings, new_instance_id()), None
+    data_dir, state = open_data_dir(
+        settings.data_dir, new_state=lambda instance_id: _new_state(settings, instance_id),
+        apply=_replay, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
+        snapshot_every=settings.snapshot_every)
+    # Settings are not state: this run's flags win over the ones the snapshot was taken with.
+    state.lease_ttl_seconds = settings.lease_ttl_seconds
+    state.max_ops_per_step = settings.max_ops_per_step
+    state.durability = data_dir
+    rec = data_dir.recovery
+    lifecycle().info("recovered", data_dir=str(settings.data_dir), fsync=settings.fsync,
+                     pools=len(state.registry), sessions=len(state.sessions),
+                     snapshot_index=rec.snapshot_index, records_replayed=rec.records_replayed,
+                     torn_bytes_dropped=rec.torn_bytes_dropped,
+                     snapshot_seconds=round(rec.snapshot_seconds, 3),
+                     replay_seconds=round(rec.replay_seconds, 3),
+                     cpu_seconds=round(rec.cpu_seconds, 3),
+                     replay_records_per_second=round(rec.replay_rate))
+    return state, data_dir
+
+
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     busy = (port_in_use(settings.host, settings.port)
@@ -66,9 +108,12 @@ async def serve(settings: Settings) -> int:
     if busy:
         return exit_with_error("kvcache-server", busy, 2)
     loop = asyncio.get_running_loop()
-    registry = PoolRegistry(settings.event_buffer)
-    state = ServiceState(registry, lease_ttl_seconds=settings.lease_ttl_seconds,
-                         max_ops_per_step=settings.max_ops_per_step)
+    try:
+        state, data_dir = open_state(settings)
+    except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
+        log.error("data_dir_unusable", error=str(exc))
+        return 1
+    registry = state.registry
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)
@@ -127,6 +172,9 @@ async def serve(settings: Settings) -> int:
     await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
     if metrics_server is not None:
         metrics_server.close()
+    if data_dir is not None:
+        # A final snapshot: the next start loads it instead of replaying the log.
+        data_dir.close(state)
     lifecycle().info("stopped")
     return 0
 

@@ -20,9 +20,10 @@ from google.protobuf.message import Message
 
 from cache_service import convert
 from cache_service.core.batch import check_request_id
-from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
+from cache_service.core.errors import FailedPrecondition, InvalidArgument, KVCacheError, qualify
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.leases import LeaseKeeper, LeaseReaper
+from cache_service.registry import PoolEntry
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import Unavailable, to_status
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
@@ -35,6 +36,17 @@ _log = structlog.get_logger("cache_service.servicer")
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Ends the call with the error's status (raises)."""
     await context.abort_with_status(to_status(exc))
+
+
+def check_incarnation(entry: PoolEntry, request: pb.SubscribeEventsRequest) -> None:
+    """A resume must name the incarnation it resumes, if it names one: sequence numbers of
+    two incarnations overlap, and splicing them would corrupt the subscriber's index."""
+    if request.HasField("incarnation") and request.incarnation != entry.incarnation:
+        raise FailedPrecondition(
+            f"pool {entry.pool_id!r} is incarnation {entry.incarnation}, not "
+            f"{request.incarnation}: its state was not preserved (deleted and registered "
+            "again, or a restart without --data-dir), so events of the old incarnation are "
+            "gone; resynchronise and subscribe without from_sequence", field="incarnation")
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -226,10 +238,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                               ) -> AsyncIterator[pb.SubscribeEventsResponse]:
         try:
             entry = self.registry.get(request.pool_id)
+            check_incarnation(entry, request)
             start = request.from_sequence if request.HasField("from_sequence") else None
             subscription = entry.feed.subscribe(start)
+            incarnation = entry.incarnation
             async for batch in subscription:
                 yield pb.SubscribeEventsResponse(
-                    events=[convert.event_to_proto(seq, e) for seq, e in batch])
+                    events=[convert.event_to_proto(seq, e, incarnation) for seq, e in batch])
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)

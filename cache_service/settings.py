@@ -52,6 +52,20 @@ class Settings(BaseSettings):
     min_ping_interval_ms: int = Field(5000, ge=0, description="smallest client ping interval "
                                       "tolerated without data (faster pings get GOAWAY)")
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
+    data_dir: Path | None = Field(None, description="directory for the write-ahead log and "
+                                  "snapshots: every accepted mutation is logged before it "
+                                  "is answered and a restart restores the state; unset = "
+                                  "in-memory (a restart loses every pool)")
+    fsync: Literal["always", "batch", "never"] = Field(
+        "batch", description="with --data-dir: when the log is flushed to disk. always = "
+        "before each answer (nothing answered is lost, even on power loss); batch = every "
+        "--fsync-interval-ms (an OS crash loses at most that window); never = when the OS "
+        "decides. A killed process loses nothing answered in any mode")
+    fsync_interval_ms: int = Field(50, ge=1, le=10000, description="with --fsync batch: "
+                                   "the longest time a written record waits for fdatasync")
+    snapshot_every: int = Field(5000, ge=1, description="with --data-dir: a background "
+                                "snapshot after this many logged mutations (bounds the log "
+                                "replayed at restart)")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="log level; 'debug' logs every call")
 

@@ -115,6 +115,17 @@ class ServiceState:
             "expire_session": self._prepare_expire,
         }
 
+    def __getstate__(self) -> dict:
+        """Everything but the durability hook (open files, threads): what a snapshot of
+        the state holds. A restored state starts with the in-memory default hook."""
+        state = dict(self.__dict__)
+        del state["durability"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.durability = Durability()
+
     # -- the entry point -------------------------------------------------------------------
 
     def apply(self, record: WalRecord) -> Message:

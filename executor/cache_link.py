@@ -23,6 +23,7 @@ from cache_service.client import (
     StepStream,
     layers,
 )
+from cache_service.client._session import IN_DOUBT
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
 from executor.cache import GroupInfo
@@ -83,7 +84,7 @@ class CacheLink:
     """
 
     def __init__(self, target: str, plan: PoolPlan, *, timeout_s: float = 10.0,
-                 use_stream: bool = True) -> None:
+                 use_stream: bool = True, in_doubt_retry_s: float = 30.0) -> None:
         self.target = target
         self.plan = plan
         self.timeout_s = timeout_s
@@ -95,6 +96,7 @@ class CacheLink:
         self.call_seconds = 0.0
         self.calls = 0
         self.stream_retries = 0
+        self.in_doubt_retry_s = in_doubt_retry_s
 
     def close(self) -> None:
         self._drop_stream()
@@ -122,6 +124,26 @@ class CacheLink:
             self._drop_stream()  # ended by the error, or out of step with our requests
             raise
 
+    def _send_until_settled(self, ops: Sequence[pb.Op], begin_step: bool,
+                            deadline: float) -> StepResult:
+        """Sends a Step; while its outcome is in doubt (the service is unreachable: it may
+        have applied and logged the Step, e.g. a --data-dir service restarting), resends
+        the SAME Step (same session sequence number) until the service answers or
+        ``deadline`` passes. The engine would re-plan after a failure, and a different
+        Step under the number of one the service already applied is refused, or, resent
+        under the next number, applied on top of it."""
+        attempt = 0
+        while True:
+            try:
+                return self._send(ops, begin_step)
+            except CacheError as exc:
+                if exc.code not in IN_DOUBT or time.perf_counter() >= deadline:
+                    raise
+                attempt += 1
+                log.warning("cache_step_in_doubt", code=exc.code.name, attempt=attempt,
+                            error=exc.message)
+                time.sleep(min(1.0, 0.1 * attempt))
+
     def register(self) -> PoolInfo:
         """RegisterPool (idempotent for the same description)."""
         try:
@@ -140,7 +162,7 @@ class CacheLink:
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         start = time.perf_counter()
         try:
-            return self._send(ops, begin_step)
+            return self._send_until_settled(ops, begin_step, start + self.in_doubt_retry_s)
         except CacheError as exc:
             # The service names the field of every NOT_FOUND: ours is the pool id, or the
             # session the service forgot (a restart without a data dir).

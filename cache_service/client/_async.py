@@ -229,13 +229,18 @@ class AsyncCacheClient:
                              pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
         return r.reset
 
-    async def subscribe_events(self, pool_id: str, from_sequence: int | None = None
+    async def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
+                               incarnation: int | None = None,
                                ) -> AsyncIterator[Event]:
         """KV events of a pool (from ``from_sequence`` if given, else live only) until the
-        pool is deleted or the server stops. No deadline; raises :class:`CacheError`."""
+        pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
+        FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
+        deadline; raises :class:`CacheError`."""
         req = pb.SubscribeEventsRequest(pool_id=pool_id)
         if from_sequence is not None:
             req.from_sequence = from_sequence
+        if incarnation is not None:
+            req.incarnation = incarnation
         call = self._stub.SubscribeEvents(req, metadata=self._metadata)
         try:
             async for batch in call:

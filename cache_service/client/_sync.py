@@ -217,11 +217,14 @@ class CacheClient:
         return self._mutate(self._stub.ResetPrefixCache,
                           pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout).reset
 
-    def subscribe_events(self, pool_id: str, from_sequence: int | None = None
+    def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
+                         incarnation: int | None = None,
                          ) -> Iterator[Event]:
         req = pb.SubscribeEventsRequest(pool_id=pool_id)
         if from_sequence is not None:
             req.from_sequence = from_sequence
+        if incarnation is not None:
+            req.incarnation = incarnation
         call = self._stub.SubscribeEvents(req, metadata=self._metadata)
         try:
             for batch in call:

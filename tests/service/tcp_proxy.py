@@ -39,7 +39,7 @@ class TcpProxy:
         self.connections = 0
         self.port = 0
 
-    def __enter__(self) -> "TcpProxy":
+    def __enter__(self) -> TcpProxy:
         self._thread.start()
         self._server = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(self._serve, "127.0.0.1", 0), self._loop).result(10)

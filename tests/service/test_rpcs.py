@@ -376,6 +376,32 @@ def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) ->
     assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
 
 
+def test_incarnation_changes_only_with_a_new_pool_state(client: CacheClient,
+                                                        new_pool) -> None:
+    """Every event carries its pool incarnation; resuming with a stale one is refused
+    (naming the field) instead of splicing two histories with overlapping sequences."""
+    info = new_pool()
+    assert info.incarnation != 0
+    assert client.get_pool(info.pool_id).incarnation == info.incarnation
+    assert client.register_pool(info.pool_id, full_layers(), max_model_len=1024,
+                                num_blocks=256).incarnation == info.incarnation  # same state
+    client.step(info.pool_id, [ops.add("a", list(range(33))), ops.allocate("a", 33)])
+    first = list(_take(client.subscribe_events(info.pool_id, 1, info.incarnation), 1))
+    assert first[0].incarnation == info.incarnation
+
+    client.delete_pool(info.pool_id)
+    again = client.register_pool(info.pool_id, full_layers(), max_model_len=1024,
+                                 num_blocks=256)
+    assert again.incarnation not in (0, info.incarnation)
+    client.step(info.pool_id, [ops.add("a", list(range(33))), ops.allocate("a", 33)])
+    with pytest.raises(CacheError) as err:
+        list(_take(client.subscribe_events(info.pool_id, 1, info.incarnation), 1))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.field == "incarnation" and str(info.incarnation) in str(err.value)
+    fresh = list(_take(client.subscribe_events(info.pool_id, 1, again.incarnation), 1))
+    assert (fresh[0].sequence, fresh[0].incarnation) == (1, again.incarnation)
+
+
 def _take(iterator, n: int):
     for i, item in enumerate(iterator):
         yield item

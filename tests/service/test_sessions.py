@@ -132,7 +132,7 @@ def test_sequence_numbers_make_steps_exactly_once(server: ServerProcess, client:
                          (step(4, ops.decode(["r"], [8])), "must be 3"),
                          (step(1, ops.decode(["r"], [8])), "must be 3"),
                          (step(0, ops.decode(["r"], [8])), "must be 3")):
-            err = rpc_error(lambda: stub.Step(bad))
+            err = rpc_error(lambda bad=bad: stub.Step(bad))
             assert (err.code, err.field) == (grpc.StatusCode.FAILED_PRECONDITION, "sequence")
             assert why in err.message
         # A rejected call does not use up its number.

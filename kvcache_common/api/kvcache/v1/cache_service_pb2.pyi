@@ -143,7 +143,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes", "hash_recipe")
+    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes", "hash_recipe", "incarnation")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class PoolConfig(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
@@ -164,7 +165,8 @@ class PoolConfig(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     layer_page_size_bytes: int
     hash_recipe: HashRecipe
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HashRecipe(_message.Message):
     __slots__ = ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size")
@@ -557,12 +559,14 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, reset: _Optional[bool] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("pool_id", "from_sequence")
+    __slots__ = ("pool_id", "from_sequence", "incarnation")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     from_sequence: int
-    def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token")
@@ -605,16 +609,18 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "block_stored", "block_removed", "all_blocks_cleared")
+    __slots__ = ("sequence", "incarnation", "block_stored", "block_removed", "all_blocks_cleared")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
+    incarnation: int
     block_stored: BlockStored
     block_removed: BlockRemoved
     all_blocks_cleared: AllBlocksCleared
-    def __init__(self, sequence: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., incarnation: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class SubscribeEventsResponse(_message.Message):
     __slots__ = ("events",)

@@ -205,7 +205,10 @@ class CacheServiceServicer:
         buffered event fails with OUT_OF_RANGE (the subscriber missed events and must
         resynchronise, e.g. from a fresh ResetPrefixCache or by dropping its index), and so
         does one beyond the next sequence to be assigned. Sequences are per pool
-        incarnation: a deleted and re-registered pool starts again at 1.
+        incarnation (KVEvent.incarnation): a deleted and re-registered pool, or a pool of a
+        restarted server without --data-dir, starts again at 1 under a new incarnation; a
+        server restarted on its data directory continues the sequence. Resume with
+        incarnation set to detect the difference.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
