@@ -38,6 +38,9 @@ _ATTENTION_CLASSES: dict[int, type] = {
 }
 # Bounds that keep arithmetic sane and memory bounded for hostile input.
 MAX_COUNT = 1 << 40
+#: The largest page one layer may have (1 TiB per block); every byte count of a pool
+#: (summed pages, memory budgets) then stays far inside the int64 fields of PoolConfig.
+MAX_PAGE_BYTES = 1 << 40
 
 
 def _non_negative(value: int, field: str, *, positive: bool = False,
@@ -73,18 +76,27 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
             for j, state in enumerate(layer.mamba_states):
                 if not state.shape:
                     raise InvalidArgument("empty shape", field=f"mamba_states[{j}].shape")
+                elements = 1
                 for k, dim in enumerate(state.shape):
                     _non_negative(dim, f"mamba_states[{j}].shape[{k}]", positive=True,
                                   limit=1 << 31)
+                    # Checked as the product grows: a long shape must not cost big-int
+                    # arithmetic before it is rejected.
+                    elements *= dim
+                    if elements > MAX_PAGE_BYTES:
+                        raise InvalidArgument(
+                            f"the state has more than {MAX_PAGE_BYTES} elements",
+                            field=f"mamba_states[{j}].shape")
                 shapes.append(tuple(state.shape))
             if layer.mamba_cache_mode and not MAMBA_CACHE_MODES.name(layer.mamba_cache_mode):
                 raise InvalidArgument(f"unknown mamba_cache_mode {layer.mamba_cache_mode}",
                                       field="mamba_cache_mode")
-            return MambaSpec(
+            return _bounded_page(MambaSpec(
                 block_size=layer.block_size, shapes=tuple(shapes),
                 dtypes=tuple(s.dtype for s in layer.mamba_states), page_size_padded=padded,
                 mamba_type=layer.mamba_type or "mamba2",
-                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none")
+                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none"),
+                "mamba_states")
         cls = _ATTENTION_CLASSES.get(kind)
         if cls is None:
             raise InvalidArgument(f"kind must be one of {sorted(LAYER_KINDS.names())}, got {kind}",
@@ -104,11 +116,20 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
         elif kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
             kwargs["attention_chunk_size"] = _non_negative(
                 layer.attention_chunk_size, "attention_chunk_size", positive=True)
-        return cls(**kwargs)
+        return _bounded_page(cls(**kwargs), "block_size")
     except KVCacheError as exc:
         if exc.field.startswith(path):
             raise
         raise qualify(exc, path) from None
+
+
+def _bounded_page(spec: KVCacheSpec, field: str) -> KVCacheSpec:
+    """``spec`` if its page fits :data:`MAX_PAGE_BYTES`; else INVALID_ARGUMENT naming
+    ``field`` (the factor of the page product that is not bounded on its own)."""
+    if spec.page_size_bytes > MAX_PAGE_BYTES:
+        raise InvalidArgument(f"the page of this layer is {spec.page_size_bytes} bytes, more "
+                              f"than the limit of {MAX_PAGE_BYTES}", field=field)
+    return spec
 
 
 def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:

@@ -15,13 +15,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound
-from cache_service.core.grouping import get_kv_cache_config
+from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
 
 POOL_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: The most bytes one block id may cost across all layers. Layer pages are bounded on
+#: their own (see convert); grouping may still scale pages up (block sizes unified to a
+#: common multiple), so the pool's sum is checked again once grouped.
+MAX_BLOCK_BYTES = 1 << 48
+#: Default server block budget (sum of num_blocks over all pools): what the metadata of a
+#: pool can grow to once every block was handed out is ~100 bytes per block, so the
+#: default bounds the allocator's own memory to a few GiB.
+DEFAULT_MAX_TOTAL_BLOCKS = 1 << 24
 
 # Core spec attribute -> the protocol field that carries it (for diff messages).
 _SPEC_FIELD_NAMES = {"shapes": "mamba_states", "dtypes": "mamba_states"}
@@ -88,8 +96,14 @@ def first_difference(old: PoolDescription, new: PoolDescription) -> str | None:
     return None
 
 
-def build_pool(desc: PoolDescription) -> Pool:
-    """A fresh allocator for a description (raises ConfigError/InvalidArgument)."""
+def budget_field(desc: PoolDescription) -> str:
+    """The protocol field that sized the pool (named by budget errors)."""
+    return "num_blocks" if desc.num_blocks is not None else "available_memory_bytes"
+
+
+def build_config(desc: PoolDescription) -> KVCacheConfig:
+    """The pool layout of a description (raises ConfigError/InvalidArgument). Cheap: no
+    per-block work, so a budget can be checked before anything is built."""
     names = [name for name, _ in desc.layers]
     if not names:
         raise InvalidArgument("at least one layer is required", field="layers")
@@ -113,18 +127,35 @@ def build_pool(desc: PoolDescription) -> Pool:
         # The core names its own arguments; the protocol calls the budget differently.
         exc.field = _CONFIG_FIELD_NAMES.get(exc.field, exc.field)
         raise
-    return Pool(config, opts)
+    per_block = page_size_bytes(config)
+    if per_block > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"one block id would cost {per_block} bytes across the layers "
+                              f"(after grouping), more than the limit of {MAX_BLOCK_BYTES}",
+                              field="layers")
+    return config
+
+
+def build_pool(desc: PoolDescription) -> Pool:
+    """A fresh allocator for a description (raises ConfigError/InvalidArgument)."""
+    return Pool(build_config(desc), desc.options)
 
 
 class PoolRegistry:
-    """Pools by id. Not thread-safe by design: the server's event loop owns it."""
+    """Pools by id. Not thread-safe by design: the server's event loop owns it.
 
-    def __init__(self, event_buffer: int = 10000) -> None:
+    Invariant: ``total_blocks`` (the sum of every pool's num_blocks) <= ``max_total_blocks``.
+    """
+
+    def __init__(self, event_buffer: int = 10000, *,
+                 max_total_blocks: int = DEFAULT_MAX_TOTAL_BLOCKS) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self._event_buffer = event_buffer
+        self.max_total_blocks = max_total_blocks
+        self.total_blocks = 0
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
-        """The pool ``pool_id``, created if new; ``(entry, created)``."""
+        """The pool ``pool_id``, created if new; ``(entry, created)``. Every check runs
+        before the pool is built or recorded: a rejected call leaves nothing behind."""
         check_pool_id(pool_id)
         existing = self._pools.get(pool_id)
         if existing is not None:
@@ -133,8 +164,16 @@ class PoolRegistry:
                 return existing, False
             raise AlreadyExists(f"pool {pool_id!r} exists with a different description "
                                 f"(first difference: {diff})", field=diff)
-        entry = PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer))
+        config = build_config(desc)
+        if self.total_blocks + config.num_blocks > self.max_total_blocks:
+            raise ResourceExhausted(
+                f"the pool would have {config.num_blocks} blocks; the server's block budget "
+                f"(--max-total-blocks) has {self.max_total_blocks - self.total_blocks} of "
+                f"{self.max_total_blocks} left", field=budget_field(desc))
+        entry = PoolEntry(pool_id, desc, Pool(config, desc.options),
+                          EventFeed(self._event_buffer))
         self._pools[pool_id] = entry
+        self.total_blocks += config.num_blocks
         return entry, True
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
@@ -148,6 +187,7 @@ class PoolRegistry:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)
         del self._pools[pool_id]
+        self.total_blocks -= entry.config.num_blocks
         entry.feed.close()
         return len(entry.pool.request_ids())
 

@@ -58,7 +58,7 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
-    registry = PoolRegistry(settings.event_buffer)
+    registry = PoolRegistry(settings.event_buffer, max_total_blocks=settings.max_total_blocks)
     prom_registry, rpc_metrics = new_registry(registry.stats)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)

@@ -314,8 +314,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             check_pool_id(request.pool_id)
             desc = convert.description_from_proto(request)
             entry, created = self.registry.register(request.pool_id, desc)
-            return pb.RegisterPoolResponse(config=convert.pool_config_to_proto(entry),
-                                           created=created)
+            try:
+                config = convert.pool_config_to_proto(entry)
+            except Exception:
+                # A pool whose config cannot be answered would break every later
+                # GetPool / ListPools: a failed call leaves nothing registered.
+                if created:
+                    self.registry.delete(request.pool_id)
+                raise
+            return pb.RegisterPoolResponse(config=config, created=created)
         return await self._unary(context, run)
 
     async def GetPool(self, request: pb.GetPoolRequest,

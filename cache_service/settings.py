@@ -16,6 +16,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cache_service.registry import DEFAULT_MAX_TOTAL_BLOCKS
+
 
 class Settings(BaseSettings):
     """Every setting of ``kvcache-server``; each field ``x`` reads ``KVCACHE_X``."""
@@ -43,6 +45,10 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
     max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step")
+    max_total_blocks: int = Field(DEFAULT_MAX_TOTAL_BLOCKS, ge=2, description="the server's "
+                                  "block budget: the sum of num_blocks over all pools; a "
+                                  "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "
+                                  "keeps ~100 bytes per block ever handed out)")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")

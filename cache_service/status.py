@@ -27,8 +27,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
-class ResourceExhausted(core.KVCacheError):
-    """A single call asked for more than the service allows (-> RESOURCE_EXHAUSTED)."""
+ResourceExhausted = core.ResourceExhausted  # the service's limits are raised as this too
 
 
 class Unavailable(core.KVCacheError):

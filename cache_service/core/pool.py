@@ -574,15 +574,15 @@ class Pool:
                     seen.add(block.block_id)
                     assert owner_group.setdefault(block.block_id, gid) == gid, \
                         f"block {block.block_id} is in tables of groups {owner_group[block.block_id]} and {gid}"
-                    assert pool.blocks[block.block_id] is block, \
+                    assert pool.blocks.get(block.block_id) is block, \
                         f"block {block.block_id} in a table is not the pool's block"
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
                     if block.block_hash is not None:
                         assert block.group_id == gid, \
                             f"block {block.block_id} cached for group {block.group_id} but held by group {gid}"
         used = 0
-        for block in pool.blocks:
-            if block is None or block.is_null:
+        for block in pool.blocks.values():
+            if block.is_null:
                 continue
             assert block.ref_cnt == refs.get(block.block_id, 0), \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} tables holding it"

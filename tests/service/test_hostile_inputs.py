@@ -154,6 +154,23 @@ CASES = [
          Code.INVALID_ARGUMENT, "budget"),
     Case("too few blocks for max_model_len", "RegisterPool", register(num_blocks=5),
          Code.INVALID_ARGUMENT, "num_blocks"),
+    # The two reproducers of a rejected RegisterPool that used to leave its pool behind
+    # (UNKNOWN "Value out of range" while answering, then every ListPools failed):
+    Case("page size overflows int64", "RegisterPool",
+         register(layers=_layer(block_size=2**40, num_kv_heads=2**20, head_size=2**20),
+                  num_blocks=4, options=lambda r: setattr(r.options, "skip_capacity_check",
+                                                          True)),
+         Code.INVALID_ARGUMENT, "layers[0].block_size"),
+    Case("huge mamba state", "RegisterPool",
+         register(layers=lambda r: r.layers[0].CopyFrom(layers.mamba(
+             "m", block_size=MAX_LEN, shapes=[(2**31, 2**31, 2**31)], dtypes=["float32"]))),
+         Code.INVALID_ARGUMENT, "layers[0].mamba_states[0].shape"),
+    # Within the field's own range but beyond the server's block budget (--max-total-blocks):
+    Case("num_blocks beyond the server budget", "RegisterPool", register(num_blocks=2**31),
+         Code.RESOURCE_EXHAUSTED, "num_blocks"),
+    Case("memory budget of tiny pages beyond the server budget", "RegisterPool",
+         register(available_memory_bytes=2**60), Code.RESOURCE_EXHAUSTED,
+         "available_memory_bytes"),
     Case("bad pool id", "RegisterPool", register(pool_id="has space"),
          Code.INVALID_ARGUMENT, "pool_id"),
     Case("existing pool, other description", "RegisterPool",
