@@ -34,7 +34,14 @@ class RpcMetrics:
         self.seconds = Histogram("grpc_server_handling_seconds", "Response latency of RPCs "
                                  "handled by the server.", labels, buckets=_LATENCY_BUCKETS,
                                  registry=registry)
+        self.undecodable_messages = Counter(
+            "kvcache_undecodable_messages_total", "Request messages that did not parse "
+            "(answered INVALID_ARGUMENT).", ["grpc_service", "grpc_method"], registry=registry)
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def undecodable(self, service: str, method: str) -> None:
+        """Counts one request message that did not parse."""
+        self.undecodable_messages.labels(service, method).inc()
 
     def observe(self, grpc_type: str, service: str, method: str, code: str,
                 seconds: float) -> None:

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from cache_service.discovery import HealthServicer, enable_reflection
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
 from kvcache_common.logs import configure_logging, lifecycle
@@ -32,6 +32,7 @@ from kvcache_common.metrics_http import serve_metrics
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
+from cache_service.tenants import TenantsFileError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -39,17 +40,23 @@ log = structlog.get_logger("cache_service.server")
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
-    """Channel arguments set explicitly (message sizes, keepalive, ping policy)."""
+    """Channel arguments set explicitly (message sizes, keepalive, ping policy, streams per
+    connection); docs/deployment.md explains each choice."""
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
+        # The server pings idle connections to find dead peers (and keeps NATs open).
         ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Clients pinging faster than this without data get GOAWAY(too_many_pings); set
+        # Enforcement of client pings: faster than this without data is a strike, and
+        # after max_ping_strikes the connection gets GOAWAY(too_many_pings). Set
         # explicitly because the default (5 min) surprises clients with keepalive on.
         ("grpc.http2.min_ping_interval_without_data_ms", settings.min_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 2),
         ("grpc.http2.max_pings_without_data", 0),
+        # One connection cannot open unbounded concurrent calls (each holds a task and
+        # its request); further streams wait for a slot at the HTTP/2 level.
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
     ]
@@ -60,15 +67,19 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer, max_total_blocks=settings.max_total_blocks)
     prom_registry, rpc_metrics = new_registry(registry.stats)
-    token = settings.auth_token.get_secret_value() if settings.auth_token else None
-    interceptor = CallInterceptor(rpc_metrics, token)
+    try:
+        tenants = settings.tenant_table()
+    except TenantsFileError as exc:
+        log.error("bad_tenants_file", error=str(exc))
+        return 2
+    interceptor = CallInterceptor(rpc_metrics, tenants,
+                                  unauthenticated=settings.unauthenticated_tenant())
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
     servicer = CacheServicer(registry, max_ops_per_step=settings.max_ops_per_step)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
 
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert is not None and settings.tls_key is not None:
@@ -94,7 +105,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             tls=settings.tls_cert is not None, auth=token is not None)
+             tls=settings.tls_cert is not None, auth=tenants is not None,
+             tenants=len(tenants.tenants) if tenants is not None else 1)
 
     await stop.wait()
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)

@@ -9,6 +9,7 @@ environment variable.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,7 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from cache_service.registry import DEFAULT_MAX_TOTAL_BLOCKS
+from cache_service.tenants import ANONYMOUS, Tenant, TenantTable
 
 
 class Settings(BaseSettings):
@@ -37,6 +39,16 @@ class Settings(BaseSettings):
                                          "needs 'authorization: Bearer <token>' (health and "
                                          "reflection stay open); prefer the environment "
                                          "variable: flags are visible in ps")
+    auth_tokens_file: Path | None = Field(None, description="tenants: a file of "
+                                          "'<token> <tenant> [admin] [max_pools=N] "
+                                          "[max_blocks=N]' lines; every kvcache.v1 call "
+                                          "needs one of its tokens and sees only its "
+                                          "tenant's pools (excludes --auth-token)")
+    tenant_max_pools: int = Field(0, ge=0, description="pools one tenant may hold at once "
+                                  "(0 = no limit); a tenants-file line may override it")
+    tenant_max_blocks: int = Field(0, ge=0, description="sum of num_blocks over one "
+                                   "tenant's pools (0 = no limit beyond "
+                                   "--max-total-blocks); a tenants-file line may override it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with --tls-key "
                                   "the server speaks TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
@@ -62,7 +74,27 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> "Settings":
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.auth_token is not None and self.auth_tokens_file is not None:
+            raise ValueError("auth_token and auth_tokens_file exclude each other")
         return self
+
+    def tenant_table(self) -> TenantTable | None:
+        """The tenants of the configured auth mode (None: auth off, every caller is
+        :meth:`unauthenticated_tenant`). Raises TenantsFileError for a bad file."""
+        limits = self._tenant_limits()
+        if self.auth_tokens_file is not None:
+            return TenantTable.from_file(self.auth_tokens_file, **limits)
+        if self.auth_token is not None:
+            return TenantTable.single(self.auth_token.get_secret_value(), **limits)
+        return None
+
+    def unauthenticated_tenant(self) -> Tenant:
+        """Every caller's tenant when auth is off."""
+        return dataclasses.replace(ANONYMOUS, **self._tenant_limits())
+
+    def _tenant_limits(self) -> dict[str, int | None]:
+        return dict(max_pools=self.tenant_max_pools or None,
+                    max_blocks=self.tenant_max_blocks or None)
 
 
 def build_parser() -> argparse.ArgumentParser:
