@@ -154,8 +154,17 @@ class PoolRegistry:
         self.total_blocks = 0
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
-        """The pool ``pool_id``, created if new; ``(entry, created)``. Every check runs
-        before the pool is built or recorded: a rejected call leaves nothing behind."""
+        """The pool ``pool_id``, created if new; ``(entry, created)``."""
+        entry, created = self.prepare_register(pool_id, desc)
+        if created:
+            self.add(entry)
+        return entry, created
+
+    def prepare_register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
+        """The validation half of :meth:`register`: the existing pool (created False), or
+        a new one NOT yet registered (:meth:`add` it). Raises and changes nothing on a bad
+        description, one that differs from the registered pool's, or one beyond the block
+        budget; every check runs before the pool is built (which is O(1) in its size)."""
         check_pool_id(pool_id)
         existing = self._pools.get(pool_id)
         if existing is not None:
@@ -170,11 +179,14 @@ class PoolRegistry:
                 f"the pool would have {config.num_blocks} blocks; the server's block budget "
                 f"(--max-total-blocks) has {self.max_total_blocks - self.total_blocks} of "
                 f"{self.max_total_blocks} left", field=budget_field(desc))
-        entry = PoolEntry(pool_id, desc, Pool(config, desc.options),
-                          EventFeed(self._event_buffer))
-        self._pools[pool_id] = entry
-        self.total_blocks += config.num_blocks
-        return entry, True
+        return PoolEntry(pool_id, desc, Pool(config, desc.options),
+                         EventFeed(self._event_buffer)), True
+
+    def add(self, entry: PoolEntry) -> None:
+        """Registers a pool from :meth:`prepare_register`."""
+        assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
+        self._pools[entry.pool_id] = entry
+        self.total_blocks += entry.config.num_blocks
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
         """The pool, or NotFound naming ``field``."""

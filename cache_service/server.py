@@ -32,6 +32,7 @@ from kvcache_common.metrics_http import serve_metrics
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
+from cache_service.state import ServiceState
 from cache_service.tenants import TenantsFileError
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
@@ -66,7 +67,9 @@ async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer, max_total_blocks=settings.max_total_blocks)
-    prom_registry, rpc_metrics = new_registry(registry.stats)
+    state = ServiceState(registry, lease_ttl_seconds=settings.lease_ttl_seconds,
+                         max_ops_per_step=settings.max_ops_per_step)
+    prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     try:
         tenants = settings.tenant_table()
     except TenantsFileError as exc:
@@ -75,7 +78,7 @@ async def serve(settings: Settings) -> int:
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
-    servicer = CacheServicer(registry, max_ops_per_step=settings.max_ops_per_step)
+    servicer = CacheServicer(state)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -104,11 +107,14 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=tenants is not None,
-             tenants=len(tenants.tenants) if tenants is not None else 1)
+             tenants=len(tenants.tenants) if tenants is not None else 1,
+             lease_ttl_seconds=settings.lease_ttl_seconds)
 
     await stop.wait()
+    reaper.cancel()  # no lease expires while draining: clients cannot renew then
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.

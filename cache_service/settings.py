@@ -61,6 +61,9 @@ class Settings(BaseSettings):
                                   "block budget: the sum of num_blocks over all pools; a "
                                   "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "
                                   "keeps ~100 bytes per block ever handed out)")
+    lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
+                                     "with no call (nor KeepAlive) for this long expires "
+                                     "and its requests are freed")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")

@@ -135,9 +135,10 @@ def test_steps_drain_the_pool_events_without_subscribers() -> None:
     feed even when nobody subscribes, so memory stays bounded however long a pool runs."""
     from cache_service.registry import PoolRegistry
     from cache_service.servicer import CacheServicer
+    from cache_service.state import ServiceState
 
     registry = PoolRegistry(event_buffer=EVENT_BUFFER)
-    servicer = CacheServicer(registry)
+    servicer = CacheServicer(ServiceState(registry))
     entry, _ = registry.register("p", convert.description_from_proto(register_request(
         "p", full_layers(block_size=4), num_blocks=64, max_model_len=64)))
     queued = entry.pool.manager.pool  # the core's event queue lives in the block pool
