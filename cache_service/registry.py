@@ -20,6 +20,7 @@ from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
+from cache_service.tenants import TENANT_RE
 
 POOL_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: The most bytes one block id may cost across all layers. Layer pages are bounded on
@@ -165,7 +166,7 @@ class PoolRegistry:
         a new one NOT yet registered (:meth:`add` it). Raises and changes nothing on a bad
         description, one that differs from the registered pool's, or one beyond the block
         budget; every check runs before the pool is built (which is O(1) in its size)."""
-        check_pool_id(pool_id)
+        check_pool_id(pool_id, qualified=True)
         existing = self._pools.get(pool_id)
         if existing is not None:
             diff = first_difference(existing.description, desc)
@@ -219,7 +220,13 @@ class PoolRegistry:
         return [(entry.pool_id, entry.pool.stats()) for entry in self]
 
 
-def check_pool_id(pool_id: str, field: str = "pool_id") -> None:
+def check_pool_id(pool_id: str, field: str = "pool_id", *, qualified: bool = False) -> None:
+    """A pool id as clients write it; ``qualified`` also accepts the server's internal
+    ``tenant/pool`` form (see :class:`cache_service.tenants.Namespace`)."""
+    if qualified and isinstance(pool_id, str) and "/" in pool_id:
+        tenant, _, pool_id = pool_id.partition("/")
+        if not TENANT_RE.fullmatch(tenant):
+            raise InvalidArgument(f"bad tenant part {tenant!r} of a pool id", field=field)
     if not isinstance(pool_id, str) or not POOL_ID_RE.fullmatch(pool_id):
         raise InvalidArgument(f"pool id must be 1-128 characters from [A-Za-z0-9._:-], "
                               f"got {pool_id!r}", field=field)

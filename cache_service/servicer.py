@@ -19,13 +19,15 @@ import grpc
 import structlog
 from google.protobuf.message import Message
 
-from cache_service import convert
+from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
-from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.core.errors import InvalidArgument, KVCacheError, NotFound
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.leases import LeaseKeeper, LeaseReaper
+from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import Unavailable, to_status
+from cache_service.tenants import Namespace
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -34,8 +36,35 @@ _log = structlog.get_logger("cache_service.servicer")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    """Ends the call with the error's status (raises)."""
+    """Ends the call with the error's status (raises). Pool ids in the message are shown
+    as the caller knows them."""
+    scrubbed = Namespace(calls.tenant.get()).scrub(str(exc))
+    if scrubbed != str(exc):
+        exc.args = (scrubbed,)
     await context.abort_with_status(to_status(exc))
+
+
+def _inner(ns: Namespace, pool_id: str, field: str = "pool_id") -> str:
+    """The internal id of a pool id the caller sent (NOT_FOUND if it cannot be one of
+    the caller's pools: another tenant's pools do not exist for it)."""
+    internal = ns.inner(pool_id)
+    if internal is None:
+        raise NotFound(f"unknown pool {pool_id!r}", field=field)
+    return internal
+
+
+def _stamp(record: WalRecord) -> WalRecord:
+    """Records who made the call (name and limits) in the record, for ``apply``."""
+    tenant = calls.tenant.get()
+    ctx = record.tenant
+    ctx.name = tenant.name
+    if tenant.max_pools:
+        ctx.max_pools = tenant.max_pools
+    if tenant.max_blocks:
+        ctx.max_blocks = tenant.max_blocks
+    if tenant.admin:
+        ctx.admin = True
+    return record
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -64,7 +93,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         if session_id:
             self.leases.renew(session_id)
         try:
-            response = self.state.apply(build())
+            response = self.state.apply(_stamp(build()))
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         if self.state.durability.needs_sync:
@@ -84,31 +113,58 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     # -- pools -------------------------------------------------------------------------
 
+    # Tenancy: each handler maps the pool ids the caller sent to internal ids (its own
+    # namespace, see cache_service.tenants.Namespace) and the ids it answers back.
+
     async def RegisterPool(self, request: pb.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> pb.RegisterPoolResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(register_pool=request))
+        ns = Namespace(calls.tenant.get())
+
+        def record() -> WalRecord:
+            check_pool_id(request.pool_id)
+            request.pool_id = _inner(ns, request.pool_id)
+            return WalRecord(register_pool=request)
+        answer = await self._mutate(context, request.session_id, record)
+        response = pb.RegisterPoolResponse()
+        response.CopyFrom(answer)  # the state may keep its answer (session retries)
+        response.config.pool_id = ns.outer(response.config.pool_id)
+        return response
+
+    def _config(self, ns: Namespace, entry: PoolEntry) -> pb.PoolConfig:
+        config = convert.pool_config_to_proto(entry)
+        config.pool_id = ns.outer(config.pool_id)
+        return config
 
     async def GetPool(self, request: pb.GetPoolRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetPoolResponse:
-        return await self._unary(context, lambda: pb.GetPoolResponse(
-            config=convert.pool_config_to_proto(self.registry.get(request.pool_id))))
+        ns = Namespace(calls.tenant.get())
+        return await self._unary(context, lambda: pb.GetPoolResponse(config=self._config(
+            ns, self.registry.get(_inner(ns, request.pool_id)))))
 
     async def ListPools(self, request: pb.ListPoolsRequest,
                         context: grpc.aio.ServicerContext) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(pools=[convert.pool_config_to_proto(e)
-                                           for e in self.registry])
+        ns = Namespace(calls.tenant.get())
+        return pb.ListPoolsResponse(pools=sorted(
+            (self._config(ns, e) for e in self.registry if ns.sees(e.pool_id)),
+            key=lambda config: config.pool_id))
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
         return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(delete_pool=request))
+                                  lambda: WalRecord(delete_pool=self._own(request)))
+
+    @staticmethod
+    def _own(request: Any) -> Any:
+        """``request`` with its pool_id mapped to the caller's internal id (in place)."""
+        request.pool_id = _inner(Namespace(calls.tenant.get()), request.pool_id)
+        return request
 
     # -- steps -------------------------------------------------------------------------
 
     async def Step(self, request: pb.StepRequest,
                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self._mutate(context, request.session_id, lambda: WalRecord(step=request))
+        return await self._mutate(context, request.session_id,
+                                  lambda: WalRecord(step=self._own(request)))
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
@@ -119,7 +175,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 await _abort(context, Unavailable(
                     "server is draining; reconnect to another instance"))
             yield await self._mutate(context, request.session_id,
-                                     lambda: WalRecord(step=request))
+                                     lambda: WalRecord(step=self._own(request)))
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -140,7 +196,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
         def run() -> pb.KeepAliveResponse:
-            self.state.live_session(request.session_id)
+            self.state.live_session(request.session_id, tenant=calls.tenant.get().name)
             self.leases.renew(request.session_id)
             return pb.KeepAliveResponse(lease_ttl_seconds=self.leases.ttl)
         return await self._unary(context, run)
@@ -157,6 +213,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def PeekPrefix(self, request: pb.PeekPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
+        ns = Namespace(calls.tenant.get())
+
         def run() -> pb.PeekPrefixResponse:
             if not request.pool_ids:
                 raise InvalidArgument("at least one pool id is required", field="pool_ids")
@@ -164,7 +222,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if has_tokens == has_hashes:
                 raise InvalidArgument("give token_ids or block_hashes (exactly one)",
                                       field="token_ids")
-            entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
+            entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"),
+                                         field=f"pool_ids[{i}]")
                        for i, pid in enumerate(request.pool_ids)]
             extra = dict(cache_salt=request.cache_salt or None,
                          lora_name=request.lora_name or None,
@@ -181,14 +240,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                             field=f"pool_ids[{i}]")
                     n = entry.pool.peek_prefix(block_hashes=list(request.block_hashes),
                                                **extra)
-                hits.append(pb.PoolHit(pool_id=entry.pool_id, hit_tokens=n))
+                hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
             return pb.PeekPrefixResponse(hits=hits)
         return await self._unary(context, run)
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
         def run() -> pb.GetRequestResponse:
-            pool = self.registry.get(request.pool_id).pool
+            pool = self.registry.get(self._own(request).pool_id).pool
             check_request_id(request.request_id)
             info = pool.request_info(request.request_id)
             return pb.GetRequestResponse(
@@ -201,7 +260,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetPoolStatsResponse:
         def run() -> pb.GetPoolStatsResponse:
-            entry = self.registry.get(request.pool_id)
+            entry = self.registry.get(self._own(request).pool_id)
             return pb.GetPoolStatsResponse(stats=convert.stats_to_proto(
                 entry.pool.stats(), entry.feed.next_sequence - 1))
         return await self._unary(context, run)
@@ -210,7 +269,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                context: grpc.aio.ServicerContext
                                ) -> pb.ResetPrefixCacheResponse:
         return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(reset_prefix_cache=request))
+                                  lambda: WalRecord(reset_prefix_cache=self._own(request)))
 
     # -- events ------------------------------------------------------------------------
 
@@ -218,7 +277,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                               context: grpc.aio.ServicerContext
                               ) -> AsyncIterator[pb.SubscribeEventsResponse]:
         try:
-            entry = self.registry.get(request.pool_id)
+            entry = self.registry.get(self._own(request).pool_id)
             start = request.from_sequence if request.HasField("from_sequence") else None
             subscription = entry.feed.subscribe(start)
             async for batch in subscription:

@@ -36,7 +36,8 @@ from cache_service.core.errors import (
     NotFound,
 )
 from cache_service.core.ops import Free
-from cache_service.registry import PoolEntry, PoolRegistry, check_pool_id
+from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
+from cache_service.tenants import tenant_of
 from cache_service.status import ResourceExhausted
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -68,6 +69,7 @@ class Session:
 
     session_id: str
     client_name: str = ""
+    tenant: str = ""  # the tenant that opened it; other tenants' calls cannot name it
     last_sequence: int = 0
     last_request: Message | None = None
     last_response: Message | None = None
@@ -96,6 +98,7 @@ class ServiceState:
         self.max_ops_per_step = max_ops_per_step
         self.durability = durability or Durability()
         self.sessions: dict[str, Session] = {}
+        self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
         # pool id -> request id -> owning session id (requests added without a session
         # are not listed: nothing expires them)
@@ -123,10 +126,11 @@ class ServiceState:
         if prepare is None:
             raise InvalidArgument("a record must set one mutation", field="mutation")
         request = getattr(record, kind)
+        self._tenant = record.tenant
         session = None
         sid = getattr(request, "session_id", "") if kind in _SEQUENCED else ""
         if sid:
-            session = self.live_session(sid)
+            session = self.live_session(sid, tenant=record.tenant.name)
             seq = request.sequence
             last = session.last_sequence
             if seq == last and seq:
@@ -151,10 +155,13 @@ class ServiceState:
 
     # -- sessions (reads) -----------------------------------------------------------------------
 
-    def live_session(self, session_id: str, name: str = "session_id") -> Session:
-        """The session, or NOT_FOUND naming ``name`` if unknown, closed or expired."""
+    def live_session(self, session_id: str, name: str = "session_id", *,
+                     tenant: str | None = None) -> Session:
+        """The session, or NOT_FOUND naming ``name`` if unknown, closed or expired (or
+        opened by another tenant than ``tenant``, when given: answered the same way)."""
         session = self.sessions.get(session_id)
-        if session is None or session.expiring:
+        if session is None or session.expiring or (tenant is not None
+                                                   and session.tenant != tenant):
             raise NotFound(f"session {session_id!r:.80} is unknown, closed or expired (its "
                            "lease ran out); open a new one", field=name)
         return session
@@ -212,9 +219,11 @@ class ServiceState:
 
     def _prepare_register(self, request: pb.RegisterPoolRequest
                           ) -> Callable[[], pb.RegisterPoolResponse]:
-        check_pool_id(request.pool_id)
-        entry, created = self.registry.prepare_register(
-            request.pool_id, convert.description_from_proto(request))
+        check_pool_id(request.pool_id, qualified=True)
+        desc = convert.description_from_proto(request)
+        entry, created = self.registry.prepare_register(request.pool_id, desc)
+        if created:
+            self._check_tenant_limits(entry)
 
         def commit() -> pb.RegisterPoolResponse:
             # The answer first: a pool whose config could not be answered would break
@@ -247,6 +256,24 @@ class ServiceState:
             return pb.ResetPrefixCacheResponse(reset=ok)
         return commit
 
+    def _check_tenant_limits(self, entry: PoolEntry) -> None:
+        """RESOURCE_EXHAUSTED if a new pool would take its tenant beyond the limits the
+        record carries (pools held; blocks summed over its pools)."""
+        limits = self._tenant
+        if not (limits.max_pools or limits.max_blocks):
+            return
+        owner = tenant_of(entry.pool_id)
+        held = [e for e in self.registry if tenant_of(e.pool_id) == owner]
+        if limits.max_pools and len(held) + 1 > limits.max_pools:
+            raise ResourceExhausted(f"tenant {owner!r} holds {len(held)} pools, its limit "
+                                    f"(max_pools) is {limits.max_pools}", field="pool_id")
+        blocks = sum(e.config.num_blocks for e in held)
+        if limits.max_blocks and blocks + entry.config.num_blocks > limits.max_blocks:
+            raise ResourceExhausted(
+                f"the pool would have {entry.config.num_blocks} blocks; tenant {owner!r} "
+                f"holds {blocks} of its limit (max_blocks) of {limits.max_blocks}",
+                field=budget_field(entry.description))
+
     # -- sessions (changes) ---------------------------------------------------------------------
 
     def _prepare_open(self, request: wal_pb2.OpenSession
@@ -256,9 +283,10 @@ class ServiceState:
             raise InvalidArgument("session id must be 1-128 characters", field="session_id")
         if sid in self.sessions:
             raise AlreadyExists(f"session {sid!r} exists", field="session_id")
+        tenant = self._tenant.name
 
         def commit() -> pb.OpenSessionResponse:
-            self.sessions[sid] = Session(sid, request.client_name)
+            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
             self.counters.opened += 1
             return pb.OpenSessionResponse(session_id=sid,
                                           lease_ttl_seconds=self.lease_ttl_seconds)
@@ -266,7 +294,7 @@ class ServiceState:
 
     def _prepare_close(self, request: pb.CloseSessionRequest
                        ) -> Callable[[], pb.CloseSessionResponse]:
-        session = self.live_session(request.session_id)
+        session = self.live_session(request.session_id, tenant=self._tenant.name)
 
         def commit() -> pb.CloseSessionResponse:
             freed = self._free_owned(session, len(session.requests))

@@ -121,3 +121,49 @@ def _parse_options(tenant: Tenant, options: list[str], where: str) -> Tenant:
             raise TenantsFileError(f"{where}: unknown option {option!r} (admin, "
                                    "max_pools=N, max_blocks=N)")
     return tenant
+
+
+class Namespace:
+    """The pool ids one tenant sees, mapped to the server's internal ids.
+
+    Tenants have separate pool-id namespaces: tenant ``a``'s pool ``p`` is ``a/p`` inside
+    the server ('/' is not allowed in pool ids, so internal ids never collide). The
+    ``default`` tenant (the single-tenant modes) uses ids unchanged, so those deployments
+    see no difference. An admin tenant sees the internal ids themselves: every pool, other
+    tenants' as ``tenant/pool``.
+    """
+
+    __slots__ = ("tenant", "prefix")
+
+    def __init__(self, tenant: Tenant) -> None:
+        self.tenant = tenant
+        self.prefix = "" if tenant.admin or tenant.name == ANONYMOUS.name else tenant.name + "/"
+
+    def inner(self, pool_id: str) -> str | None:
+        """The internal id of a pool id this tenant sent; None if it can name no pool of
+        this tenant (a qualified id from a non-admin: answered like an unknown pool)."""
+        if "/" in pool_id and not self.tenant.admin:
+            return None
+        return self.prefix + pool_id
+
+    def outer(self, internal: str) -> str:
+        """The id this tenant knows an internal id by."""
+        if self.prefix and internal.startswith(self.prefix):
+            return internal[len(self.prefix):]
+        return internal
+
+    def sees(self, internal: str) -> bool:
+        """Whether this tenant may see the pool with this internal id."""
+        if self.tenant.admin:
+            return True
+        return internal.startswith(self.prefix) if self.prefix else "/" not in internal
+
+    def scrub(self, text: str) -> str:
+        """An error message with internal ids shown as this tenant knows them."""
+        return text.replace(f"'{self.prefix}", "'") if self.prefix else text
+
+
+def tenant_of(internal: str) -> str:
+    """The tenant owning the pool with this internal id."""
+    head, sep, _ = internal.partition("/")
+    return head if sep else ANONYMOUS.name
