@@ -14,6 +14,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
+from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -33,12 +34,16 @@ from cache_service.client._results import (
 
 class AsyncCacheClient:
     """grpc.aio client. ``target`` is ``host:port``; ``token`` adds a bearer token;
-    ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``."""
+    ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``. With
+    ``session`` (the default) the first mutating call opens a session that a background
+    task keeps alive; mutating calls of one client take turns (one sequence number at a
+    time)."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, default_timeout: float = 10.0,
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
-                 ssl_target_name_override: str | None = None) -> None:
+                 ssl_target_name_override: str | None = None, session: bool = True,
+                 client_name: str = "") -> None:
         options = list(CHANNEL_OPTIONS)
         if ssl_target_name_override:
             options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
@@ -50,6 +55,11 @@ class AsyncCacheClient:
         self.default_timeout = default_timeout
         self._retries = max_retries
         self._backoff = (backoff_base, backoff_max)
+        self._use_session = session
+        self._client_name = client_name
+        self._session: SessionStamp | None = None
+        self._lock = asyncio.Lock()  # one mutating call at a time (sequence numbers)
+        self._keepalive: asyncio.Task | None = None
 
     async def __aenter__(self) -> "AsyncCacheClient":
         return self
@@ -58,7 +68,24 @@ class AsyncCacheClient:
         await self.close()
 
     async def close(self) -> None:
+        """Ends the session (the server frees the requests it added and did not free)
+        and closes the channel."""
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+        session, self._session = self._session, None
+        if session is not None:
+            try:
+                await self._stub.CloseSession(pb.CloseSessionRequest(
+                    session_id=session.session_id), timeout=2.0, metadata=self._metadata)
+            except grpc.aio.AioRpcError:
+                pass  # unreachable or already expired: the lease frees them anyway
         await self._channel.close()
+
+    @property
+    def session_id(self) -> str | None:
+        """The open session's id (None before the first mutating call, or without
+        sessions)."""
+        return self._session.session_id if self._session else None
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         attempt = 0
@@ -69,14 +96,64 @@ class AsyncCacheClient:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
                     raise CacheError.from_rpc(exc) from None
-                base, cap = self._backoff
-                await asyncio.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+                await self._sleep_backoff(attempt)
                 attempt += 1
+
+    async def _sleep_backoff(self, attempt: int) -> None:
+        base, cap = self._backoff
+        await asyncio.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+
+    async def _ensure_session(self) -> SessionStamp | None:
+        """The open session, opened on first use (call with the lock held)."""
+        if self._session is None and self._use_session:
+            resp = await self._call(self._stub.OpenSession,
+                                    pb.OpenSessionRequest(client_name=self._client_name), None)
+            self._session = SessionStamp(resp.session_id, resp.lease_ttl_seconds)
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+            self._keepalive = asyncio.create_task(self._keep_alive(self._session))
+        return self._session
+
+    async def _keep_alive(self, session: SessionStamp) -> None:
+        interval = keepalive_interval(session.lease_ttl_seconds)
+        request = pb.KeepAliveRequest(session_id=session.session_id)
+        while self._session is session:
+            await asyncio.sleep(interval)
+            try:
+                await self._stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return  # expired: the next mutating call learns it and opens a new one
+
+    async def _sequenced(self, send: Any, request: Any) -> Any:
+        """Sends a mutating request stamped with the session (see ``_session``);
+        ``await send(request)`` does the transport retries with the same stamp."""
+        async with self._lock:
+            session = await self._ensure_session()
+            while True:
+                if session is not None:
+                    session.stamp(request)
+                try:
+                    response = await send(request)
+                except CacheError as err:
+                    if session is None:
+                        raise
+                    if session.failed(err):
+                        continue
+                    if session_lost(err):
+                        self._session = None
+                    raise
+                if session is not None:
+                    session.accepted()
+                return response
+
+    async def _mutate(self, method: Any, request: Any, timeout: float | None) -> Any:
+        return await self._sequenced(lambda r: self._call(method, r, timeout), request)
 
     async def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                             timeout: float | None = None, **kwargs: Any) -> PoolInfo:
         """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
-        resp = await self._call(self._stub.RegisterPool,
+        resp = await self._mutate(self._stub.RegisterPool,
                                 register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
@@ -90,39 +167,41 @@ class AsyncCacheClient:
 
     async def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
         """Drops the pool; answers the number of requests it still had."""
-        resp = await self._call(self._stub.DeletePool, pb.DeletePoolRequest(pool_id=pool_id),
+        resp = await self._mutate(self._stub.DeletePool, pb.DeletePoolRequest(pool_id=pool_id),
                                 timeout)
         return resp.num_requests_dropped
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
                    timeout: float | None = None) -> StepResult:
         """Apply a batch of ops in order (all or nothing on invalid input)."""
-        resp = await self._call(self._stub.Step, pb.StepRequest(
+        resp = await self._mutate(self._stub.Step, pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
         return step_result(resp)
 
     async def step_batch(self, batch: StepBuilder, *,
                          timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
-        return step_result(await self._call(self._stub.Step, batch.request, timeout))
+        return step_result(await self._mutate(self._stub.Step, batch.request, timeout))
 
     async def step_raw(self, request: pb.StepRequest, *,
                        timeout: float | None = None) -> pb.StepResponse:
         """Step with protocol messages (no conversion), for hot loops."""
-        return await self._call(self._stub.Step, request, timeout)
+        return await self._mutate(self._stub.Step, request, timeout)
 
     async def decode(self, pool_id: str, request_ids: Sequence[str],
                      token_ids: Sequence[int], *, begin_step: bool = False,
                      timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
-        resp = await self._call(self._stub.Step, decode_request(
+        resp = await self._mutate(self._stub.Step, decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
         return DecodeResult(resp.results[0].decode)
 
-    def step_stream(self) -> "AsyncStepStream":
+    def step_stream(self, *, step_timeout: float | None = None,
+                    on_retry: Any = None) -> "AsyncStepStream":
         """A bidirectional Step stream: ``async with client.step_stream() as s:
-        r = await s.step(pool_id, ops)``."""
-        return AsyncStepStream(self._stub.StepStream(metadata=self._metadata))
+        r = await s.step(pool_id, ops)``; ``step_timeout`` (default ``default_timeout``)
+        is each step's deadline (see :class:`AsyncStepStream`)."""
+        return AsyncStepStream(self, step_timeout or self.default_timeout, on_retry)
 
     async def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
@@ -146,7 +225,7 @@ class AsyncCacheClient:
         return stats_from(r.stats)
 
     async def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        r = await self._call(self._stub.ResetPrefixCache,
+        r = await self._mutate(self._stub.ResetPrefixCache,
                              pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
         return r.reset
 
@@ -169,10 +248,19 @@ class AsyncCacheClient:
 
 
 class AsyncStepStream:
-    """One open StepStream call: each :meth:`step` sends one request and awaits its answer."""
+    """One StepStream: each :meth:`step` sends one request and awaits its answer, within
+    ``step_timeout``. When the deadline passes or the stream breaks (UNAVAILABLE), the
+    stream is dropped, a new one opened and the same request resent under the same
+    sequence number (applied once), up to the client's ``max_retries`` times;
+    ``on_retry(reason, attempt)`` is called before each resend. An error status from the
+    server (an invalid batch) ends the stream; the next step opens a new one."""
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
+    def __init__(self, client: AsyncCacheClient, step_timeout: float,
+                 on_retry: Any = None) -> None:
+        self._client = client
+        self.step_timeout = step_timeout
+        self._on_retry = on_retry
+        self._call: Any = None
 
     async def __aenter__(self) -> "AsyncStepStream":
         return self
@@ -180,28 +268,58 @@ class AsyncStepStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _exchange(self, request: pb.StepRequest) -> pb.StepResponse:
+        attempt = 0
+        while True:
+            if self._call is None:
+                self._call = self._client._stub.StepStream(metadata=self._client._metadata)
+            call = self._call
+            try:
+                await asyncio.wait_for(call.write(request), self.step_timeout)
+                resp = await asyncio.wait_for(call.read(), self.step_timeout)
+                if resp is not grpc.aio.EOF:
+                    return resp
+                err = CacheError.from_rpc(await self._failed(call))
+            except asyncio.TimeoutError:
+                err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no StepStream answer within {self.step_timeout} s")
+            except grpc.aio.AioRpcError as exc:
+                err = CacheError.from_rpc(exc)
+            except asyncio.InvalidStateError:  # written after the call ended
+                err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
+            await self.close()
+            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    or attempt >= self._client._retries:
+                raise err
+            if self._on_retry is not None:
+                self._on_retry(err.code.name.lower(), attempt + 1)
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                await self._client._sleep_backoff(attempt)
+            attempt += 1
+
+    async def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Step with protocol messages (stamped with the client's session here)."""
+        return await self._client._sequenced(self._exchange, request)
+
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
                    begin_step: bool = False) -> StepResult:
-        try:
-            await self._call.write(pb.StepRequest(pool_id=pool_id, begin_step=begin_step,
-                                                  ops=step_ops))
-            resp = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise CacheError.from_rpc(exc) from None
-        if resp is grpc.aio.EOF:
-            raise CacheError.from_rpc(await self._failed())
-        return step_result(resp)
+        return step_result(await self.step_raw(pb.StepRequest(
+            pool_id=pool_id, begin_step=begin_step, ops=step_ops)))
 
-    async def _failed(self) -> Any:
+    @staticmethod
+    async def _failed(call: Any) -> Any:
         # The server ended the stream (an invalid batch): surface its status.
-        code = await self._call.code()
-        details = await self._call.details()
-        trailing = await self._call.trailingauth_metadata()
+        code = await call.code()
+        details = await call.details()
+        trailing = await call.trailing_metadata()
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
     async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is None:
+            return
         try:
-            await self._call.done_writing()
+            await call.done_writing()
         except Exception:  # already finished
             pass
-        self._call.cancel()
+        call.cancel()
