@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.discovery import HealthServicer, enable_reflection
+from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
 from kvcache_common.logs import configure_logging, lifecycle
@@ -68,7 +69,8 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     registry = PoolRegistry(settings.event_buffer, max_total_blocks=settings.max_total_blocks)
     state = ServiceState(registry, lease_ttl_seconds=settings.lease_ttl_seconds,
-                         max_ops_per_step=settings.max_ops_per_step)
+                         max_ops_per_step=settings.max_ops_per_step,
+                         max_tokens_per_step=settings.max_tokens_per_step)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     try:
         tenants = settings.tenant_table()
@@ -78,7 +80,7 @@ async def serve(settings: Settings) -> int:
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
-    servicer = CacheServicer(state)
+    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
     health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -108,6 +110,7 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
+    freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=tenants is not None,
              tenants=len(tenants.tenants) if tenants is not None else 1,
@@ -115,6 +118,7 @@ async def serve(settings: Settings) -> int:
 
     await stop.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
+    freezer.cancel()
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.

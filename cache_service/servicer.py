@@ -23,10 +23,11 @@ from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
 from cache_service.core.errors import InvalidArgument, KVCacheError, NotFound
 from cache_service.event_feed import SequenceOutOfRange
+from cache_service.fairness import PEEK_SLICE_BLOCKS, SLICE_REQUESTS, PoolGate, thaw_heap
 from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
-from cache_service.status import Unavailable, to_status
+from cache_service.status import ResourceExhausted, Unavailable, to_status
 from cache_service.tenants import Namespace
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -70,9 +71,11 @@ def _stamp(record: WalRecord) -> WalRecord:
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """The gRPC handlers. ``draining`` (set on SIGTERM) turns new stream messages away."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, *, max_peek_tokens: int = 1 << 22) -> None:
         self.state = state
         self.registry = state.registry
+        self.max_peek_tokens = max_peek_tokens
+        self.gate = PoolGate()
         self.draining = False
         self.leases = LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
@@ -82,9 +85,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     # -- helpers -----------------------------------------------------------------------
 
-    def submit(self, record: WalRecord) -> Message:
-        """Applies one record (the one way the servicer changes state)."""
-        return self.state.apply(record)
+    async def submit(self, record: WalRecord) -> Message:
+        """Applies one record (the one way the servicer changes state), in slices."""
+        await self.gate.wait_idle(self.state.pools_of(record))
+        work = self.state.apply_in_slices(record, SLICE_REQUESTS)
+        try:
+            next(work)  # validation, logging and the first slice
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        return await self.gate.finish(work, self.state.pools_of(record))
 
     async def _mutate(self, context: grpc.aio.ServicerContext, session_id: str,
                       build: Callable[[], WalRecord]) -> Any:
@@ -93,7 +102,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         if session_id:
             self.leases.renew(session_id)
         try:
-            response = self.state.apply(_stamp(build()))
+            response = await self.submit(_stamp(build()))
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         if self.state.durability.needs_sync:
@@ -135,6 +144,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         config.pool_id = ns.outer(config.pool_id)
         return config
 
+    async def _settled(self, ns: Namespace, pool_id: str) -> None:
+        """Waits until no sliced call is working on the caller's pool ``pool_id``."""
+        internal = ns.inner(pool_id)
+        if internal is not None:
+            await self.gate.wait_idle((internal,))
+
     async def GetPool(self, request: pb.GetPoolRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetPoolResponse:
         ns = Namespace(calls.tenant.get())
@@ -150,8 +165,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(delete_pool=self._own(request)))
+        response = await self._mutate(context, request.session_id,
+                                      lambda: WalRecord(delete_pool=self._own(request)))
+        thaw_heap()
+        return response
 
     @staticmethod
     def _own(request: Any) -> Any:
@@ -214,38 +231,61 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def PeekPrefix(self, request: pb.PeekPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
         ns = Namespace(calls.tenant.get())
-
-        def run() -> pb.PeekPrefixResponse:
-            if not request.pool_ids:
-                raise InvalidArgument("at least one pool id is required", field="pool_ids")
-            has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
-            if has_tokens == has_hashes:
-                raise InvalidArgument("give token_ids or block_hashes (exactly one)",
-                                      field="token_ids")
-            entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"),
-                                         field=f"pool_ids[{i}]")
-                       for i, pid in enumerate(request.pool_ids)]
+        try:
+            entries = self._peek_entries(ns, request)
             extra = dict(cache_salt=request.cache_salt or None,
                          lora_name=request.lora_name or None,
                          lora_path=request.lora_path or None)
             hits = []
-            for i, entry in enumerate(entries):
-                if has_tokens:
-                    n = entry.pool.peek_prefix(request.token_ids, **extra)
+            for entry in entries:
+                if request.token_ids:
+                    work = entry.pool.peek_prefix_in_slices(
+                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS, **extra)
                 else:
-                    # The protocol's rule: client hashes use the cross-language recipe.
-                    if entry.pool.options.hash_algo != "sha256_cbor":
-                        raise InvalidArgument(
-                            f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
-                            field=f"pool_ids[{i}]")
-                    n = entry.pool.peek_prefix(block_hashes=list(request.block_hashes),
-                                               **extra)
+                    work = entry.pool.peek_prefix_in_slices(
+                        block_hashes=list(request.block_hashes), **extra)
+                # Hashing a long prompt is cut into slices; the cache is read in one.
+                n = await self.gate.read(work, entry.pool_id)
                 hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
-            return pb.PeekPrefixResponse(hits=hits)
-        return await self._unary(context, run)
+        except (KVCacheError, SequenceOutOfRange) as exc:
+            await _abort(context, exc)
+        return pb.PeekPrefixResponse(hits=hits)
+
+    def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
+        """The pools of a PeekPrefix, after the checks that bound its cost."""
+        if not request.pool_ids:
+            raise InvalidArgument("at least one pool id is required", field="pool_ids")
+        has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
+        if has_tokens == has_hashes:
+            raise InvalidArgument("give token_ids or block_hashes (exactly one)",
+                                  field="token_ids")
+        seen: dict[str, int] = {}
+        for i, pid in enumerate(request.pool_ids):
+            if pid in seen:
+                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
+                                      f"[{seen[pid]}])", field=f"pool_ids[{i}]")
+            seen[pid] = i
+        size = len(request.token_ids) or len(request.block_hashes)
+        if size * len(request.pool_ids) > self.max_peek_tokens:
+            field = "token_ids" if has_tokens else "block_hashes"
+            raise ResourceExhausted(
+                f"{size} {field.replace('_', ' ')} x {len(request.pool_ids)} pools exceed the "
+                f"limit of {self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)",
+                field=field)
+        entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
+                   for i, pid in enumerate(request.pool_ids)]
+        if has_hashes:
+            for i, entry in enumerate(entries):
+                # The protocol's rule: client hashes use the cross-language recipe.
+                if entry.pool.options.hash_algo != "sha256_cbor":
+                    raise InvalidArgument(f"pool {entry.pool_id!r} does not use sha256_cbor "
+                                          "hashes", field=f"pool_ids[{i}]")
+        return entries
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
+        await self._settled(Namespace(calls.tenant.get()), request.pool_id)
+
         def run() -> pb.GetRequestResponse:
             pool = self.registry.get(self._own(request).pool_id).pool
             check_request_id(request.request_id)
@@ -259,6 +299,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
                            context: grpc.aio.ServicerContext) -> pb.GetPoolStatsResponse:
+        await self._settled(Namespace(calls.tenant.get()), request.pool_id)
+
         def run() -> pb.GetPoolStatsResponse:
             entry = self.registry.get(self._own(request).pool_id)
             return pb.GetPoolStatsResponse(stats=convert.stats_to_proto(

@@ -21,9 +21,10 @@ retry answered from a session's stored response is not logged either (nothing ch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from itertools import islice
+from types import GeneratorType
 from typing import Any
 
 from google.protobuf.message import Message
@@ -92,10 +93,13 @@ class ServiceState:
     """Pools, sessions and event feeds; changed only by :meth:`apply`."""
 
     def __init__(self, registry: PoolRegistry, *, lease_ttl_seconds: float = 30.0,
-                 max_ops_per_step: int = 65536, durability: Durability | None = None) -> None:
+                 max_ops_per_step: int = 65536, max_tokens_per_step: int = 1 << 20,
+                 durability: Durability | None = None) -> None:
         self.registry = registry
         self.lease_ttl_seconds = lease_ttl_seconds
         self.max_ops_per_step = max_ops_per_step
+        self.max_tokens_per_step = max_tokens_per_step
+        self._slice_cost: int | None = None  # of the record being applied
         self.durability = durability or Durability()
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
@@ -121,6 +125,22 @@ class ServiceState:
         call's response message (``ExpireSessionResult`` for an expiry). Raises a core
         error naming the field, with nothing changed and nothing logged, if the record
         is rejected."""
+        steps = self.apply_in_slices(record)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def apply_in_slices(self, record: WalRecord, slice_cost: int | None = None
+                        ) -> Generator[None, None, Message]:
+        """:meth:`apply` with a Step's application cut into slices of about
+        ``slice_cost`` request-ops (None: one piece), yielding between them; the
+        generator returns the response. Validation and ``durability.append`` happen
+        before the first yield (errors raise from the first ``next``). The result is
+        :meth:`apply`'s, provided the caller lets nothing else touch the record's pools
+        (:meth:`pools_of`) until the generator ends."""
+        self._slice_cost = slice_cost
         kind = record.WhichOneof("mutation")
         prepare = self._handlers.get(kind) if kind else None
         if prepare is None:
@@ -145,8 +165,12 @@ class ServiceState:
                     f"sequence must be {last + 1} (the next call) or {last} (a retry of "
                     f"the last call), got {seq}", field="sequence")
         commit = prepare(request)
+        if isinstance(commit, GeneratorType):  # a Step's validation, in slices
+            commit = yield from commit
         self.durability.append(record)
         response = commit()
+        if isinstance(response, GeneratorType):  # a Step's commit, in slices
+            response = yield from response
         if session is not None:
             session.last_sequence = request.sequence
             session.last_request = request
@@ -166,6 +190,16 @@ class ServiceState:
                            "lease ran out); open a new one", field=name)
         return session
 
+    def pools_of(self, record: WalRecord) -> list[str]:
+        """The pools a record may change (a caller applying records in slices keeps other
+        records on them waiting)."""
+        kind = record.WhichOneof("mutation")
+        if kind in ("close_session", "expire_session"):
+            session = self.sessions.get(getattr(record, kind).session_id)
+            return sorted({pool for pool, _ in session.requests}) if session else []
+        pool_id = getattr(getattr(record, kind), "pool_id", None) if kind else None
+        return [pool_id] if pool_id else []
+
     def expiring_sessions(self) -> list[str]:
         """Sessions whose expiry has begun but not finished (e.g. found on recovery)."""
         return [sid for sid, s in self.sessions.items() if s.expiring]
@@ -182,15 +216,33 @@ class ServiceState:
 
     def _prepare_step(self, request: pb.StepRequest) -> Callable[[], pb.StepResponse]:
         entry = self.registry.get(request.pool_id)
-        if len(request.ops) > self.max_ops_per_step:
-            raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
-                                    f"{self.max_ops_per_step} per Step", field="ops")
+        self._check_step_cost(request)
         step_ops = convert.ops_from_proto(request, entry.pool.options.hash_algo)
+        if self._slice_cost is not None and self._step_cost(step_ops) > self._slice_cost:
+            return self._prepare_step_in_slices(request, entry, step_ops)
         batch = entry.pool.prepare_batch(step_ops, begin_step=request.begin_step)
-        pool_id = request.pool_id
+        return self._step_commit(request, entry, step_ops, batch)
 
-        def commit() -> pb.StepResponse:
-            outcomes = batch.apply()
+    @staticmethod
+    def _step_cost(step_ops: list) -> int:
+        return sum(len(op.request_ids) if op.KIND == "decode" else 1 for op in step_ops)
+
+    def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
+                                step_ops: list) -> Generator[None, None, Callable]:
+        batch = yield from entry.pool.prepare_batch_in_slices(
+            step_ops, begin_step=request.begin_step, slice_cost=self._slice_cost)
+        return self._step_commit(request, entry, step_ops, batch)
+
+    def _step_commit(self, request: pb.StepRequest, entry: PoolEntry, step_ops: list,
+                     batch: Any) -> Callable[[], Generator[None, None, pb.StepResponse]]:
+        pool_id = request.pool_id
+        slice_cost = self._slice_cost
+
+        def commit() -> Generator[None, None, pb.StepResponse]:
+            if slice_cost is None:
+                outcomes = batch.apply()
+            else:
+                outcomes = yield from batch.apply_in_slices(slice_cost)
             entry.flush_events()
             self._track(pool_id, step_ops, request.session_id)
             tables = self._tables.get(pool_id)
@@ -198,6 +250,36 @@ class ServiceState:
                 tables = self._tables[pool_id] = convert.BlockTableCache()
             return convert.step_response(step_ops, outcomes, tables, entry.pool.num_free_blocks)
         return commit
+
+    def _check_step_cost(self, request: pb.StepRequest) -> None:
+        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: ops (each request of
+        a decode op counts as one) and token ids (summed over all ops)."""
+        if len(request.ops) > self.max_ops_per_step:  # before counting a huge list
+            raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
+                                    f"{self.max_ops_per_step} per Step", field="ops")
+        ops = 0
+        tokens = 0
+        for op in request.ops:
+            kind = op.WhichOneof("op")
+            if kind == "decode":
+                n = len(op.decode.request_ids)
+                ops += n
+                tokens += len(op.decode.token_ids)
+            else:
+                ops += 1
+                if kind == "add_request":
+                    tokens += len(op.add_request.token_ids)
+                elif kind == "append_tokens":
+                    tokens += len(op.append_tokens.token_ids)
+                elif kind == "allocate":
+                    tokens += len(op.allocate.append_token_ids)
+        if ops > self.max_ops_per_step:
+            raise ResourceExhausted(f"{ops} ops (a decode op counts one per request) exceed "
+                                    f"the limit of {self.max_ops_per_step} per Step",
+                                    field="ops")
+        if tokens > self.max_tokens_per_step:
+            raise ResourceExhausted(f"{tokens} token ids exceed the limit of "
+                                    f"{self.max_tokens_per_step} per Step", field="ops")
 
     def _track(self, pool_id: str, step_ops: list, session_id: str) -> None:
         """Request ownership after a batch: adds join the calling session, frees leave

@@ -18,7 +18,7 @@ Semantics follow vLLM 0.33 (see docs/kv-cache-semantics.md). Two pool-level rule
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +26,7 @@ from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
     check_batch,
+    check_batch_in_slices,
     check_extra_keys,
     check_hashes,
     check_int,
@@ -148,6 +149,31 @@ class PreparedBatch:
         apply = pool._apply
         return [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
 
+    def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
+        """:meth:`apply` cut into slices of about ``slice_cost`` units (a request of a
+        decode op, or an op, is one unit), yielding between them; the generator returns the
+        outcomes. The end state and outcomes are exactly :meth:`apply`'s, provided nothing
+        else touches this pool between the slices (the caller's duty)."""
+        pool = self._pool
+        if self._begin_step:
+            pool._manager.new_step_starts()
+        apply = pool._apply
+        outcomes: list[OpOutcome] = []
+        spent = 0
+        for op, prepared in zip(self._ops, self._plan):
+            if type(op) is Decode and len(op.request_ids) > slice_cost:
+                outcome = yield from pool._decode_in_slices(op.request_ids, op.token_ids,
+                                                            prepared, slice_cost)
+                outcomes.append(outcome)
+                spent = 0
+                continue
+            outcomes.append(apply(op, prepared))
+            spent += len(op.request_ids) if type(op) is Decode else 1
+            if spent >= slice_cost:
+                spent = 0
+                yield
+        return outcomes
+
 
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
@@ -246,6 +272,13 @@ class Pool:
         nothing). Apply the answer before anything else changes the pool: the service
         logs a batch between its validation and its application."""
         return PreparedBatch(self, ops, check_batch(self._checker(), ops), begin_step)
+
+    def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
+                                slice_cost: int) -> Generator[None, None, "PreparedBatch"]:
+        """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
+        caller lets nothing touch the pool until the batch is applied."""
+        plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
+        return PreparedBatch(self, ops, plan, begin_step)
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
@@ -417,12 +450,33 @@ class Pool:
         if reqs is None:
             reqs = [self._requests[rid] for rid in request_ids]
         self._epoch += 1  # as the first allocate of the equivalent op list would
+        outcome = DecodeOutcome([True] * len(reqs), {})
+        self._decode_range(reqs, token_ids, 0, len(reqs), outcome)
+        return outcome
+
+    def _decode_in_slices(self, request_ids: Sequence[str], token_ids: Sequence[int],
+                          reqs: list[Request] | None, slice_cost: int
+                          ) -> Generator[None, None, DecodeOutcome]:
+        """:meth:`_decode` yielding after every ``slice_cost`` requests (same result)."""
+        if reqs is None:
+            reqs = [self._requests[rid] for rid in request_ids]
+        self._epoch += 1
+        outcome = DecodeOutcome([True] * len(reqs), {})
+        for lo in range(0, len(reqs), slice_cost):
+            self._decode_range(reqs, token_ids, lo, min(len(reqs), lo + slice_cost), outcome)
+            yield
+        return outcome
+
+    def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], lo: int, hi: int,
+                      outcome: DecodeOutcome) -> None:
+        """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``."""
         allocate_slots = self._manager.allocate_slots
         running = RequestStatus.RUNNING
-        ok = [True] * len(reqs)
-        grown: dict[int, list[list[int]]] = {}
-        for i, (req, token) in enumerate(zip(reqs, token_ids)):
-            req.append_token(token)
+        ok = outcome.ok
+        grown = outcome.new_block_ids
+        for i in range(lo, hi):
+            req = reqs[i]
+            req.append_token(token_ids[i])
             if req.status == running and req.num_computed_tokens:
                 new = allocate_slots(req, 1)
                 if new is None:
@@ -437,7 +491,6 @@ class Pool:
                 ok[i] = r.ok
                 if r.ok and any(r.new_block_ids):
                     grown[i] = r.new_block_ids
-        return DecodeOutcome(ok, grown)
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
@@ -458,22 +511,77 @@ class Pool:
         """Hit length in tokens a request with this prompt would get now. Read-only:
         registers nothing, takes no references, changes no statistics. With only
         ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
+        peek = self.peek_prefix_in_slices(token_ids, block_hashes=block_hashes,
+                                          cache_salt=cache_salt, lora_name=lora_name,
+                                          lora_path=lora_path)
+        while True:
+            try:
+                next(peek)
+            except StopIteration as done:
+                return done.value
+
+    def peek_prefix_in_slices(self, token_ids: Sequence[int] | None = None, *,
+                              block_hashes: Sequence[bytes] | None = None,
+                              cache_salt: str | None = None, lora_name: str | None = None,
+                              lora_path: str | None = None, slice_blocks: int = 1 << 62
+                              ) -> Generator[None, None, int]:
+        """:meth:`peek_prefix` hashing ``slice_blocks`` blocks at a time and yielding in
+        between (hashing is the cost of a long prompt); the generator returns the hit. The
+        input is checked before the first yield; the cache is read after the last one, in
+        one piece, so the answer is the hit at that moment."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
         check_extra_keys(cache_salt, lora_name, lora_path)
-        tokens = None if token_ids is None else check_tokens(token_ids, self._limits.token_limit)
-        hashes = None if block_hashes is None else check_hashes(
-            block_hashes, None if tokens is None else len(tokens), self._limits)
+        if (token_ids is not None and block_hashes is None
+                and len(token_ids) > slice_blocks * self._hbs):
+            # A long prompt: checked and hashed a slice at a time (converting or checking
+            # a million token ids at once would hold the caller for a long time too).
+            hashes = yield from self._hash_in_slices(token_ids, slice_blocks, cache_salt,
+                                                     lora_name, lora_path)
+            num_tokens = len(token_ids)
+        else:
+            tokens = None if token_ids is None else check_tokens(token_ids,
+                                                                 self._limits.token_limit)
+            num_tokens = None if tokens is None else len(tokens)
+            hashes = None if block_hashes is None else check_hashes(
+                block_hashes, num_tokens, self._limits)
+            if self._hash_fn is None:
+                return 0
+            if hashes is None:
+                hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
+                                             lora_name=lora_name, lora_path=lora_path,
+                                             cache_salt=cache_salt)
         if self._hash_fn is None:
             return 0
-        if hashes is None:
-            assert tokens is not None
-            hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                         lora_name=lora_name, lora_path=lora_path,
-                                         cache_salt=cache_salt)
-        max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
+        max_len = num_tokens - 1 if num_tokens is not None else len(hashes) * self._hbs
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
         return hit
+
+    def _hash_in_slices(self, token_ids: Sequence[int], slice_blocks: int,
+                        cache_salt: str | None, lora_name: str | None,
+                        lora_path: str | None) -> Generator[None, None, list[bytes]]:
+        """The block hashes of a prompt, ``slice_blocks`` blocks at a time (each slice's
+        tokens checked as ``check_tokens`` would; an error names the global index)."""
+        if isinstance(token_ids, (str, bytes)):
+            raise InvalidArgument("token_ids must be a sequence of integers", field="token_ids")
+        limit = self._limits.token_limit
+        hbs = self._hbs
+        n = len(token_ids)
+        step = slice_blocks * hbs
+        hashes: list[bytes] = []
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            chunk = token_ids[lo:hi]
+            if set(map(type, chunk)) != {int} or min(chunk) < 0 or max(chunk) >= limit:
+                check_tokens(token_ids[:hi], limit)  # raises, naming the first bad one
+            if self._hash_fn is not None:
+                hashes += hash_request_tokens(
+                    self._hash_fn, token_ids, hbs, parent=hashes[-1] if hashes else None,
+                    start_block=len(hashes), stop_block=hi // hbs, lora_name=lora_name,
+                    lora_path=lora_path, cache_salt=cache_salt)
+            if hi < n:
+                yield
+        return hashes
 
     def stats(self) -> PoolCounters:
         pool = self._manager.pool
