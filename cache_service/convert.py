@@ -143,6 +143,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
         _non_negative(getattr(opts, name), f"{p}.{name}", limit=1 << 31)
     _non_negative(opts.vocab_size, f"{p}.vocab_size", limit=1 << 40)
+    _non_negative(opts.session_block_quota, f"{p}.session_block_quota", limit=1 << 40)
     if not 0.0 <= opts.watermark < 1.0:  # also rejects NaN
         raise InvalidArgument(f"must be in [0, 1), got {opts.watermark}",
                               field=f"{p}.watermark")
@@ -158,6 +159,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         max_in_flight_tokens=opts.max_in_flight_tokens or None,
         enable_events=opts.enable_events if opts.HasField("enable_events") else True,
         vocab_size=opts.vocab_size or None,
+        account_block_quota=opts.session_block_quota or None,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -170,7 +172,8 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         scheduler_block_size=opts.scheduler_block_size or 0,
         hash_block_size=opts.hash_block_size or 0, watermark=opts.watermark,
         max_in_flight_tokens=opts.max_in_flight_tokens or 0,
-        enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid)
+        enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid,
+        session_block_quota=opts.account_block_quota or 0)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -286,7 +289,7 @@ _OP_KINDS = ", ".join(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields[i].name
                       for i in range(len(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields)))
 
 
-def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
+def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
     """The core op of one ``Op`` message. Checks only the protocol's own rules (an op
     kind is set; client block hashes need the cross-language recipe): every other rule
     is the pool's, applied by ``Pool.apply_batch``. Errors name fields relative to the op."""
@@ -313,7 +316,7 @@ def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
                                       field="add_request.block_hashes")
             hashes = list(m.block_hashes)
         return ops.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
-                              m.lora_name or None, m.lora_path or None)
+                              m.lora_name or None, m.lora_path or None, account)
     if kind == "lookup":
         return ops.Lookup(op.lookup.request_id)
     if kind == "free":
@@ -326,11 +329,13 @@ def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
 
 
 def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[ops.Op]:
-    """The core ops of a Step (errors name ``ops[i]...``)."""
+    """The core ops of a Step (errors name ``ops[i]...``). Requests it adds count against
+    the quota of its session (or of the session-less account "")."""
     out = []
+    account = request.session_id
     for i, op in enumerate(request.ops):
         try:
-            out.append(op_from_proto(op, hash_algo))
+            out.append(op_from_proto(op, hash_algo, account))
         except KVCacheError as exc:
             raise qualify(exc, f"ops[{i}]") from None
     return out

@@ -34,6 +34,7 @@ DEFAULT_MAX_TOTAL_BLOCKS = 1 << 24
 
 # Core spec attribute -> the protocol field that carries it (for diff messages).
 _SPEC_FIELD_NAMES = {"shapes": "mamba_states", "dtypes": "mamba_states"}
+_OPTION_FIELD_NAMES = {"account_block_quota": "session_block_quota"}
 _CONFIG_FIELD_NAMES = {"available_memory": "available_memory_bytes",
                        "max_model_len": "options.max_model_len"}
 
@@ -89,7 +90,7 @@ def first_difference(old: PoolDescription, new: PoolDescription) -> str | None:
             return name
     for f in dataclasses.fields(old.options):
         if getattr(old.options, f.name) != getattr(new.options, f.name):
-            return f"options.{f.name}"
+            return f"options.{_OPTION_FIELD_NAMES.get(f.name, f.name)}"
     if old.hybrid != new.hybrid:
         return "options.hybrid"
     if old.skip_capacity_check != new.skip_capacity_check:

@@ -26,6 +26,8 @@ class AddRequest:
     cache_salt: str | None = None
     lora_name: str | None = None
     lora_path: str | None = None
+    #: Whose quota the request counts against (pools with an account block quota).
+    account: str | None = None
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache_service.core.quota import BlockQuota
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
@@ -68,6 +69,8 @@ class PoolOptions:
     max_in_flight_tokens: int | None = None
     enable_events: bool = True
     vocab_size: int | None = None
+    #: Most blocks the requests of one account may hold (see :mod:`quota`); None = none.
+    account_block_quota: int | None = None
 
 
 @dataclass(slots=True)
@@ -130,6 +133,10 @@ class PoolCounters:
     preemptions: int
     num_requests: int
     num_cached_blocks_per_group: list[int] = field(default_factory=list)
+    #: The account block quota (0 = none), allocations it refused, the largest usage.
+    account_block_quota: int = 0
+    quota_refusals: int = 0
+    max_account_blocks: int = 0
 
 
 class PreparedBatch:
@@ -207,6 +214,10 @@ class Pool:
             enable_caching=options.enable_caching, enable_events=options.enable_events,
             watermark=options.watermark)
         self._requests: dict[str, Request] = {}
+        if options.account_block_quota is not None:
+            check_int(options.account_block_quota, "account_block_quota", minimum=1)
+        self._quota = (BlockQuota(options.account_block_quota)
+                       if options.account_block_quota is not None else None)
         self._table_ids = self._manager.coordinator.get_block_ids
         # request id -> (hit blocks, hit tokens, epoch of the lookup)
         self._pending: dict[str, tuple[HitBlocks, int, int]] = {}
@@ -314,6 +325,8 @@ class Pool:
                           hash_block_size=self._hbs, cache_salt=op.cache_salt,
                           lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes)
             self._requests[op.request_id] = req
+            if self._quota is not None:
+                self._quota.join(op.request_id, op.account or "")
             return self._info(req)
         if kind is Lookup:
             req = self._requests[op.request_id]
@@ -324,12 +337,16 @@ class Pool:
             req = self._requests.pop(op.request_id)
             self._epoch += 1
             self._manager.free(req)
+            if self._quota is not None:
+                self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
             return self.num_free_blocks
         if kind is Preempt:
             req = self._requests[op.request_id]
             self._epoch += 1
             self._manager.free(req)
+            if self._quota is not None:
+                self._quota.update(op.request_id, 0)
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
             req.num_preemptions += 1
@@ -414,10 +431,14 @@ class Pool:
         if pending is not None or request_id in self._pending:
             del self._pending[request_id]
         self._epoch += 1
+        quota = self._quota
         new = manager.allocate_slots(
             req, num_new_tokens, hit, blocks, num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
-            full_sequence_must_fit=full_sequence_must_fit)
+            full_sequence_must_fit=full_sequence_must_fit,
+            max_new_blocks=None if quota is None else quota.room(request_id))
+        if quota is not None:
+            self._count_quota(request_id, new is None)
         if new is None:
             self._allocation_failures += 1
             return Allocation(False, None,
@@ -431,6 +452,16 @@ class Pool:
         return Allocation(True, [[b.block_id for b in g] for g in new],
                               self._table_ids(request_id) if include_tables else None,
                               req.num_computed_tokens, hit)
+
+    def _count_quota(self, request_id: str, refused: bool) -> None:
+        """After an allocation in a pool with a quota: the request's blocks (it may also
+        have released out-of-window ones), and a refusal the quota caused."""
+        manager = self._manager
+        if refused and manager.refused_by_quota:
+            self._quota.refusals += 1  # type: ignore[union-attr]
+        manager.refused_by_quota = False
+        holds = sum(1 for ids in self._table_ids(request_id) for b in ids if b)
+        self._quota.update(request_id, holds)  # type: ignore[union-attr]
 
     def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeOutcome:
         """The decode step of many requests: for each ``i`` in order, the same as
@@ -474,10 +505,12 @@ class Pool:
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
+        # With a quota every request takes the general path (which checks and counts it).
+        fast = self._quota is None
         for i in range(lo, hi):
             req = reqs[i]
             req.append_token(token_ids[i])
-            if req.status == running and req.num_computed_tokens:
+            if fast and req.status == running and req.num_computed_tokens:
                 new = allocate_slots(req, 1)
                 if new is None:
                     self._allocation_failures += 1
@@ -594,7 +627,19 @@ class Pool:
             preempted_prefix_requests=s.preempted_requests, evictions=pool.num_evictions,
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
-            num_cached_blocks_per_group=pool.num_cached_keys_per_group())
+            num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
+            **self._quota_counters())
+
+    def _quota_counters(self) -> dict[str, int]:
+        quota = self._quota
+        if quota is None:
+            return {}
+        return dict(account_block_quota=quota.limit, quota_refusals=quota.refusals,
+                    max_account_blocks=quota.max_used)
+
+    def account_blocks(self, account: str) -> int:
+        """Blocks the requests of ``account`` hold (0 without a quota or requests)."""
+        return self._quota.used.get(account, 0) if self._quota is not None else 0
 
     def take_events(self) -> list[KVEvent]:
         return self._manager.take_events()
