@@ -45,6 +45,20 @@ class PoolGate:
                 return
             await busy.wait()
 
+    async def run(self, work: Generator[None, None, T], pools: list[str]) -> T:
+        """Runs a sliced mutation of ``pools``: once they are idle, a first turn at once
+        (most calls end within it, with no task or loop switch), the rest by
+        :meth:`finish`. Errors of the work (its validation) raise from here."""
+        await self.wait_idle(pools)
+        turn_ends = time.perf_counter() + TURN_SECONDS
+        try:
+            next(work)
+            while time.perf_counter() < turn_ends:
+                next(work)
+        except StopIteration as end:
+            return end.value  # type: ignore[no-any-return]
+        return await self.finish(work, pools)
+
     async def finish(self, work: Generator[None, None, T], pools: Iterable[str]) -> T:
         """Runs a started sliced mutation to its end, with ``pools`` marked busy and the
         loop free between slices. Shielded: a cancelled caller does not stop it (its

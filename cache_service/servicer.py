@@ -87,13 +87,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def submit(self, record: WalRecord) -> Message:
         """Applies one record (the one way the servicer changes state), in slices."""
-        await self.gate.wait_idle(self.state.pools_of(record))
-        work = self.state.apply_in_slices(record, SLICE_REQUESTS)
-        try:
-            next(work)  # validation, logging and the first slice
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        return await self.gate.finish(work, self.state.pools_of(record))
+        return await self.gate.run(self.state.apply_in_slices(record, SLICE_REQUESTS),
+                                   self.state.pools_of(record))
 
     async def _mutate(self, context: grpc.aio.ServicerContext, session_id: str,
                       build: Callable[[], WalRecord]) -> Any:
