@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -27,6 +27,22 @@ PEEK_SLICE_BLOCKS = 16
 #: several loop turns (receive, handle, send), each waiting for at most one turn of the
 #: long call: so a turn must be short, but not so short that switching dominates.
 TURN_SECONDS = 0.001
+
+
+_PENDING = object()
+
+
+def _turn(work: Generator[None, None, T], go_on: Callable[[], bool] = lambda: True) -> object:
+    """Runs ``work`` for one turn (at least one slice, then while the turn lasts and
+    ``go_on()``): its value if it ended, else ``_PENDING``."""
+    turn_ends = time.perf_counter() + TURN_SECONDS
+    try:
+        next(work)
+        while time.perf_counter() < turn_ends and go_on():
+            next(work)
+    except StopIteration as end:
+        return end.value
+    return _PENDING
 
 
 class PoolGate:
@@ -50,14 +66,8 @@ class PoolGate:
         (most calls end within it, with no task or loop switch), the rest by
         :meth:`finish`. Errors of the work (its validation) raise from here."""
         await self.wait_idle(pools)
-        turn_ends = time.perf_counter() + TURN_SECONDS
-        try:
-            next(work)
-            while time.perf_counter() < turn_ends:
-                next(work)
-        except StopIteration as end:
-            return end.value  # type: ignore[no-any-return]
-        return await self.finish(work, pools)
+        value = _turn(work)
+        return await self.finish(work, pools) if value is _PENDING else value
 
     async def finish(self, work: Generator[None, None, T], pools: Iterable[str]) -> T:
         """Runs a started sliced mutation to its end, with ``pools`` marked busy and the
@@ -72,13 +82,9 @@ class PoolGate:
             try:
                 while True:
                     await asyncio.sleep(0)
-                    turn_ends = time.perf_counter() + TURN_SECONDS
-                    try:
-                        next(work)
-                        while time.perf_counter() < turn_ends:
-                            next(work)
-                    except StopIteration as end:
-                        return end.value  # type: ignore[no-any-return]
+                    value = _turn(work)
+                    if value is not _PENDING:
+                        return value
             finally:
                 for pool in pools:
                     del self._busy[pool]
@@ -90,13 +96,10 @@ class PoolGate:
         working on the pool (so the read never sees half of one)."""
         while True:
             await self.wait_idle((pool,))
-            turn_ends = time.perf_counter() + TURN_SECONDS
-            try:
-                next(work)
-                while time.perf_counter() < turn_ends and pool not in self._busy:
-                    next(work)
-            except StopIteration as end:
-                return end.value  # type: ignore[no-any-return]
+            # A read's slices are read-only: cheap to check the pool stays idle each time.
+            value = _turn(work, lambda: pool not in self._busy)
+            if value is not _PENDING:
+                return value
             await asyncio.sleep(0)
 
 
