@@ -10,7 +10,7 @@ Reads go to the state directly. Sessions: every call naming a session renews its
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -23,12 +23,17 @@ from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
 from cache_service.core.errors import InvalidArgument, KVCacheError, NotFound
 from cache_service.event_feed import SequenceOutOfRange
-from cache_service.fairness import PEEK_SLICE_BLOCKS, SLICE_REQUESTS, PoolGate, thaw_heap
+from cache_service.fairness import (
+    PEEK_SLICE_BLOCKS,
+    SLICE_REQUESTS,
+    PoolGate,
+    thaw_heap,
+)
 from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import ResourceExhausted, Unavailable, to_status
-from cache_service.tenants import Namespace
+from cache_service.tenants import Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -54,18 +59,12 @@ def _inner(ns: Namespace, pool_id: str, field: str = "pool_id") -> str:
     return internal
 
 
-def _stamp(record: WalRecord) -> WalRecord:
-    """Records who made the call (name and limits) in the record, for ``apply``."""
-    tenant = calls.tenant.get()
-    ctx = record.tenant
-    ctx.name = tenant.name
-    if tenant.max_pools:
-        ctx.max_pools = tenant.max_pools
-    if tenant.max_blocks:
-        ctx.max_blocks = tenant.max_blocks
-    if tenant.admin:
-        ctx.admin = True
-    return record
+@functools.lru_cache(maxsize=1024)
+def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
+    """Who made a call (name and limits), as records carry it for ``apply``. Shared: never
+    mutate the answer (records copy it)."""
+    return wal_pb2.TenantContext(name=tenant.name, max_pools=tenant.max_pools or 0,
+                                 max_blocks=tenant.max_blocks or 0, admin=tenant.admin)
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -90,14 +89,21 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return await self.gate.run(self.state.apply_in_slices(record, SLICE_REQUESTS),
                                    self.state.pools_of(record))
 
-    async def _mutate(self, context: grpc.aio.ServicerContext, session_id: str,
-                      build: Callable[[], WalRecord]) -> Any:
-        """Renews the caller's lease, applies the call's record, waits until it is
+    async def _mutate(self, context: grpc.aio.ServicerContext, kind: str,
+                      request: Message, session_id: str = "", *,
+                      before: Callable[[], object] | None = None) -> Any:
+        """Renews the caller's lease, runs ``before`` (checks, and the mapping of the
+        caller's pool id: errors answer the call), applies the call as the record
+        ``WalRecord(<kind>=request, tenant=<the caller>)`` in slices, waits until it is
         durable (when the durability policy asks for it) and answers the response."""
         if session_id:
             self.leases.renew(session_id)
         try:
-            response = await self.submit(_stamp(build()))
+            if before is not None:
+                before()
+            work = self.state.apply_call_in_slices(
+                kind, request, _tenant_context(calls.tenant.get()), SLICE_REQUESTS)
+            response = await self.gate.run(work, self.state.pools_of_call(kind, request))
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         if self.state.durability.needs_sync:
@@ -113,7 +119,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         """One Step as the handlers apply it, without gRPC (raises a core error and
         changes nothing if the batch is rejected)."""
-        return self.state.apply(WalRecord(step=request))  # type: ignore[return-value]
+        return self.state.apply_call("step", request)  # type: ignore[return-value]
 
     # -- pools -------------------------------------------------------------------------
 
@@ -124,11 +130,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                            context: grpc.aio.ServicerContext) -> pb.RegisterPoolResponse:
         ns = Namespace(calls.tenant.get())
 
-        def record() -> WalRecord:
+        def own() -> None:
             check_pool_id(request.pool_id)
             request.pool_id = _inner(ns, request.pool_id)
-            return WalRecord(register_pool=request)
-        answer = await self._mutate(context, request.session_id, record)
+        answer = await self._mutate(context, "register_pool", request, request.session_id,
+                                    before=own)
         response = pb.RegisterPoolResponse()
         response.CopyFrom(answer)  # the state may keep its answer (session retries)
         response.config.pool_id = ns.outer(response.config.pool_id)
@@ -160,8 +166,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
-        response = await self._mutate(context, request.session_id,
-                                      lambda: WalRecord(delete_pool=self._own(request)))
+        response = await self._mutate(context, "delete_pool", request, request.session_id,
+                                      before=lambda: self._own(request))
         thaw_heap()
         return response
 
@@ -175,8 +181,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def Step(self, request: pb.StepRequest,
                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(step=self._own(request)))
+        return await self._mutate(context, "step", request, request.session_id,
+                                  before=lambda: self._own(request))
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
@@ -186,8 +192,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if self.draining:
                 await _abort(context, Unavailable(
                     "server is draining; reconnect to another instance"))
-            yield await self._mutate(context, request.session_id,
-                                     lambda: WalRecord(step=self._own(request)))
+            yield await self._mutate(context, "step", request, request.session_id,
+                                     before=lambda r=request: self._own(r))
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -199,8 +205,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # The id is chosen here, outside apply, and carried by the record (apply stays
         # deterministic). 128 random bits: unguessable by other clients.
         sid = secrets.token_hex(16)
-        response = await self._mutate(context, "", lambda: WalRecord(
-            open_session=wal_pb2.OpenSession(session_id=sid, client_name=request.client_name)))
+        response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
+            session_id=sid, client_name=request.client_name))
         self.leases.start(sid)
         _log.info("session_opened", session_id=sid, client=request.client_name)
         return response
@@ -215,7 +221,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def CloseSession(self, request: pb.CloseSessionRequest,
                            context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
-        response = await self._mutate(context, "", lambda: WalRecord(close_session=request))
+        response = await self._mutate(context, "close_session", request)
         self.leases.end(request.session_id)
         _log.info("session_closed", session_id=request.session_id,
                   requests_freed=response.num_requests_freed)
@@ -228,9 +234,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         ns = Namespace(calls.tenant.get())
         try:
             entries = self._peek_entries(ns, request)
-            extra = dict(cache_salt=request.cache_salt or None,
-                         lora_name=request.lora_name or None,
-                         lora_path=request.lora_path or None)
+            extra = {"cache_salt": request.cache_salt or None,
+                     "lora_name": request.lora_name or None,
+                     "lora_path": request.lora_path or None}
             hits = []
             for entry in entries:
                 if request.token_ids:
@@ -305,8 +311,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext
                                ) -> pb.ResetPrefixCacheResponse:
-        return await self._mutate(context, request.session_id,
-                                  lambda: WalRecord(reset_prefix_cache=self._own(request)))
+        return await self._mutate(context, "reset_prefix_cache", request, request.session_id,
+                                  before=lambda: self._own(request))
 
     # -- events ------------------------------------------------------------------------
 

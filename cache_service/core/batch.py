@@ -177,6 +177,7 @@ class BatchCheck:
         # request id -> [exists, num_tokens, may_have_computed_tokens] as the batch goes
         self.state: dict[str, list] = {}
         self.blocks_moved = False  # a block-changing op came earlier in the batch
+        self.last = False  # the op being checked is the batch's last (nothing reads after)
 
     def _state(self, rid: str) -> list:
         st = self.state.get(rid)
@@ -313,6 +314,7 @@ class BatchCheck:
             # The usual case: nothing earlier in the batch touched these requests. Any
             # error is left to the loop below, which names the field.
             reqs: list[Request] | None = []
+            simulate = not self.last  # the simulation only matters to later ops
             for lo in range(0, n, slice_cost):
                 part_ids = rids[lo:lo + slice_cost]
                 try:
@@ -320,12 +322,14 @@ class BatchCheck:
                 except KeyError:
                     part = None
                 if part is None or max(map(len, [r.all_token_ids for r in part])) >= limit:
-                    for rid in rids[:lo]:  # undo: the loop below starts from scratch
-                        del state[rid]
+                    if simulate:
+                        for rid in rids[:lo]:  # undo: the loop below starts from scratch
+                            del state[rid]
                     reqs = None
                     break
-                state.update(zip(part_ids, [[True, len(r.all_token_ids) + 1, True]
-                                            for r in part]))
+                if simulate:
+                    state.update(zip(part_ids, [[True, len(r.all_token_ids) + 1, True]
+                                                for r in part]))
                 reqs += part  # type: ignore[operator]
                 if lo + slice_cost < n:
                     yield
@@ -355,7 +359,9 @@ def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
     decode op too); same answer and errors."""
     out = []
     spent = 0
+    last = len(ops) - 1
     for i, op in enumerate(ops):
+        check.last = i == last
         try:
             if type(op) is Decode and len(op.request_ids) > slice_cost:
                 out.append((yield from check.decode_checks(op, slice_cost)))
@@ -377,7 +383,9 @@ def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:
     out = []
     append = out.append
     c = check.check
+    last = len(ops) - 1
     for i, op in enumerate(ops):
+        check.last = i == last
         try:
             append(c(op))
         except KVCacheError as exc:

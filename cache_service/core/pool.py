@@ -1,8 +1,10 @@
 """The facade the gRPC service and the replay tool use: one KV-cache pool.
 
 A :class:`Pool` is one :class:`KVCacheManager` (one coordinator, one block pool) plus a
-registry of requests by id. Every method validates its whole input before it changes
-anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
+registry of requests by id. Requests change only through :meth:`Pool.apply_batch`: a batch
+of typed ops (:mod:`ops`) validated whole by :mod:`batch` before any op is applied (the
+single-op methods are batches of one). Every method validates its whole input before it
+changes anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
 "No room" is a normal answer (``Allocation.ok == False``), never an exception.
 
 Semantics follow vLLM 0.33 (see docs/kv-cache-semantics.md). Two pool-level rules:

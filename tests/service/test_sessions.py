@@ -193,3 +193,32 @@ def test_a_stream_step_past_its_deadline_is_resent_under_the_same_number(
         assert retries == [("deadline_exceeded", 1)]
         assert result.results[0].ok == [True]
         assert client.get_request(pool, "r").num_tokens == 41
+
+
+def test_idle_clients_keep_their_session_alive_and_close_frees(
+        short_lease_server: ServerProcess) -> None:
+    """Both clients renew their lease in the background: idle for longer than the TTL (the
+    wait is the subject here, not a synchronization), their requests stay; closing a client
+    ends its session and frees them."""
+    import asyncio
+
+    from cache_service.client import AsyncCacheClient
+
+    srv = short_lease_server
+    with CacheClient(srv.target) as reader:
+        pool = reader.register_pool("idle", full_layers(), num_blocks=64,
+                                    max_model_len=256).pool_id
+
+        async def scenario() -> None:
+            sync_client = CacheClient(srv.target)
+            async with AsyncCacheClient(srv.target) as a:
+                await a.step(pool, [ops.add("async", [1, 2, 3]), ops.allocate("async", 3)])
+                sync_client.step(pool, [ops.add("sync", [4, 5]), ops.allocate("sync", 2)])
+                await asyncio.sleep(1.5 * TTL)
+                assert reader.stats(pool).num_requests == 2
+                assert await a.decode(pool, ["async"], [9]) is not None
+            assert reader.stats(pool).num_requests == 1  # the async client's close freed it
+            sync_client.close()
+            assert reader.stats(pool).num_requests == 0
+
+        asyncio.run(scenario())

@@ -19,6 +19,8 @@ from .conftest import full_layers
 class Recorder(Durability):
     """Keeps every appended record; fails the next append when ``fail`` is set."""
 
+    keeps_records = True
+
     def __init__(self) -> None:
         self.records: list[WalRecord] = []
         self.fail = False
@@ -136,3 +138,18 @@ def test_records_name_their_problems() -> None:
         state.apply(step(1, ops.new_step(), pool="nope", sid=""))
     assert exc.value.field == "pool_id"
     assert not isinstance(exc.value, UnknownRequest)
+
+
+def test_deleting_a_pool_drops_its_requests_from_their_sessions() -> None:
+    state, _, _ = run(records()[:7])  # s1 holds a0-a4, s2 holds b, f has no session
+    state.apply(WalRecord(register_pool=register_request(
+        "q", full_layers(block_size=4), num_blocks=128, max_model_len=256)))
+    state.apply(step(2, ops.add("x", [1, 2]), ops.allocate("x", 2), pool="q"))
+    assert ("q", "x") in state.sessions["s1"].requests and state.owner_of("q", "x") == "s1"
+    state.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id="q")))
+    assert ("q", "x") not in state.sessions["s1"].requests
+    assert state.owner_of("q", "x") is None
+    done = state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(session_id="s1",
+                                                                      max_requests=100)))
+    assert (done.num_requests_freed, done.num_requests_left) == (5, 0)
+    assert state.registry.get("p").pool.request_ids() == ["b", "f"]

@@ -145,7 +145,8 @@ class CacheServiceServicer:
 
     def Step(self, request, context):
         """Applies a batch of operations to one pool, in order. The whole batch is validated
-        first; an invalid op rejects the batch and nothing is applied.
+        first; an invalid op rejects the batch and nothing is applied. With a session_id, a
+        retry of the last sequence number answers the stored response (see StepRequest).
         StepStream shares the message types on purpose (one StepRequest -> one StepResponse).
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
@@ -156,6 +157,8 @@ class CacheServiceServicer:
     def StepStream(self, request_iterator, context):
         """The same as Step over one long-lived bidirectional stream: each StepRequest gets
         exactly one StepResponse, in order. An invalid batch ends the stream with its status.
+        A stream that breaks ends nothing else: the session stays, and the last message may be
+        resent on a new stream with the same session_id and sequence (applied at most once).
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         buf:lint:ignore RPC_REQUEST_STANDARD_NAME
         buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
