@@ -16,6 +16,8 @@ counted. Every failed call carries ``x-request-id`` in its trailers.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -142,14 +144,63 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             elif key == "authorization":
                 authorization = value
         if service in OPEN_SERVICES:
-            # Unwrapped: health's Watch writes with context.write(), which cannot be
-            # re-yielded by a wrapper; probes need neither auth nor per-call metrics.
-            return handler
+            # Probes need neither auth nor per-call metrics: only bad bytes are handled.
+            return self._open(handler, service, method)
         if not isinstance(request_id, str) or not 0 < len(request_id) <= 128:
             request_id = uuid.uuid4().hex
         tenant = self._unauthenticated if self._tenants is None else self._tenants.authenticate(
             authorization if isinstance(authorization, str) else None)
         return self._wrap(handler, service, method, request_id, tenant)
+
+    async def _undecodable(self, context: grpc.aio.ServicerContext, service: str, method: str,
+                           bad: Undecodable) -> None:
+        """Answers INVALID_ARGUMENT for bytes that are not the request (logged, counted)."""
+        self._metrics.undecodable(service, method)
+        _log.warning("undecodable_message", bytes=bad.size, error=bad.error,
+                     rpc=f"{service}/{method}")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid {service}/{method} message "
+                            f"({bad.error})", trailing_metadata=calls.request_id_metadata())
+
+    def _open(self, handler: grpc.RpcMethodHandler, service: str,
+              method: str) -> grpc.RpcMethodHandler:
+        """A handler of health or reflection with the lenient codec: bad bytes answer
+        INVALID_ARGUMENT. Health's Watch is a coroutine writing with ``context.write()``
+        (awaited, not re-yielded); the others are plain coroutines or generators."""
+        reject = self._undecodable
+
+        async def unary(inner, request, context):
+            if type(request) is Undecodable:
+                await reject(context, service, method, request)
+            return await inner(request, context)
+
+        async def streaming(inner, requests, context):
+            try:
+                async for response in inner(_checked(requests), context):
+                    yield response
+            except _UndecodableInStream as exc:
+                await reject(context, service, method, exc.bad)
+
+        async def unary_to_stream(inner, request, context):
+            if type(request) is Undecodable:
+                await reject(context, service, method, request)
+            async for response in inner(request, context):
+                yield response
+
+        codec = dict(request_deserializer=_lenient(handler.request_deserializer),
+                     response_serializer=handler.response_serializer)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                functools.partial(unary, handler.unary_unary), **codec)
+        if handler.unary_stream is not None:
+            inner = handler.unary_stream
+            wrapped = unary_to_stream if inspect.isasyncgenfunction(inner) else unary
+            return grpc.unary_stream_rpc_method_handler(functools.partial(wrapped, inner),
+                                                        **codec)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                functools.partial(streaming, handler.stream_stream), **codec)
+        return handler
 
     def _wrap(self, handler: grpc.RpcMethodHandler, service: str, method: str,
               request_id: str, tenant: Tenant | None) -> grpc.RpcMethodHandler:
@@ -167,11 +218,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                                 "Bearer <token>')", trailing_metadata=trailers)
 
         async def undecodable(context: grpc.aio.ServicerContext, bad: Undecodable) -> None:
-            metrics.undecodable(service, method)
-            _log.warning("undecodable_message", bytes=bad.size, error=bad.error)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the request is not a valid {service}/{method} message "
-                                f"({bad.error})", trailing_metadata=calls.request_id_metadata())
+            await interceptor._undecodable(context, service, method, bad)
 
         async def internal(context: grpc.aio.ServicerContext) -> None:
             # A bug, not the client's fault; the traceback goes to the log, the client

@@ -150,3 +150,23 @@ def test_health_list_reports_every_service(server: ServerProcess) -> None:
     serving = health_pb2.HealthCheckResponse.SERVING
     assert {name: s.status for name, s in reply.statuses.items()} == {
         "": serving, "kvcache.v1.CacheService": serving}
+
+
+@pytest.mark.parametrize("method", ["/grpc.health.v1.Health/Check",
+                                    "/grpc.health.v1.Health/List",
+                                    "/grpc.health.v1.Health/Watch",
+                                    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                    "/grpc.reflection.v1alpha.ServerReflection/"
+                                    "ServerReflectionInfo"])
+def test_the_open_services_answer_bad_bytes_with_invalid_argument(server: ServerProcess,
+                                                                  method: str) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            if method.endswith("ServerReflectionInfo"):
+                list(channel.stream_stream(method)(iter([TRUNCATED]), timeout=10))
+            elif method.endswith("Watch"):
+                list(channel.unary_stream(method)(TRUNCATED, timeout=10))
+            else:
+                channel.unary_unary(method)(TRUNCATED, timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "not a valid" in err.value.details()
