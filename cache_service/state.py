@@ -265,7 +265,18 @@ class ServiceState:
 
     @staticmethod
     def _step_cost(step_ops: list) -> int:
-        return sum(len(op.request_ids) if op.KIND == "decode" else 1 for op in step_ops)
+        """Request-ops of a batch: one per op, per request of a decode op, and per 16
+        prompt tokens of an add (hashing them is the cost)."""
+        cost = 0
+        for op in step_ops:
+            kind = op.KIND
+            if kind == "decode":
+                cost += len(op.request_ids)
+            elif kind == "add_request":
+                cost += 1 + len(op.token_ids) // 16
+            else:
+                cost += 1
+        return cost
 
     def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
                                 step_ops: list) -> Generator[None, None, Callable]:

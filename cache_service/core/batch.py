@@ -19,6 +19,7 @@ Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` pref
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -363,6 +364,16 @@ def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
     for i, op in enumerate(ops):
         check.last = i == last
         try:
+            if type(op) is AddRequest and _long(op.token_ids, slice_cost * TOKENS_PER_COST):
+                # Only copying a long prompt out of its container is sliced here; the
+                # checks then run on a plain list (tens of ms per million tokens), and
+                # the pool hashes it in slices (Pool.prepare_batch_in_slices).
+                tokens: list[int] = []
+                step = slice_cost * TOKENS_PER_COST
+                for lo in range(0, len(op.token_ids), step):
+                    tokens += op.token_ids[lo:lo + step]
+                    yield
+                op = dataclasses.replace(op, token_ids=tokens)
             if type(op) is Decode and len(op.request_ids) > slice_cost:
                 out.append((yield from check.decode_checks(op, slice_cost)))
                 spent = 0
@@ -375,6 +386,17 @@ def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
             spent = 0
             yield
     return out
+
+
+#: Token ids copied per unit of slice cost.
+TOKENS_PER_COST = 64
+
+
+def _long(token_ids: Any, threshold: int) -> bool:
+    try:
+        return not isinstance(token_ids, (str, bytes)) and len(token_ids) > threshold
+    except TypeError:  # not a sequence: the check names it
+        return False
 
 
 def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:

@@ -291,6 +291,16 @@ class Pool:
         """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
         caller lets nothing touch the pool until the batch is applied."""
         plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
+        if self._hash_fn is not None:
+            # Long prompts are hashed here, a slice at a time, rather than in one piece
+            # when the request is created (the hashes are the same).
+            for i, op in enumerate(ops):
+                if type(op) is AddRequest and plan[i][1] is None \
+                        and len(plan[i][0]) > slice_cost * self._hbs:
+                    tokens = plan[i][0]
+                    hashes = yield from self._hash_in_slices(
+                        tokens, slice_cost, op.cache_salt, op.lora_name, op.lora_path)
+                    plan[i] = (tokens, hashes)
         return PreparedBatch(self, ops, plan, begin_step)
 
     def _apply_one(self, op: Op) -> OpOutcome:

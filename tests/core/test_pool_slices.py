@@ -101,3 +101,24 @@ def test_a_bad_request_in_a_late_slice_rejects_the_whole_batch(bad: str) -> None
         drive(pool.prepare_batch_in_slices([Decode(ids, [3] * len(ids))], slice_cost=8))
     assert err.value.field == field
     assert (pool.stats(), [pool.block_ids(r) for r in rids]) == before
+
+
+@pytest.mark.parametrize(("salt", "lora"), [(None, None), ("s", "adapter")])
+def test_a_long_prompt_is_admitted_in_slices_exactly_as_in_one_piece(salt, lora) -> None:
+    prompt = [t % 97 for t in range(3000)]
+    whole, sliced = (make_pool(2000, full(4), swa(4, 8), max_model_len=4096) for _ in "ab")
+    batch = [AddRequest("p", prompt, cache_salt=salt, lora_name=lora), Allocate("p", 3000),
+             AddRequest("q", prompt[:2500], cache_salt=salt, lora_name=lora)]
+    a = whole.apply_batch(batch)
+    prepared, yields = drive(sliced.prepare_batch_in_slices(batch, slice_cost=8))
+    b, _ = drive(prepared.apply_in_slices(8))
+    # Copied 512 tokens and hashed 8 blocks (32 tokens) at a time: ~170 slices.
+    assert a == b and yields >= 5500 // 32
+    assert whole.take_events() == sliced.take_events()
+    assert whole.request_info("q") == sliced.request_info("q")
+    assert whole.peek_prefix(prompt, cache_salt=salt, lora_name=lora) == \
+        sliced.peek_prefix(prompt, cache_salt=salt, lora_name=lora) > 2000
+    with pytest.raises(InvalidArgument) as err:
+        drive(sliced.prepare_batch_in_slices(
+            [AddRequest("x", [1] * 5), AddRequest("y", [1] * 2999 + [-1])], slice_cost=8))
+    assert err.value.field == "ops[1].add_request.token_ids[2999]"
