@@ -125,7 +125,9 @@ def main() -> int:
     results: dict = {"goal_p99_ms": GOAL_MS, "phases": {}}
     try:
         with CacheClient(server.target, default_timeout=60) as client:
-            client.register_pool("small", model(), num_blocks=4096, max_model_len=4096)
+            # Room for every step of a fast run: 8 requests x 65,536 tokens.
+            client.register_pool("small", model(), num_blocks=SMALL_REQUESTS * 4096 + 64,
+                                 max_model_len=1 << 16)
             admit(client, "small", SMALL_REQUESTS, "s")
             phases = {"idle": (measure_small(client, "small", args.seconds), None)}
             phases[f"decode {args.decode_requests:,}"] = run_loaded(

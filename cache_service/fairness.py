@@ -26,7 +26,7 @@ PEEK_SLICE_BLOCKS = 16
 #: The loop is given back once a sliced call has run this long. Another call needs
 #: several loop turns (receive, handle, send), each waiting for at most one turn of the
 #: long call: so a turn must be short, but not so short that switching dominates.
-TURN_SECONDS = 0.001
+TURN_SECONDS = 0.0005
 
 
 _PENDING = object()
