@@ -42,6 +42,9 @@ _ATTENTION_CLASSES: dict[int, type] = {
 }
 # Bounds that keep arithmetic sane and memory bounded for hostile input.
 MAX_COUNT = 1 << 40
+#: The largest page one layer may have (1 TiB per block); every byte count of a pool
+#: (summed pages, memory budgets) then stays far inside the int64 fields of PoolConfig.
+MAX_PAGE_BYTES = 1 << 40
 
 
 def _non_negative(value: int, field: str, *, positive: bool = False,
@@ -77,18 +80,27 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
             for j, state in enumerate(layer.mamba_states):
                 if not state.shape:
                     raise InvalidArgument("empty shape", field=f"mamba_states[{j}].shape")
+                elements = 1
                 for k, dim in enumerate(state.shape):
                     _non_negative(dim, f"mamba_states[{j}].shape[{k}]", positive=True,
                                   limit=1 << 31)
+                    # Checked as the product grows: a long shape must not cost big-int
+                    # arithmetic before it is rejected.
+                    elements *= dim
+                    if elements > MAX_PAGE_BYTES:
+                        raise InvalidArgument(
+                            f"the state has more than {MAX_PAGE_BYTES} elements",
+                            field=f"mamba_states[{j}].shape")
                 shapes.append(tuple(state.shape))
             if layer.mamba_cache_mode and not MAMBA_CACHE_MODES.name(layer.mamba_cache_mode):
                 raise InvalidArgument(f"unknown mamba_cache_mode {layer.mamba_cache_mode}",
                                       field="mamba_cache_mode")
-            return MambaSpec(
+            return _bounded_page(MambaSpec(
                 block_size=layer.block_size, shapes=tuple(shapes),
                 dtypes=tuple(s.dtype for s in layer.mamba_states), page_size_padded=padded,
                 mamba_type=layer.mamba_type or "mamba2",
-                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none")
+                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none"),
+                "mamba_states")
         cls = _ATTENTION_CLASSES.get(kind)
         if cls is None:
             raise InvalidArgument(f"kind must be one of {sorted(LAYER_KINDS.names())}, got {kind}",
@@ -108,11 +120,20 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
         elif kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
             kwargs["attention_chunk_size"] = _non_negative(
                 layer.attention_chunk_size, "attention_chunk_size", positive=True)
-        return cls(**kwargs)
+        return _bounded_page(cls(**kwargs), "block_size")
     except KVCacheError as exc:
         if exc.field.startswith(path):
             raise
         raise qualify(exc, path) from None
+
+
+def _bounded_page(spec: KVCacheSpec, field: str) -> KVCacheSpec:
+    """``spec`` if its page fits :data:`MAX_PAGE_BYTES`; else INVALID_ARGUMENT naming
+    ``field`` (the factor of the page product that is not bounded on its own)."""
+    if spec.page_size_bytes > MAX_PAGE_BYTES:
+        raise InvalidArgument(f"the page of this layer is {spec.page_size_bytes} bytes, more "
+                              f"than the limit of {MAX_PAGE_BYTES}", field=field)
+    return spec
 
 
 def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
@@ -123,6 +144,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
         _non_negative(getattr(opts, name), f"{p}.{name}", limit=1 << 31)
     _non_negative(opts.vocab_size, f"{p}.vocab_size", limit=1 << 40)
+    _non_negative(opts.session_block_quota, f"{p}.session_block_quota", limit=1 << 40)
     if not 0.0 <= opts.watermark < 1.0:  # also rejects NaN
         raise InvalidArgument(f"must be in [0, 1), got {opts.watermark}",
                               field=f"{p}.watermark")
@@ -138,6 +160,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         max_in_flight_tokens=opts.max_in_flight_tokens or None,
         enable_events=opts.enable_events if opts.HasField("enable_events") else True,
         vocab_size=opts.vocab_size or None,
+        account_block_quota=opts.session_block_quota or None,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -150,7 +173,8 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         scheduler_block_size=opts.scheduler_block_size or 0,
         hash_block_size=opts.hash_block_size or 0, watermark=opts.watermark,
         max_in_flight_tokens=opts.max_in_flight_tokens or 0,
-        enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid)
+        enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid,
+        session_block_quota=opts.account_block_quota or 0)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -296,7 +320,7 @@ _OP_KINDS = ", ".join(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields[i].name
                       for i in range(len(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields)))
 
 
-def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
+def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
     """The core op of one ``Op`` message. Checks only the protocol's own rules (an op
     kind is set; client block hashes need the cross-language recipe): every other rule
     is the pool's, applied by ``Pool.apply_batch``. Errors name fields relative to the op."""
@@ -329,7 +353,8 @@ def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
             except KVCacheError as exc:
                 raise qualify(exc, "add_request.hash_recipe") from None
         return ops.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
-                              m.lora_name or None, m.lora_path or None, declared)
+                              m.lora_name or None, m.lora_path or None, declared,
+                              account)
     if kind == "lookup":
         return ops.Lookup(op.lookup.request_id)
     if kind == "free":
@@ -342,11 +367,13 @@ def op_from_proto(op: pb.Op, hash_algo: str) -> ops.Op:
 
 
 def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[ops.Op]:
-    """The core ops of a Step (errors name ``ops[i]...``)."""
+    """The core ops of a Step (errors name ``ops[i]...``). Requests it adds count against
+    the quota of its session (or of the session-less account "")."""
     out = []
+    account = request.session_id
     for i, op in enumerate(request.ops):
         try:
-            out.append(op_from_proto(op, hash_algo))
+            out.append(op_from_proto(op, hash_algo, account))
         except KVCacheError as exc:
             raise qualify(exc, f"ops[{i}]") from None
     return out

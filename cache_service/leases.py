@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -57,7 +57,7 @@ class LeaseKeeper:
         return expired
 
 
-Submit = Callable[[WalRecord], object]
+Submit = Callable[[WalRecord], Awaitable[object]]
 
 
 class LeaseReaper:
@@ -91,7 +91,7 @@ class LeaseReaper:
         started = time.perf_counter()
         total = 0
         while True:
-            result = self.submit(WalRecord(expire_session=wal_pb2.ExpireSession(
+            result = await self.submit(WalRecord(expire_session=wal_pb2.ExpireSession(
                 session_id=session_id, max_requests=self.chunk)))
             total += result.num_requests_freed  # type: ignore[attr-defined]
             if not result.num_requests_left:  # type: ignore[attr-defined]

@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
 
+from cache_service.tenants import tenant_of
+
 # Sub-millisecond resolution: a batched Step is expected to take 0.2-2 ms.
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -40,6 +42,9 @@ class RpcMetrics:
                                 "on the server.", labels, registry=registry)
         self.sent = Counter("grpc_server_msg_sent_total", "RPC stream messages sent by the "
                             "server.", labels, registry=registry)
+        self.undecodable_messages = Counter(
+            "kvcache_undecodable_messages_total", "Request messages that did not parse "
+            "(answered INVALID_ARGUMENT).", ["grpc_service", "grpc_method"], registry=registry)
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
 
     def of(self, grpc_type: str, service: str, method: str) -> tuple[Any, Any, Any, Any]:
@@ -52,6 +57,10 @@ class RpcMetrics:
                         self.received.labels(*key), self.sent.labels(*key))
             self._children[key] = children
         return children
+
+    def undecodable(self, service: str, method: str) -> None:
+        """Counts one request message that did not parse."""
+        self.undecodable_messages.labels(service, method).inc()
 
     def observe(self, grpc_type: str, service: str, method: str, code: str,
                 seconds: float) -> None:
@@ -89,6 +98,12 @@ class PoolCollector:
             "hit_rate": GaugeMetricFamily("kvcache_pool_prefix_cache_hit_ratio",
                                           "Prefix-cache hit tokens / queried tokens.",
                                           labels=["pool"]),
+            "account_block_quota": GaugeMetricFamily(
+                "kvcache_pool_session_block_quota", "Blocks one session may hold in the "
+                "pool (0 = no quota).", labels=["pool"]),
+            "max_account_blocks": GaugeMetricFamily(
+                "kvcache_pool_max_session_blocks", "Blocks held by the pool's most "
+                "demanding session (pools with a quota).", labels=["pool"]),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily(
@@ -105,7 +120,15 @@ class PoolCollector:
                                                "scheduler's preemptions and any admission roll-backs it "
                                                "sends as preempts).",
                                                labels=["pool"]),
+            "quota_refusals": CounterMetricFamily(
+                "kvcache_pool_session_quota_refusals", "Allocations answered 'no room' "
+                "because of the session block quota.", labels=["pool"]),
         }
+        tenant_pools = GaugeMetricFamily("kvcache_tenant_pools", "Pools a tenant holds.",
+                                         labels=["tenant"])
+        tenant_blocks = GaugeMetricFamily("kvcache_tenant_blocks", "Blocks (num_blocks "
+                                          "summed) over a tenant's pools.", labels=["tenant"])
+        per_tenant: dict[str, list[int]] = {}
         for pool_id, s in self._stats_of():
             queries = s.prefix_queries + s.preempted_prefix_queries
             hits = s.prefix_hits + s.preempted_prefix_hits
@@ -114,7 +137,15 @@ class PoolCollector:
             for name, fam in (*gauges.items(), *counters.items()):
                 fam.add_metric([pool_id], float(values[name] if name in values
                                                 else getattr(s, name)))
+            held = per_tenant.setdefault(tenant_of(pool_id), [0, 0])
+            held[0] += 1
+            held[1] += s.num_blocks
+        for tenant, (pools, blocks) in sorted(per_tenant.items()):
+            tenant_pools.add_metric([tenant], float(pools))
+            tenant_blocks.add_metric([tenant], float(blocks))
         yield from gauges.values()
+        yield tenant_pools
+        yield tenant_blocks
         yield from counters.values()
 
 

@@ -16,16 +16,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound
-from cache_service.core.grouping import get_kv_cache_config
+from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
+from cache_service.tenants import TENANT_RE
 
 POOL_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: The most bytes one block id may cost across all layers. Layer pages are bounded on
+#: their own (see convert); grouping may still scale pages up (block sizes unified to a
+#: common multiple), so the pool's sum is checked again once grouped.
+MAX_BLOCK_BYTES = 1 << 48
+#: Default server block budget (sum of num_blocks over all pools): what the metadata of a
+#: pool can grow to once every block was handed out is ~100 bytes per block, so the
+#: default bounds the allocator's own memory to a few GiB.
+DEFAULT_MAX_TOTAL_BLOCKS = 1 << 24
 
 # Core spec attribute -> the protocol field that carries it (for diff messages).
 _SPEC_FIELD_NAMES = {"shapes": "mamba_states", "dtypes": "mamba_states"}
+_OPTION_FIELD_NAMES = {"account_block_quota": "session_block_quota"}
 _CONFIG_FIELD_NAMES = {"available_memory": "available_memory_bytes",
                        "max_model_len": "options.max_model_len"}
 
@@ -82,7 +92,7 @@ def first_difference(old: PoolDescription, new: PoolDescription) -> str | None:
             return name
     for f in dataclasses.fields(old.options):
         if getattr(old.options, f.name) != getattr(new.options, f.name):
-            return f"options.{f.name}"
+            return f"options.{_OPTION_FIELD_NAMES.get(f.name, f.name)}"
     if old.hybrid != new.hybrid:
         return "options.hybrid"
     if old.skip_capacity_check != new.skip_capacity_check:
@@ -90,8 +100,14 @@ def first_difference(old: PoolDescription, new: PoolDescription) -> str | None:
     return None
 
 
-def build_pool(desc: PoolDescription) -> Pool:
-    """A fresh allocator for a description (raises ConfigError/InvalidArgument)."""
+def budget_field(desc: PoolDescription) -> str:
+    """The protocol field that sized the pool (named by budget errors)."""
+    return "num_blocks" if desc.num_blocks is not None else "available_memory_bytes"
+
+
+def build_config(desc: PoolDescription) -> KVCacheConfig:
+    """The pool layout of a description (raises ConfigError/InvalidArgument). Cheap: no
+    per-block work, so a budget can be checked before anything is built."""
     names = [name for name, _ in desc.layers]
     if not names:
         raise InvalidArgument("at least one layer is required", field="layers")
@@ -115,7 +131,17 @@ def build_pool(desc: PoolDescription) -> Pool:
         # The core names its own arguments; the protocol calls the budget differently.
         exc.field = _CONFIG_FIELD_NAMES.get(exc.field, exc.field)
         raise
-    return Pool(config, opts)
+    per_block = page_size_bytes(config)
+    if per_block > MAX_BLOCK_BYTES:
+        raise InvalidArgument(f"one block id would cost {per_block} bytes across the layers "
+                              f"(after grouping), more than the limit of {MAX_BLOCK_BYTES}",
+                              field="layers")
+    return config
+
+
+def build_pool(desc: PoolDescription) -> Pool:
+    """A fresh allocator for a description (raises ConfigError/InvalidArgument)."""
+    return Pool(build_config(desc), desc.options)
 
 
 def incarnation_id(instance_id: str, ordinal: int) -> int:
@@ -129,13 +155,19 @@ def incarnation_id(instance_id: str, ordinal: int) -> int:
 
 class PoolRegistry:
     """Pools by id. Not thread-safe by design: the server's event loop owns it.
-    ``instance_id`` names this state's life (see :func:`incarnation_id`)."""
+    ``instance_id`` names this state's life (see :func:`incarnation_id`).
 
-    def __init__(self, event_buffer: int = 10000, instance_id: str = "") -> None:
+    Invariant: ``total_blocks`` (the sum of every pool's num_blocks) <= ``max_total_blocks``.
+    """
+
+    def __init__(self, event_buffer: int = 10000, instance_id: str = "", *,
+                 max_total_blocks: int = DEFAULT_MAX_TOTAL_BLOCKS) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self._event_buffer = event_buffer
         self.instance_id = instance_id
         self._created = 0  # pools ever created in this state: the next incarnation ordinal
+        self.max_total_blocks = max_total_blocks
+        self.total_blocks = 0
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
@@ -147,8 +179,9 @@ class PoolRegistry:
     def prepare_register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The validation half of :meth:`register`: the existing pool (created False), or
         a new one NOT yet registered (:meth:`add` it). Raises and changes nothing on a bad
-        description or one that differs from the registered pool's."""
-        check_pool_id(pool_id)
+        description, one that differs from the registered pool's, or one beyond the block
+        budget; every check runs before the pool is built (which is O(1) in its size)."""
+        check_pool_id(pool_id, qualified=True)
         existing = self._pools.get(pool_id)
         if existing is not None:
             diff = first_difference(existing.description, desc)
@@ -156,14 +189,26 @@ class PoolRegistry:
                 return existing, False
             raise AlreadyExists(f"pool {pool_id!r} exists with a different description "
                                 f"(first difference: {diff})", field=diff)
-        return PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer)), True
+        config = build_config(desc)
+        if self.total_blocks + config.num_blocks > self.max_total_blocks:
+            raise ResourceExhausted(
+                f"the pool would have {config.num_blocks} blocks; the server's block budget "
+                f"(--max-total-blocks) has {self.max_total_blocks - self.total_blocks} of "
+                f"{self.max_total_blocks} left", field=budget_field(desc))
+        return PoolEntry(pool_id, desc, Pool(config, desc.options),
+                         EventFeed(self._event_buffer)), True
 
     def add(self, entry: PoolEntry) -> None:
         """Registers a pool from :meth:`prepare_register`, giving it the next incarnation."""
         assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
-        entry.incarnation = incarnation_id(self.instance_id, self._created)
+        entry.incarnation = self.next_incarnation()
         self._created += 1
         self._pools[entry.pool_id] = entry
+        self.total_blocks += entry.config.num_blocks
+
+    def next_incarnation(self) -> int:
+        """The incarnation the next :meth:`add` gives (nothing changes)."""
+        return incarnation_id(self.instance_id, self._created)
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
         """The pool, or NotFound naming ``field``."""
@@ -176,6 +221,7 @@ class PoolRegistry:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)
         del self._pools[pool_id]
+        self.total_blocks -= entry.config.num_blocks
         entry.feed.close()
         return len(entry.pool.request_ids())
 
@@ -195,7 +241,13 @@ class PoolRegistry:
         return [(entry.pool_id, entry.pool.stats()) for entry in self]
 
 
-def check_pool_id(pool_id: str, field: str = "pool_id") -> None:
+def check_pool_id(pool_id: str, field: str = "pool_id", *, qualified: bool = False) -> None:
+    """A pool id as clients write it; ``qualified`` also accepts the server's internal
+    ``tenant/pool`` form (see :class:`cache_service.tenants.Namespace`)."""
+    if qualified and isinstance(pool_id, str) and "/" in pool_id:
+        tenant, _, pool_id = pool_id.partition("/")
+        if not TENANT_RE.fullmatch(tenant):
+            raise InvalidArgument(f"bad tenant part {tenant!r} of a pool id", field=field)
     if not isinstance(pool_id, str) or not POOL_ID_RE.fullmatch(pool_id):
         raise InvalidArgument(f"pool id must be 1-128 characters from [A-Za-z0-9._:-], "
                               f"got {pool_id!r}", field=field)

@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from cache_service.discovery import HealthServicer, enable_reflection
+from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
 from kvcache_common.cli import exit_with_error
@@ -38,6 +39,7 @@ from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
 from cache_service.snapshot import SnapshotCorruption
 from cache_service.state import ServiceState, WalRecord
+from cache_service.tenants import TenantsFileError
 from cache_service.wal import WalCorruption
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
@@ -46,26 +48,34 @@ log = structlog.get_logger("cache_service.server")
 
 
 def grpc_options(settings: Settings) -> list[tuple[str, int]]:
-    """Channel arguments set explicitly (message sizes, keepalive, ping policy)."""
+    """Channel arguments set explicitly (message sizes, keepalive, ping policy, streams per
+    connection); docs/deployment.md explains each choice."""
     return [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
+        # The server pings idle connections to find dead peers (and keeps NATs open).
         ("grpc.keepalive_time_ms", settings.keepalive_time_ms),
         ("grpc.keepalive_timeout_ms", settings.keepalive_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        # Clients pinging faster than this without data get GOAWAY(too_many_pings); set
+        # Enforcement of client pings: faster than this without data is a strike, and
+        # after max_ping_strikes the connection gets GOAWAY(too_many_pings). Set
         # explicitly because the default (5 min) surprises clients with keepalive on.
         ("grpc.http2.min_ping_interval_without_data_ms", settings.min_ping_interval_ms),
+        ("grpc.http2.max_ping_strikes", 2),
         ("grpc.http2.max_pings_without_data", 0),
+        # One connection cannot open unbounded concurrent calls (each holds a task and
+        # its request); further streams wait for a slot at the HTTP/2 level.
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
         ("grpc.so_reuseport", 0),
     ]
 
 
 def _new_state(settings: Settings, instance_id: str) -> ServiceState:
-    return ServiceState(PoolRegistry(settings.event_buffer, instance_id=instance_id),
+    return ServiceState(PoolRegistry(settings.event_buffer, instance_id=instance_id,
+                                     max_total_blocks=settings.max_total_blocks),
                         lease_ttl_seconds=settings.lease_ttl_seconds,
-                        max_ops_per_step=settings.max_ops_per_step)
+                        max_ops_per_step=settings.max_ops_per_step,
+                        max_tokens_per_step=settings.max_tokens_per_step)
 
 
 def _replay(state: ServiceState, payload: bytes) -> None:
@@ -88,6 +98,8 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
     state.lease_ttl_seconds = settings.lease_ttl_seconds
     state.max_ops_per_step = settings.max_ops_per_step
+    state.max_tokens_per_step = settings.max_tokens_per_step
+    state.registry.max_total_blocks = settings.max_total_blocks
     state.durability = data_dir
     rec = data_dir.recovery
     lifecycle().info("recovered", data_dir=str(settings.data_dir), fsync=settings.fsync,
@@ -115,15 +127,19 @@ async def serve(settings: Settings) -> int:
         return 1
     registry = state.registry
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
-    token = settings.auth_token.get_secret_value() if settings.auth_token else None
-    interceptor = CallInterceptor(rpc_metrics, token)
+    try:
+        tenants = settings.tenant_table()
+    except TenantsFileError as exc:
+        log.error("bad_tenants_file", error=str(exc))
+        return 2
+    interceptor = CallInterceptor(rpc_metrics, tenants,
+                                  unauthenticated=settings.unauthenticated_tenant())
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
-    servicer = CacheServicer(state)
+    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
 
     address = f"{settings.host}:{settings.port}"
     if settings.tls_cert is not None and settings.tls_key is not None:
@@ -149,12 +165,15 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
+    freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             tls=settings.tls_cert is not None, auth=token is not None,
+             tls=settings.tls_cert is not None, auth=tenants is not None,
+             tenants=len(tenants.tenants) if tenants is not None else 1,
              lease_ttl_seconds=settings.lease_ttl_seconds)
 
     await stop.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
+    freezer.cancel()
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.

@@ -7,6 +7,7 @@ with its environment variable and default.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -14,6 +15,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from cache_service.registry import DEFAULT_MAX_TOTAL_BLOCKS
+from cache_service.tenants import ANONYMOUS, Tenant, TenantTable
 from kvcache_common.cli import parse_cli
 
 
@@ -35,6 +38,16 @@ class Settings(BaseSettings):
                                          "needs 'authorization: Bearer <token>' (health and "
                                          "reflection stay open); prefer the environment "
                                          "variable: flags are visible in ps")
+    auth_tokens_file: Path | None = Field(None, description="tenants: a file of "
+                                          "'<token> <tenant> [admin] [max_pools=N] "
+                                          "[max_blocks=N]' lines; every kvcache.v1 call "
+                                          "needs one of its tokens and sees only its "
+                                          "tenant's pools (excludes --auth-token)")
+    tenant_max_pools: int = Field(0, ge=0, description="pools one tenant may hold at once "
+                                  "(0 = no limit); a tenants-file line may override it")
+    tenant_max_blocks: int = Field(0, ge=0, description="sum of num_blocks over one "
+                                   "tenant's pools (0 = no limit beyond "
+                                   "--max-total-blocks); a tenants-file line may override it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with --tls-key "
                                   "the server speaks TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
@@ -42,7 +55,16 @@ class Settings(BaseSettings):
                               "SubscribeEvents resume; older sequences get OUT_OF_RANGE")
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
-    max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step")
+    max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step (each "
+                                  "request of a decode op counts as one)")
+    max_tokens_per_step: int = Field(1 << 20, ge=1, description="most token ids in one Step "
+                                     "(summed over its ops)")
+    max_peek_tokens: int = Field(1 << 22, ge=1, description="most token ids (or block "
+                                 "hashes) times pools in one PeekPrefix")
+    max_total_blocks: int = Field(DEFAULT_MAX_TOTAL_BLOCKS, ge=2, description="the server's "
+                                  "block budget: the sum of num_blocks over all pools; a "
+                                  "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "
+                                  "keeps ~100 bytes per block ever handed out)")
     lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
                                      "with no call (nor KeepAlive) for this long expires "
                                      "and its requests are freed")
@@ -73,7 +95,27 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> "Settings":
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        if self.auth_token is not None and self.auth_tokens_file is not None:
+            raise ValueError("--auth-token and --auth-tokens-file exclude each other")
         return self
+
+    def tenant_table(self) -> TenantTable | None:
+        """The tenants of the configured auth mode (None: auth off, every caller is
+        :meth:`unauthenticated_tenant`). Raises TenantsFileError for a bad file."""
+        limits = self._tenant_limits()
+        if self.auth_tokens_file is not None:
+            return TenantTable.from_file(self.auth_tokens_file, **limits)
+        if self.auth_token is not None:
+            return TenantTable.single(self.auth_token.get_secret_value(), **limits)
+        return None
+
+    def unauthenticated_tenant(self) -> Tenant:
+        """Every caller's tenant when auth is off."""
+        return dataclasses.replace(ANONYMOUS, **self._tenant_limits())
+
+    def _tenant_limits(self) -> dict[str, int | None]:
+        return dict(max_pools=self.tenant_max_pools or None,
+                    max_blocks=self.tenant_max_blocks or None)
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:

@@ -6,8 +6,8 @@ stored last answer, and the requests it owns) and the lease counters. Every chan
 of it goes through ``apply(record)`` with a ``kvcache.internal.v1.WalRecord``: the
 servicer turns each mutating call into a record (``apply_call(kind, request)``: the same
 path, building the record only when the durability keeps records), the lease reaper turns
-each expiry into records, and recovery replays records. Reads (GetPool, stats, PeekPrefix, GetRequest)
-read the state directly.
+each expiry into records, and recovery replays records. Reads (GetPool, stats, PeekPrefix,
+GetRequest) read the state directly.
 
 ``apply`` is deterministic: no clock, no randomness, no I/O inside (session ids are
 chosen by the caller and carried in the record; lease timers live outside, in
@@ -22,9 +22,10 @@ retry answered from a session's stored response is not logged either (nothing ch
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from itertools import islice
+from types import GeneratorType
 from typing import Any
 
 from google.protobuf.message import Message
@@ -37,8 +38,9 @@ from cache_service.core.errors import (
     NotFound,
 )
 from cache_service.core.ops import Free
-from cache_service.registry import PoolEntry, PoolRegistry, check_pool_id
+from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.status import ResourceExhausted
+from cache_service.tenants import tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -72,6 +74,7 @@ class Session:
 
     session_id: str
     client_name: str = ""
+    tenant: str = ""  # the tenant that opened it; other tenants' calls cannot name it
     last_sequence: int = 0
     last_request: Message | None = None
     last_response: Message | None = None
@@ -94,12 +97,16 @@ class ServiceState:
     """Pools, sessions and event feeds; changed only by :meth:`apply`."""
 
     def __init__(self, registry: PoolRegistry, *, lease_ttl_seconds: float = 30.0,
-                 max_ops_per_step: int = 65536, durability: Durability | None = None) -> None:
+                 max_ops_per_step: int = 65536, max_tokens_per_step: int = 1 << 20,
+                 durability: Durability | None = None) -> None:
         self.registry = registry
         self.lease_ttl_seconds = lease_ttl_seconds
         self.max_ops_per_step = max_ops_per_step
+        self.max_tokens_per_step = max_tokens_per_step
+        self._slice_cost: int | None = None  # of the record being applied
         self.durability = durability or Durability()
         self.sessions: dict[str, Session] = {}
+        self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
         # pool id -> request id -> owning session id (requests added without a session
         # are not listed: nothing expires them)
@@ -133,25 +140,58 @@ class ServiceState:
         call's response message (``ExpireSessionResult`` for an expiry). Raises a core
         error naming the field, with nothing changed and nothing logged, if the record
         is rejected."""
+        steps = self.apply_in_slices(record)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def apply_in_slices(self, record: WalRecord, slice_cost: int | None = None
+                        ) -> Generator[None, None, Message]:
+        """:meth:`apply` with a Step's application cut into slices of about
+        ``slice_cost`` request-ops (None: one piece), yielding between them; the
+        generator returns the response. Validation and ``durability.append`` happen
+        before the first yield (errors raise from the first ``next``). The result is
+        :meth:`apply`'s, provided the caller lets nothing else touch the record's pools
+        (:meth:`pools_of`) until the generator ends."""
         kind = record.WhichOneof("mutation")
         if not kind:
             raise InvalidArgument("a record must set one mutation", field="mutation")
-        return self._apply(kind, getattr(record, kind), record)
+        return (yield from self._apply(kind, getattr(record, kind), record, record.tenant,
+                                       slice_cost))
 
-    def apply_call(self, kind: str, request: Message) -> Message:
-        """:meth:`apply` of the record ``WalRecord(<kind>=request)``, built only when the
-        durability keeps records (the servicer's entry: no copy of the request in memory)."""
-        return self._apply(kind, request, None)
+    def apply_call(self, kind: str, request: Message,
+                   tenant: wal_pb2.TenantContext | None = None) -> Message:
+        """:meth:`apply` of the record ``WalRecord(<kind>=request, tenant=tenant)``, built
+        only when the durability keeps records (no copy of the request in memory)."""
+        steps = self.apply_call_in_slices(kind, request, tenant)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
 
-    def _apply(self, kind: str, request: Message, record: WalRecord | None) -> Message:
-        """The one mutation path (see :meth:`apply`)."""
+    def apply_call_in_slices(self, kind: str, request: Message,
+                             tenant: wal_pb2.TenantContext | None = None,
+                             slice_cost: int | None = None) -> Generator[None, None, Message]:
+        """:meth:`apply_call` in slices (see :meth:`apply_in_slices`): the servicer's entry."""
+        return self._apply(kind, request, None, tenant, slice_cost)
+
+    def _apply(self, kind: str, request: Message, record: WalRecord | None,
+               tenant: wal_pb2.TenantContext | None, slice_cost: int | None
+               ) -> Generator[None, None, Message]:
+        """The one mutation path (see :meth:`apply_in_slices`)."""
         prepare = self._handlers.get(kind)
         if prepare is None:
             raise InvalidArgument(f"unknown mutation {kind!r}", field="mutation")
+        self._slice_cost = slice_cost
+        self._tenant = tenant if tenant is not None else _NO_TENANT
+        record_tenant = self._tenant
         session = None
         sid = getattr(request, "session_id", "") if kind in _SEQUENCED else ""
         if sid:
-            session = self.live_session(sid)
+            session = self.live_session(sid, tenant=record_tenant.name)
             seq = request.sequence
             last = session.last_sequence
             if seq == last and seq:
@@ -166,10 +206,18 @@ class ServiceState:
                     f"sequence must be {last + 1} (the next call) or {last} (a retry of "
                     f"the last call), got {seq}", field="sequence")
         commit = prepare(request)
+        if isinstance(commit, GeneratorType):  # a Step's validation, in slices
+            commit = yield from commit
         durability = self.durability
         if durability.keeps_records:
-            durability.append(record if record is not None else WalRecord(**{kind: request}))
+            if record is None:
+                record = WalRecord(**{kind: request})
+                if tenant is not None:
+                    record.tenant.CopyFrom(tenant)
+            durability.append(record)
         response = commit()
+        if isinstance(response, GeneratorType):  # a Step's commit, in slices
+            response = yield from response
         if session is not None:
             session.last_sequence = request.sequence
             session.last_request = request
@@ -178,13 +226,30 @@ class ServiceState:
 
     # -- sessions (reads) -----------------------------------------------------------------------
 
-    def live_session(self, session_id: str, name: str = "session_id") -> Session:
-        """The session, or NOT_FOUND naming ``name`` if unknown, closed or expired."""
+    def live_session(self, session_id: str, name: str = "session_id", *,
+                     tenant: str | None = None) -> Session:
+        """The session, or NOT_FOUND naming ``name`` if unknown, closed or expired (or
+        opened by another tenant than ``tenant``, when given: answered the same way)."""
         session = self.sessions.get(session_id)
-        if session is None or session.expiring:
+        if session is None or session.expiring or (tenant is not None
+                                                   and session.tenant != tenant):
             raise NotFound(f"session {session_id!r:.80} is unknown, closed or expired (its "
                            "lease ran out); open a new one", field=name)
         return session
+
+    def pools_of(self, record: WalRecord) -> list[str]:
+        """The pools a record may change (a caller applying records in slices keeps other
+        records on them waiting)."""
+        kind = record.WhichOneof("mutation")
+        return self.pools_of_call(kind, getattr(record, kind)) if kind else []
+
+    def pools_of_call(self, kind: str, request: Message) -> list[str]:
+        """:meth:`pools_of` of ``WalRecord(<kind>=request)``."""
+        if kind in ("close_session", "expire_session"):
+            session = self.sessions.get(request.session_id)  # type: ignore[attr-defined]
+            return sorted({pool for pool, _ in session.requests}) if session else []
+        pool_id = getattr(request, "pool_id", None)
+        return [pool_id] if pool_id else []
 
     def expiring_sessions(self) -> list[str]:
         """Sessions whose expiry has begun but not finished (e.g. found on recovery)."""
@@ -202,15 +267,44 @@ class ServiceState:
 
     def _prepare_step(self, request: pb.StepRequest) -> Callable[[], pb.StepResponse]:
         entry = self.registry.get(request.pool_id)
-        if len(request.ops) > self.max_ops_per_step:
-            raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
-                                    f"{self.max_ops_per_step} per Step", field="ops")
+        self._check_step_cost(request)
         step_ops = convert.ops_from_proto(request, entry.pool.options.hash_algo)
+        if self._slice_cost is not None and self._step_cost(step_ops) > self._slice_cost:
+            return self._prepare_step_in_slices(request, entry, step_ops)
         batch = entry.pool.prepare_batch(step_ops, begin_step=request.begin_step)
-        pool_id = request.pool_id
+        return self._step_commit(request, entry, step_ops, batch)
 
-        def commit() -> pb.StepResponse:
-            outcomes = batch.apply()
+    @staticmethod
+    def _step_cost(step_ops: list) -> int:
+        """Request-ops of a batch: one per op, per request of a decode op, and per 16
+        prompt tokens of an add (hashing them is the cost)."""
+        cost = 0
+        for op in step_ops:
+            kind = op.KIND
+            if kind == "decode":
+                cost += len(op.request_ids)
+            elif kind == "add_request":
+                cost += 1 + len(op.token_ids) // 16
+            else:
+                cost += 1
+        return cost
+
+    def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
+                                step_ops: list) -> Generator[None, None, Callable]:
+        batch = yield from entry.pool.prepare_batch_in_slices(
+            step_ops, begin_step=request.begin_step, slice_cost=self._slice_cost)
+        return self._step_commit(request, entry, step_ops, batch)
+
+    def _step_commit(self, request: pb.StepRequest, entry: PoolEntry, step_ops: list,
+                     batch: Any) -> Callable[[], Generator[None, None, pb.StepResponse]]:
+        pool_id = request.pool_id
+        slice_cost = self._slice_cost
+
+        def commit() -> Generator[None, None, pb.StepResponse]:
+            if slice_cost is None:
+                outcomes = batch.apply()
+            else:
+                outcomes = yield from batch.apply_in_slices(slice_cost)
             entry.flush_events()
             self._track(pool_id, step_ops, request.session_id)
             tables = self._tables.get(pool_id)
@@ -218,6 +312,36 @@ class ServiceState:
                 tables = self._tables[pool_id] = convert.BlockTableCache()
             return convert.step_response(step_ops, outcomes, tables, entry.pool.num_free_blocks)
         return commit
+
+    def _check_step_cost(self, request: pb.StepRequest) -> None:
+        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: ops (each request of
+        a decode op counts as one) and token ids (summed over all ops)."""
+        if len(request.ops) > self.max_ops_per_step:  # before counting a huge list
+            raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
+                                    f"{self.max_ops_per_step} per Step", field="ops")
+        ops = 0
+        tokens = 0
+        for op in request.ops:
+            kind = op.WhichOneof("op")
+            if kind == "decode":
+                n = len(op.decode.request_ids)
+                ops += n
+                tokens += len(op.decode.token_ids)
+            else:
+                ops += 1
+                if kind == "add_request":
+                    tokens += len(op.add_request.token_ids)
+                elif kind == "append_tokens":
+                    tokens += len(op.append_tokens.token_ids)
+                elif kind == "allocate":
+                    tokens += len(op.allocate.append_token_ids)
+        if ops > self.max_ops_per_step:
+            raise ResourceExhausted(f"{ops} ops (a decode op counts one per request) exceed "
+                                    f"the limit of {self.max_ops_per_step} per Step",
+                                    field="ops")
+        if tokens > self.max_tokens_per_step:
+            raise ResourceExhausted(f"{tokens} token ids exceed the limit of "
+                                    f"{self.max_tokens_per_step} per Step", field="ops")
 
     def _track(self, pool_id: str, step_ops: list, session_id: str) -> None:
         """Request ownership after a batch: adds join the calling session, frees leave
@@ -239,15 +363,21 @@ class ServiceState:
 
     def _prepare_register(self, request: pb.RegisterPoolRequest
                           ) -> Callable[[], pb.RegisterPoolResponse]:
-        check_pool_id(request.pool_id)
-        entry, created = self.registry.prepare_register(
-            request.pool_id, convert.description_from_proto(request))
+        check_pool_id(request.pool_id, qualified=True)
+        desc = convert.description_from_proto(request)
+        entry, created = self.registry.prepare_register(request.pool_id, desc)
+        if created:
+            self._check_tenant_limits(entry)
 
         def commit() -> pb.RegisterPoolResponse:
+            # The answer first: a pool whose config could not be answered would break
+            # every later GetPool / ListPools, so it must not be registered.
+            if created:
+                entry.incarnation = self.registry.next_incarnation()
+            config = convert.pool_config_to_proto(entry)
             if created:
                 self.registry.add(entry)
-            return pb.RegisterPoolResponse(config=convert.pool_config_to_proto(entry),
-                                           created=created)
+            return pb.RegisterPoolResponse(config=config, created=created)
         return commit
 
     def _prepare_delete(self, request: pb.DeletePoolRequest
@@ -272,6 +402,24 @@ class ServiceState:
             return pb.ResetPrefixCacheResponse(reset=ok)
         return commit
 
+    def _check_tenant_limits(self, entry: PoolEntry) -> None:
+        """RESOURCE_EXHAUSTED if a new pool would take its tenant beyond the limits the
+        record carries (pools held; blocks summed over its pools)."""
+        limits = self._tenant
+        if not (limits.max_pools or limits.max_blocks):
+            return
+        owner = tenant_of(entry.pool_id)
+        held = [e for e in self.registry if tenant_of(e.pool_id) == owner]
+        if limits.max_pools and len(held) + 1 > limits.max_pools:
+            raise ResourceExhausted(f"tenant {owner!r} holds {len(held)} pools, its limit "
+                                    f"(max_pools) is {limits.max_pools}", field="pool_id")
+        blocks = sum(e.config.num_blocks for e in held)
+        if limits.max_blocks and blocks + entry.config.num_blocks > limits.max_blocks:
+            raise ResourceExhausted(
+                f"the pool would have {entry.config.num_blocks} blocks; tenant {owner!r} "
+                f"holds {blocks} of its limit (max_blocks) of {limits.max_blocks}",
+                field=budget_field(entry.description))
+
     # -- sessions (changes) ---------------------------------------------------------------------
 
     def _prepare_open(self, request: wal_pb2.OpenSession
@@ -281,9 +429,10 @@ class ServiceState:
             raise InvalidArgument("session id must be 1-128 characters", field="session_id")
         if sid in self.sessions:
             raise AlreadyExists(f"session {sid!r} exists", field="session_id")
+        tenant = self._tenant.name
 
         def commit() -> pb.OpenSessionResponse:
-            self.sessions[sid] = Session(sid, request.client_name)
+            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
             self.counters.opened += 1
             return pb.OpenSessionResponse(session_id=sid,
                                           lease_ttl_seconds=self.lease_ttl_seconds)
@@ -291,7 +440,7 @@ class ServiceState:
 
     def _prepare_close(self, request: pb.CloseSessionRequest
                        ) -> Callable[[], pb.CloseSessionResponse]:
-        session = self.live_session(request.session_id)
+        session = self.live_session(request.session_id, tenant=self._tenant.name)
 
         def commit() -> pb.CloseSessionResponse:
             freed = self._free_owned(session, len(session.requests))
@@ -342,6 +491,8 @@ class ServiceState:
                     tables.forget(rid)
         return len(chosen)
 
+
+_NO_TENANT = wal_pb2.TenantContext()  # records the server makes itself (expiries)
 
 # Records whose request carries session_id + sequence (deduplicated per session).
 _SEQUENCED = frozenset({"step", "register_pool", "delete_pool", "reset_prefix_cache"})

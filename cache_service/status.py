@@ -8,11 +8,14 @@ detail (grpcio-status rich error model) that machines can read.
 
 from __future__ import annotations
 
+import collections
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from cache_service import calls
 from cache_service.core import errors as core
 from cache_service.core.errors import qualify
 from cache_service.event_feed import SequenceOutOfRange
@@ -28,8 +31,7 @@ _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 )
 
 
-class ResourceExhausted(core.KVCacheError):
-    """A single call asked for more than the service allows (-> RESOURCE_EXHAUSTED)."""
+ResourceExhausted = core.ResourceExhausted  # the service's limits are raised as this too
 
 
 class Unavailable(core.KVCacheError):
@@ -61,5 +63,13 @@ def to_status(exc: Exception) -> grpc.Status:
         any_detail = any_pb2.Any()
         any_detail.Pack(bad)
         details.append(any_detail)
-    return rpc_status.to_status(status_pb2.Status(
+    status = rpc_status.to_status(status_pb2.Status(
         code=getattr(code_pb2, code.name), message=message, details=details))
+    # An abort replaces the trailers set earlier: the request id goes in again here.
+    return _Status(status.code, status.details,
+                   tuple(status.trailing_metadata) + calls.request_id_metadata())
+
+
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")),
+              grpc.Status):
+    pass

@@ -18,7 +18,8 @@ Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` pref
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -302,24 +303,51 @@ class BatchCheck:
     def _check_decode(self, op: Decode) -> list[Request] | None:
         """Per request, an allocate of 1 token with 1 appended. The pool's request
         objects when no earlier op of the batch touched them (the usual case), else None."""
+        checks = self.decode_checks(op, 1 << 62)
+        while True:
+            try:
+                next(checks)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def decode_checks(self, op: Decode, slice_cost: int
+                      ) -> Generator[None, None, list[Request] | None]:
+        """:meth:`_check_decode` yielding after every ``slice_cost`` requests (same answer,
+        same errors), so that a caller can do other work in between (on other pools)."""
         rids, _ = check_decode_args(op.request_ids, op.token_ids, self.limits.token_limit)
         self.blocks_moved = True
         state = self.state
         limit = self.limits.max_model_len
         requests = self.requests
+        n = len(rids)
         if state.keys().isdisjoint(rids):
             # The usual case: nothing earlier in the batch touched these requests. Any
             # error is left to the loop below, which names the field.
-            try:
-                reqs = [requests[rid] for rid in rids]
-            except KeyError:
-                reqs = None
-            if reqs is not None and max(map(len, [r.all_token_ids for r in reqs])) < limit:
-                if not self.last:  # the simulation only matters to later ops
-                    state.update(zip(rids, [[True, len(r.all_token_ids) + 1, True]
-                                            for r in reqs]))
+            reqs: list[Request] | None = []
+            simulate = not self.last  # the simulation only matters to later ops
+            for lo in range(0, n, slice_cost):
+                part_ids = rids[lo:lo + slice_cost]
+                try:
+                    part = [requests[rid] for rid in part_ids]
+                except KeyError:
+                    part = None
+                if part is None or max(map(len, [r.all_token_ids for r in part])) >= limit:
+                    if simulate:
+                        for rid in rids[:lo]:  # undo: the loop below starts from scratch
+                            del state[rid]
+                    reqs = None
+                    break
+                if simulate:
+                    state.update(zip(part_ids, [[True, len(r.all_token_ids) + 1, True]
+                                                for r in part]))
+                reqs += part  # type: ignore[operator]
+                if lo + slice_cost < n:
+                    yield
+            if reqs is not None:
                 return reqs
         for i, rid in enumerate(rids):
+            if i and not i % slice_cost:
+                yield
             name = f"request_ids[{i}]"
             st = state.get(rid)
             if st is None:
@@ -333,6 +361,51 @@ class BatchCheck:
                 raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
                                       f"max_model_len {limit}", field=f"token_ids[{i}]")
         return None
+
+
+def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
+                          slice_cost: int) -> Generator[None, None, list[Any]]:
+    """:func:`check_batch` yielding after about ``slice_cost`` request-ops (inside a big
+    decode op too); same answer and errors."""
+    out = []
+    spent = 0
+    last = len(ops) - 1
+    for i, op in enumerate(ops):
+        check.last = i == last
+        try:
+            if type(op) is AddRequest and _long(op.token_ids, slice_cost * TOKENS_PER_COST):
+                # Only copying a long prompt out of its container is sliced here; the
+                # checks then run on a plain list (tens of ms per million tokens), and
+                # the pool hashes it in slices (Pool.prepare_batch_in_slices).
+                tokens: list[int] = []
+                step = slice_cost * TOKENS_PER_COST
+                for lo in range(0, len(op.token_ids), step):
+                    tokens += op.token_ids[lo:lo + step]
+                    yield
+                op = dataclasses.replace(op, token_ids=tokens)
+            if type(op) is Decode and len(op.request_ids) > slice_cost:
+                out.append((yield from check.decode_checks(op, slice_cost)))
+                spent = 0
+                continue
+            out.append(check.check(op))
+        except KVCacheError as exc:
+            raise _qualify(exc, i, op) from None
+        spent += 1
+        if spent >= slice_cost:
+            spent = 0
+            yield
+    return out
+
+
+#: Token ids copied per unit of slice cost.
+TOKENS_PER_COST = 64
+
+
+def _long(token_ids: Any, threshold: int) -> bool:
+    try:
+        return not isinstance(token_ids, (str, bytes)) and len(token_ids) > threshold
+    except TypeError:  # not a sequence: the check names it
+        return False
 
 
 def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:

@@ -37,8 +37,10 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_events = enable_events
-        # Blocks are materialized on first use (see free_queue); None = never used.
-        self.blocks: list[KVCacheBlock | None] = [None] * num_blocks
+        # Blocks are materialized on first use (see free_queue) and kept by id here, so
+        # building a pool costs O(1) whatever num_blocks is: the metadata grows only
+        # with the blocks ever handed out.
+        self.blocks: dict[int, KVCacheBlock] = {}
         self.free_block_queue = FreeKVCacheBlockQueue(fresh=range(num_blocks),
                                                       materialize=self._materialize)
         self._maps: list[dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]] = [
@@ -49,7 +51,7 @@ class BlockPool:
         self.num_evictions = 0  # cached blocks evicted to make room (a statistic)
 
     def _materialize(self, block_id: int) -> KVCacheBlock:
-        block = self.blocks[block_id]
+        block = self.blocks.get(block_id)
         if block is None:
             block = self.blocks[block_id] = KVCacheBlock(block_id)
         return block
@@ -233,7 +235,7 @@ class BlockPool:
             if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
                 raise ValueError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
         for block_id in ids:
-            block = self.blocks[block_id]
+            block = self.blocks.get(block_id)
             if block is not None:
                 self._evict(block)
 
@@ -275,8 +277,8 @@ class BlockPool:
         assert len(free_ids) == len(free), "a block is twice in the free queue"
         assert self.null_block.block_id == 0 and 0 not in free_ids, "null block is free"
         assert self.null_block.block_hash is None, "null block is hashed"
-        for block in self.blocks:
-            if block is None or block.is_null:
+        for block in self.blocks.values():
+            if block.is_null:
                 continue
             in_queue = block.block_id in free_ids
             assert (block.ref_cnt == 0) == in_queue, \

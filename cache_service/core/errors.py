@@ -41,6 +41,12 @@ class FailedPrecondition(KVCacheError):
     that already has computed tokens (-> FAILED_PRECONDITION)."""
 
 
+class ResourceExhausted(KVCacheError):
+    """A budget or a per-call limit of the service would be exceeded, e.g. registering a
+    pool beyond the server's block budget (-> RESOURCE_EXHAUSTED). Not "no room": that is
+    an allocation answer, never an error."""
+
+
 class UnknownRequest(NotFound):
     """No request with this id is registered in the pool."""
 

@@ -121,12 +121,14 @@ def hash_request_tokens(
     *,
     parent: bytes | None = None,
     start_block: int = 0,
+    stop_block: int | None = None,
     lora_name: str | None = None,
     lora_path: str | None = None,
     cache_salt: str | None = None,
 ) -> list[bytes]:
     """Hashes of the full ``hash_block_size``-token blocks of ``token_ids`` from block
-    ``start_block`` on; a trailing partial block is not hashed.
+    ``start_block`` on (up to block ``stop_block``, exclusive, if given); a trailing
+    partial block is not hashed.
 
     Incremental use: pass the request's last existing hash as ``parent`` and the number of
     hashes it already has as ``start_block``; the result equals the tail of a one-shot
@@ -143,6 +145,8 @@ def hash_request_tokens(
                               "(block 0 always chains from NONE_HASH)", field="parent")
     bs = hash_block_size
     num_full = len(token_ids) // bs
+    if stop_block is not None:
+        num_full = min(num_full, stop_block)
     if num_full <= start_block:
         return []
     # One tuple conversion of just the needed range; tuple slices are tuples already.

@@ -96,6 +96,8 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         #: The no-op fast path of allocate_slots; tests turn it off to compare.
         self.fast_path = True
+        #: Set when allocate_slots answered None because of ``max_new_blocks``.
+        self.refused_by_quota = False
         specs = [manager_spec(g.spec) for g in config.groups]
         self._event_metadata = [
             (s.kind, s.sliding_window if isinstance(s, SlidingWindowSpec) else None) for s in specs]
@@ -133,12 +135,13 @@ class KVCacheManager:
                        num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
                        delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
                        full_sequence_must_fit: bool = False, reserved_blocks: int = 0,
-                       has_scheduled_reqs: bool = True
+                       has_scheduled_reqs: bool = True, max_new_blocks: int | None = None
                        ) -> list[list[KVCacheBlock]] | None:
         """Slots for ``num_new_tokens`` (+ lookahead) after the computed and hit tokens.
         Returns the newly allocated blocks per group, or None when they do not fit
         (then nothing was pinned or allocated, though out-of-window blocks may have been
-        released).
+        released). ``max_new_blocks``: a quota; needing more blocks than that is "no room"
+        too, and sets ``refused_by_quota``.
 
         Fast path (a running request's decode step). It applies when there are no
         hits, lookahead, external or encoder tokens, no reserve and no watermark. The
@@ -175,6 +178,9 @@ class KVCacheManager:
                 apply_admission_cap=True)
             if needed + watermark > free.num_free_blocks:
                 return None
+            if max_new_blocks is not None and needed > max_new_blocks:
+                self.refused_by_quota = True
+                return None
         main = total_computed + num_new_tokens
         need_slots = main + num_lookahead_tokens
         if need_slots > self.max_model_len:
@@ -194,6 +200,9 @@ class KVCacheManager:
             rid, need_slots, hits, num_encoder_tokens,
             num_local + num_external_computed_tokens, num_local, main)
         if needed + watermark > free.num_free_blocks - reserved_blocks:
+            return None
+        if max_new_blocks is not None and needed > max_new_blocks:
+            self.refused_by_quota = True
             return None
         if hits is not self.empty_blocks or num_external_computed_tokens > 0:
             coordinator.allocate_new_computed_blocks(rid, hits, num_local,

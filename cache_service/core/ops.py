@@ -29,6 +29,8 @@ class AddRequest:
     lora_name: str | None = None
     lora_path: str | None = None
     hash_recipe: DeclaredRecipe | None = None  # checked against the pool's when given
+    #: Whose quota the request counts against (pools with an account block quota).
+    account: str | None = None
 
 
 @dataclass(slots=True)

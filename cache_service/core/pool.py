@@ -20,14 +20,16 @@ Semantics follow vLLM 0.33 (docs/semantics.md). Two pool-level rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache_service.core.quota import BlockQuota
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
     check_batch,
+    check_batch_in_slices,
     check_extra_keys,
     check_hashes,
     check_int,
@@ -77,6 +79,8 @@ class PoolOptions:
     max_in_flight_tokens: int | None = None
     enable_events: bool = True
     vocab_size: int | None = None
+    #: Most blocks the requests of one account may hold (see :mod:`quota`); None = none.
+    account_block_quota: int | None = None
 
 
 @dataclass(slots=True)
@@ -139,6 +143,10 @@ class PoolCounters:
     preemptions: int
     num_requests: int
     num_cached_blocks_per_group: list[int] = field(default_factory=list)
+    #: The account block quota (0 = none), allocations it refused, the largest usage.
+    account_block_quota: int = 0
+    quota_refusals: int = 0
+    max_account_blocks: int = 0
 
 
 class PreparedBatch:
@@ -157,6 +165,31 @@ class PreparedBatch:
             pool._manager.new_step_starts()
         apply = pool._apply
         return [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
+
+    def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
+        """:meth:`apply` cut into slices of about ``slice_cost`` units (a request of a
+        decode op, or an op, is one unit), yielding between them; the generator returns the
+        outcomes. The end state and outcomes are exactly :meth:`apply`'s, provided nothing
+        else touches this pool between the slices (the caller's duty)."""
+        pool = self._pool
+        if self._begin_step:
+            pool._manager.new_step_starts()
+        apply = pool._apply
+        outcomes: list[OpOutcome] = []
+        spent = 0
+        for op, prepared in zip(self._ops, self._plan):
+            if type(op) is Decode and len(op.request_ids) > slice_cost:
+                outcome = yield from pool._decode_in_slices(op.request_ids, op.token_ids,
+                                                            prepared, slice_cost)
+                outcomes.append(outcome)
+                spent = 0
+                continue
+            outcomes.append(apply(op, prepared))
+            spent += len(op.request_ids) if type(op) is Decode else 1
+            if spent >= slice_cost:
+                spent = 0
+                yield
+        return outcomes
 
 
 class Pool:
@@ -197,6 +230,10 @@ class Pool:
             enable_caching=options.enable_caching, enable_events=options.enable_events,
             watermark=options.watermark)
         self._requests: dict[str, Request] = {}
+        if options.account_block_quota is not None:
+            check_int(options.account_block_quota, "account_block_quota", minimum=1)
+        self._quota = (BlockQuota(options.account_block_quota)
+                       if options.account_block_quota is not None else None)
         self._table_ids = self._manager.coordinator.get_block_ids
         # request id -> (hit blocks, hit tokens, epoch of the lookup)
         self._pending: dict[str, tuple[HitBlocks, int, int]] = {}
@@ -263,6 +300,23 @@ class Pool:
         logs a batch between its validation and its application."""
         return PreparedBatch(self, ops, check_batch(self._checker(), ops), begin_step)
 
+    def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
+                                slice_cost: int) -> Generator[None, None, "PreparedBatch"]:
+        """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
+        caller lets nothing touch the pool until the batch is applied."""
+        plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
+        if self._hash_fn is not None:
+            # Long prompts are hashed here, a slice at a time, rather than in one piece
+            # when the request is created (the hashes are the same).
+            for i, op in enumerate(ops):
+                if type(op) is AddRequest and plan[i][1] is None \
+                        and len(plan[i][0]) > slice_cost * self._hbs:
+                    tokens = plan[i][0]
+                    hashes = yield from self._hash_in_slices(
+                        tokens, slice_cost, op.cache_salt, op.lora_name, op.lora_path)
+                    plan[i] = (tokens, hashes)
+        return PreparedBatch(self, ops, plan, begin_step)
+
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
         return self._apply(op, self._checker().check(op))
@@ -297,6 +351,8 @@ class Pool:
                           hash_block_size=self._hbs, cache_salt=op.cache_salt,
                           lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes)
             self._requests[op.request_id] = req
+            if self._quota is not None:
+                self._quota.join(op.request_id, op.account or "")
             return self._info(req)
         if kind is Lookup:
             req = self._requests[op.request_id]
@@ -307,12 +363,16 @@ class Pool:
             req = self._requests.pop(op.request_id)
             self._epoch += 1
             self._manager.free(req)
+            if self._quota is not None:
+                self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
             return self.num_free_blocks
         if kind is Preempt:
             req = self._requests[op.request_id]
             self._epoch += 1
             self._manager.free(req)
+            if self._quota is not None:
+                self._quota.update(op.request_id, 0)
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
             req.num_preemptions += 1
@@ -412,10 +472,14 @@ class Pool:
         if pending is not None or request_id in self._pending:
             del self._pending[request_id]
         self._epoch += 1
+        quota = self._quota
         new = manager.allocate_slots(
             req, num_new_tokens, hit, blocks, num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
-            full_sequence_must_fit=full_sequence_must_fit)
+            full_sequence_must_fit=full_sequence_must_fit,
+            max_new_blocks=None if quota is None else quota.room(request_id))
+        if quota is not None:
+            self._count_quota(request_id, new is None)
         if new is None:
             self._allocation_failures += 1
             return Allocation(False, None,
@@ -429,6 +493,16 @@ class Pool:
         return Allocation(True, [[b.block_id for b in g] for g in new],
                               self._table_ids(request_id) if include_tables else None,
                               req.num_computed_tokens, hit)
+
+    def _count_quota(self, request_id: str, refused: bool) -> None:
+        """After an allocation in a pool with a quota: the request's blocks (it may also
+        have released out-of-window ones), and a refusal the quota caused."""
+        manager = self._manager
+        if refused and manager.refused_by_quota:
+            self._quota.refusals += 1  # type: ignore[union-attr]
+        manager.refused_by_quota = False
+        holds = sum(1 for ids in self._table_ids(request_id) for b in ids if b)
+        self._quota.update(request_id, holds)  # type: ignore[union-attr]
 
     def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeOutcome:
         """The decode step of many requests: for each ``i`` in order, the same as
@@ -448,13 +522,36 @@ class Pool:
         if reqs is None:
             reqs = [self._requests[rid] for rid in request_ids]
         self._epoch += 1  # as the first allocate of the equivalent op list would
+        outcome = DecodeOutcome([True] * len(reqs), {})
+        self._decode_range(reqs, token_ids, 0, len(reqs), outcome)
+        return outcome
+
+    def _decode_in_slices(self, request_ids: Sequence[str], token_ids: Sequence[int],
+                          reqs: list[Request] | None, slice_cost: int
+                          ) -> Generator[None, None, DecodeOutcome]:
+        """:meth:`_decode` yielding after every ``slice_cost`` requests (same result)."""
+        if reqs is None:
+            reqs = [self._requests[rid] for rid in request_ids]
+        self._epoch += 1
+        outcome = DecodeOutcome([True] * len(reqs), {})
+        for lo in range(0, len(reqs), slice_cost):
+            self._decode_range(reqs, token_ids, lo, min(len(reqs), lo + slice_cost), outcome)
+            yield
+        return outcome
+
+    def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], lo: int, hi: int,
+                      outcome: DecodeOutcome) -> None:
+        """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``."""
         allocate_slots = self._manager.allocate_slots
         running = RequestStatus.RUNNING
-        ok = [True] * len(reqs)
-        grown: dict[int, list[list[int]]] = {}
-        for i, (req, token) in enumerate(zip(reqs, token_ids)):
-            req.append_token(token)
-            if req.status == running and req.num_computed_tokens:
+        ok = outcome.ok
+        grown = outcome.new_block_ids
+        # With a quota every request takes the general path (which checks and counts it).
+        fast = self._quota is None
+        for i in range(lo, hi):
+            req = reqs[i]
+            req.append_token(token_ids[i])
+            if fast and req.status == running and req.num_computed_tokens:
                 new = allocate_slots(req, 1)
                 if new is None:
                     self._allocation_failures += 1
@@ -468,7 +565,6 @@ class Pool:
                 ok[i] = r.ok
                 if r.ok and any(r.new_block_ids):
                     grown[i] = r.new_block_ids
-        return DecodeOutcome(ok, grown)
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
@@ -489,22 +585,77 @@ class Pool:
         """Hit length in tokens a request with this prompt would get now. Read-only:
         registers nothing, takes no references, changes no statistics. With only
         ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
+        peek = self.peek_prefix_in_slices(token_ids, block_hashes=block_hashes,
+                                          cache_salt=cache_salt, lora_name=lora_name,
+                                          lora_path=lora_path)
+        while True:
+            try:
+                next(peek)
+            except StopIteration as done:
+                return done.value
+
+    def peek_prefix_in_slices(self, token_ids: Sequence[int] | None = None, *,
+                              block_hashes: Sequence[bytes] | None = None,
+                              cache_salt: str | None = None, lora_name: str | None = None,
+                              lora_path: str | None = None, slice_blocks: int = 1 << 62
+                              ) -> Generator[None, None, int]:
+        """:meth:`peek_prefix` hashing ``slice_blocks`` blocks at a time and yielding in
+        between (hashing is the cost of a long prompt); the generator returns the hit. The
+        input is checked before the first yield; the cache is read after the last one, in
+        one piece, so the answer is the hit at that moment."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
         check_extra_keys(cache_salt, lora_name, lora_path)
-        tokens = None if token_ids is None else check_tokens(token_ids, self._limits.token_limit)
-        hashes = None if block_hashes is None else check_hashes(
-            block_hashes, None if tokens is None else len(tokens), self._limits)
+        if (token_ids is not None and block_hashes is None
+                and len(token_ids) > slice_blocks * self._hbs):
+            # A long prompt: checked and hashed a slice at a time (converting or checking
+            # a million token ids at once would hold the caller for a long time too).
+            hashes = yield from self._hash_in_slices(token_ids, slice_blocks, cache_salt,
+                                                     lora_name, lora_path)
+            num_tokens = len(token_ids)
+        else:
+            tokens = None if token_ids is None else check_tokens(token_ids,
+                                                                 self._limits.token_limit)
+            num_tokens = None if tokens is None else len(tokens)
+            hashes = None if block_hashes is None else check_hashes(
+                block_hashes, num_tokens, self._limits)
+            if self._hash_fn is None:
+                return 0
+            if hashes is None:
+                hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
+                                             lora_name=lora_name, lora_path=lora_path,
+                                             cache_salt=cache_salt)
         if self._hash_fn is None:
             return 0
-        if hashes is None:
-            assert tokens is not None
-            hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                         lora_name=lora_name, lora_path=lora_path,
-                                         cache_salt=cache_salt)
-        max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
+        max_len = num_tokens - 1 if num_tokens is not None else len(hashes) * self._hbs
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
         return hit
+
+    def _hash_in_slices(self, token_ids: Sequence[int], slice_blocks: int,
+                        cache_salt: str | None, lora_name: str | None,
+                        lora_path: str | None) -> Generator[None, None, list[bytes]]:
+        """The block hashes of a prompt, ``slice_blocks`` blocks at a time (each slice's
+        tokens checked as ``check_tokens`` would; an error names the global index)."""
+        if isinstance(token_ids, (str, bytes)):
+            raise InvalidArgument("token_ids must be a sequence of integers", field="token_ids")
+        limit = self._limits.token_limit
+        hbs = self._hbs
+        n = len(token_ids)
+        step = slice_blocks * hbs
+        hashes: list[bytes] = []
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            chunk = token_ids[lo:hi]
+            if set(map(type, chunk)) != {int} or min(chunk) < 0 or max(chunk) >= limit:
+                check_tokens(token_ids[:hi], limit)  # raises, naming the first bad one
+            if self._hash_fn is not None:
+                hashes += hash_request_tokens(
+                    self._hash_fn, token_ids, hbs, parent=hashes[-1] if hashes else None,
+                    start_block=len(hashes), stop_block=hi // hbs, lora_name=lora_name,
+                    lora_path=lora_path, cache_salt=cache_salt)
+            if hi < n:
+                yield
+        return hashes
 
     def stats(self) -> PoolCounters:
         pool = self._manager.pool
@@ -517,7 +668,19 @@ class Pool:
             preempted_prefix_requests=s.preempted_requests, evictions=pool.num_evictions,
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
-            num_cached_blocks_per_group=pool.num_cached_keys_per_group())
+            num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
+            **self._quota_counters())
+
+    def _quota_counters(self) -> dict[str, int]:
+        quota = self._quota
+        if quota is None:
+            return {}
+        return dict(account_block_quota=quota.limit, quota_refusals=quota.refusals,
+                    max_account_blocks=quota.max_used)
+
+    def account_blocks(self, account: str) -> int:
+        """Blocks the requests of ``account`` hold (0 without a quota or requests)."""
+        return self._quota.used.get(account, 0) if self._quota is not None else 0
 
     def take_events(self) -> list[KVEvent]:
         return self._manager.take_events()
@@ -564,15 +727,15 @@ class Pool:
                     seen.add(block.block_id)
                     assert owner_group.setdefault(block.block_id, gid) == gid, \
                         f"block {block.block_id} is in tables of groups {owner_group[block.block_id]} and {gid}"
-                    assert pool.blocks[block.block_id] is block, \
+                    assert pool.blocks.get(block.block_id) is block, \
                         f"block {block.block_id} in a table is not the pool's block"
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
                     if block.block_hash is not None:
                         assert block.group_id == gid, \
                             f"block {block.block_id} cached for group {block.group_id} but held by group {gid}"
         used = 0
-        for block in pool.blocks:
-            if block is None or block.is_null:
+        for block in pool.blocks.values():
+            if block.is_null:
                 continue
             assert block.ref_cnt == refs.get(block.block_id, 0), \
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} tables holding it"

@@ -25,7 +25,8 @@ from .builders import EVENT_BUFFER, full_layers, pool_options
 @pytest.fixture(scope="session")
 def server() -> Iterator[ServerProcess]:
     with start_cache_service("--metrics-port", "0", "--event-buffer", str(EVENT_BUFFER),
-                             "--max-ops-per-step", "4096",
+                             "--max-ops-per-step", "4096", "--max-tokens-per-step", "100000",
+                             "--max-peek-tokens", "100000",
                              "--max-message-bytes", str(4 * 1024 * 1024)) as srv:
         yield srv
     assert srv.returncode == 0, srv.output()

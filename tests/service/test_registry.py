@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import tracemalloc
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_service.core.errors import AlreadyExists, NotFound
+from cache_service.core.errors import AlreadyExists, NotFound, ResourceExhausted
 from cache_service.core.pool import PoolOptions
 from cache_service.core.specs import FullAttentionSpec, SlidingWindowSpec
 from cache_service.registry import PoolDescription, PoolRegistry, first_difference
@@ -71,3 +72,34 @@ def test_registration_is_idempotent_and_pools_are_isolated() -> None:
     with pytest.raises(NotFound):
         registry.get("a")
     assert [e.pool_id for e in registry] == ["b"]
+
+
+def test_the_block_budget_admits_pools_until_spent_and_deletion_returns_it() -> None:
+    registry = PoolRegistry(event_buffer=8, max_total_blocks=700)
+    registry.register("a", description())
+    registry.register("b", description(num_blocks=300))
+    with pytest.raises(ResourceExhausted) as err:
+        registry.register("c", description(num_blocks=145))
+    assert err.value.field == "num_blocks" and "144 of 700 left" in str(err.value)
+    with pytest.raises(ResourceExhausted) as err:
+        registry.register("c", description(num_blocks=None, available_memory_bytes=1 << 30))
+    assert err.value.field == "available_memory_bytes"
+    assert [e.pool_id for e in registry] == ["a", "b"] and registry.total_blocks == 556
+    registry.register("a", description())  # re-registering the same pool costs nothing
+    registry.register("c", description(num_blocks=144))
+    registry.delete("b")
+    assert registry.total_blocks == 400
+    registry.register("d", description(num_blocks=300))
+
+
+def test_a_pool_of_two_billion_blocks_is_built_in_constant_memory() -> None:
+    registry = PoolRegistry(event_buffer=8, max_total_blocks=2**31)
+    tracemalloc.start()
+    try:
+        entry, _ = registry.register("big", description(num_blocks=2**31))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"registering cost {peak} bytes"
+    entry.pool.add_request("r", list(range(64)))
+    assert entry.pool.allocate("r", 64).ok and entry.pool.num_free_blocks == 2**31 - 1 - 8

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalRecord(_message.Message):
-    __slots__ = ("register_pool", "delete_pool", "step", "reset_prefix_cache", "open_session", "close_session", "expire_session")
+    __slots__ = ("register_pool", "delete_pool", "step", "reset_prefix_cache", "open_session", "close_session", "expire_session", "tenant")
     REGISTER_POOL_FIELD_NUMBER: _ClassVar[int]
     DELETE_POOL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class WalRecord(_message.Message):
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     register_pool: _cache_service_pb2.RegisterPoolRequest
     delete_pool: _cache_service_pb2.DeletePoolRequest
     step: _cache_service_pb2.StepRequest
@@ -22,7 +23,20 @@ class WalRecord(_message.Message):
     open_session: OpenSession
     close_session: _cache_service_pb2.CloseSessionRequest
     expire_session: ExpireSession
-    def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ...) -> None: ...
+    tenant: TenantContext
+    def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ..., tenant: _Optional[_Union[TenantContext, _Mapping]] = ...) -> None: ...
+
+class TenantContext(_message.Message):
+    __slots__ = ("name", "max_pools", "max_blocks", "admin")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_POOLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    max_pools: int
+    max_blocks: int
+    admin: bool
+    def __init__(self, name: _Optional[str] = ..., max_pools: _Optional[int] = ..., max_blocks: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("session_id", "client_name")

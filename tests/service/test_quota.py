@@ -1,0 +1,51 @@
+"""Per-session block quota inside a pool, over gRPC: two clients (each its own session)
+share a pool with a quota; the greedy one gets "no room" once at its quota while the other
+still allocates, and the quota shows in GetPoolStats-independent metrics."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+from cache_service.client import CacheClient, StepBuilder
+from kvcache_common.launch import ServerProcess
+
+from .conftest import full_layers
+
+QUOTA = 12  # blocks per session; the pool has 255 usable
+
+
+def metric(server: ServerProcess, name: str, pool: str) -> float:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    match = re.search(r'^%s\{pool="%s"\} (\S+)$' % (name, re.escape(pool)), body, re.M)
+    assert match, f"{name} for {pool} not in /metrics"
+    return float(match.group(1))
+
+
+def test_a_session_at_its_quota_gets_no_room_while_another_still_allocates(
+        server: ServerProcess) -> None:
+    with CacheClient(server.target, default_timeout=20) as greedy, \
+            CacheClient(server.target, default_timeout=20) as modest:
+        info = greedy.register_pool("quota-pool", full_layers(block_size=16), num_blocks=256,
+                                    max_model_len=1024, session_block_quota=QUOTA)
+        assert info.raw.options.session_block_quota == QUOTA
+        # Two layers of one group: a block id per 16 tokens. 5 requests x 3 blocks = 15.
+        results = []
+        for i in range(5):
+            batch = StepBuilder("quota-pool", begin_step=True)
+            batch.add(f"g{i}", [i] * 48).allocate(f"g{i}", 48)
+            results.append(greedy.step_batch(batch).results[1].ok)
+        assert results == [True, True, True, True, False]  # 12 blocks, then no room
+        ok = modest.step_batch(StepBuilder("quota-pool").add("m", [9] * 64)
+                               .allocate("m", 64)).results[1].ok
+        assert ok  # the other session's allocation succeeds
+        stats = modest.stats("quota-pool")
+        assert stats.num_free_blocks == 255 - QUOTA - 4
+        assert metric(server, "kvcache_pool_session_quota_refusals_total", "quota-pool") == 1
+        assert metric(server, "kvcache_pool_session_block_quota", "quota-pool") == QUOTA
+        assert metric(server, "kvcache_pool_max_session_blocks", "quota-pool") == QUOTA
+        # Freeing one of its requests gives the greedy session room again.
+        greedy.step_batch(StepBuilder("quota-pool").free("g0"))
+        assert greedy.step_batch(StepBuilder("quota-pool").allocate("g4", 48)).results[0].ok
+        greedy.delete_pool("quota-pool")
