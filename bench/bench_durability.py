@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
 from bench_service import DECODE, admit, decode_batch, model, pool_kwargs  # noqa: E402
-
 from cache_service.client import CacheClient, StepBuilder, register_request  # noqa: E402
 from cache_service.durability import open_data_dir  # noqa: E402
 from cache_service.server import _new_state, _replay  # noqa: E402

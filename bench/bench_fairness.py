@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
-
 from cache_service.client import CacheClient, StepBuilder, layers  # noqa: E402
 from kvcache_common.launch import start_cache_service  # noqa: E402
 

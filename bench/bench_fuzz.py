@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import print_table, write_results  # noqa: E402
-
-from kvcache_common.launch import start_cache_service  # noqa: E402
 from tests.service.fuzzing import Fuzzer  # noqa: E402
+
+from _common import print_table, write_results  # noqa: E402
+from kvcache_common.launch import start_cache_service  # noqa: E402
 
 
 def main() -> int:

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
-from _common import print_table, summarize_ns, write_results  # noqa: E402
 
+from _common import print_table, summarize_ns, write_results  # noqa: E402
 from cache_service.client import CacheClient, StepBuilder, layers, register_request  # noqa: E402
 from cache_service.leases import EXPIRY_CHUNK  # noqa: E402
 from cache_service.registry import PoolRegistry  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from cache_service.client._builders import layers
 from cache_service.core import events as ev
 from cache_service.core import grouping, ops
 from cache_service.core.errors import InvalidArgument, KVCacheError
@@ -31,7 +31,7 @@ from cache_service.core.specs import (
 )
 from cache_service.registry import PoolDescription, PoolEntry
 from cache_service.status import qualify
-from cache_service.client._builders import layers
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
 
 _ATTENTION_CLASSES: dict[int, type] = {

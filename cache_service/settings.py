@@ -92,7 +92,7 @@ class Settings(BaseSettings):
         "info", description="log level; 'debug' logs every call")
 
     @model_validator(mode="after")
-    def _tls_pair(self) -> "Settings":
+    def _tls_pair(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.auth_token is not None and self.auth_tokens_file is not None:

@@ -18,7 +18,7 @@ class CacheError(Exception):
         self.field = field
 
     @classmethod
-    def from_rpc(cls, exc: grpc.RpcError) -> "CacheError":
+    def from_rpc(cls, exc: grpc.RpcError) -> CacheError:
         field = ""
         try:
             status = rpc_status.from_call(exc)  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import LAYER_KINDS
 
 
-
 @dataclass(frozen=True)
 class AddResult:
     num_tokens: int

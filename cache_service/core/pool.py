@@ -24,7 +24,6 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_service.core.quota import BlockQuota
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
@@ -58,6 +57,7 @@ from cache_service.core.ops import (
     OpOutcome,
     Preempt,
 )
+from cache_service.core.quota import BlockQuota
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
@@ -154,7 +154,7 @@ class PreparedBatch:
 
     __slots__ = ("_pool", "_ops", "_plan", "_begin_step")
 
-    def __init__(self, pool: "Pool", ops: Sequence[Op], plan: list[Any],
+    def __init__(self, pool: Pool, ops: Sequence[Op], plan: list[Any],
                  begin_step: bool) -> None:
         self._pool, self._ops, self._plan, self._begin_step = pool, ops, plan, begin_step
 
@@ -294,14 +294,14 @@ class Pool:
         return self.prepare_batch(ops, begin_step=begin_step).apply()
 
     def prepare_batch(self, ops: Sequence[Op], *,
-                      begin_step: bool = False) -> "PreparedBatch":
+                      begin_step: bool = False) -> PreparedBatch:
         """The validation half of :meth:`apply_batch` (raises as it does, changes
         nothing). Apply the answer before anything else changes the pool: the service
         logs a batch between its validation and its application."""
         return PreparedBatch(self, ops, check_batch(self._checker(), ops), begin_step)
 
     def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
-                                slice_cost: int) -> Generator[None, None, "PreparedBatch"]:
+                                slice_cost: int) -> Generator[None, None, PreparedBatch]:
         """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
         caller lets nothing touch the pool until the batch is applied."""
         plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)

@@ -101,11 +101,11 @@ class KVCacheSpec:
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         raise NotImplementedError
 
-    def with_block_size(self, block_size: int) -> "KVCacheSpec":
+    def with_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
 
     @classmethod
-    def merge(cls, specs: Sequence["KVCacheSpec"]) -> "KVCacheSpec":
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """The spec of one group holding layers with ``specs``: they must all be equal
         (:class:`SpecMergeError` otherwise)."""
         if not all(spec == specs[0] for spec in specs[1:]):
@@ -113,7 +113,7 @@ class KVCacheSpec:
                                  field="layer_specs")
         return specs[0]
 
-    def is_uniform_with(self, specs: Sequence["KVCacheSpec"]) -> bool:
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
         """Whether every spec in ``specs`` is of this spec's type and needs the same token
         slots per request (so they can share one block table with different pages).
         Block sizes are compared by the caller."""
@@ -165,7 +165,7 @@ class FullAttentionSpec(AttentionSpec):
         return cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> "FullAttentionSpec":
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
         """Full-attention layers merge when they differ at most in a promoted
         ``sliding_window`` / ``attention_chunk_size``; the group keeps the one non-None
         value. Two different windows -> ConfigError; a window and a chunk size, or any
@@ -384,7 +384,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return specs[0].is_uniform_with(specs)
 
     @classmethod
-    def from_specs(cls, layer_specs: Mapping[str, KVCacheSpec]) -> "UniformTypeKVCacheSpecs | None":
+    def from_specs(cls, layer_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
         """The uniform-type spec of these layers (in their order), or None if they are not
         of one uniform type."""
         if not cls.is_uniform_type(layer_specs):

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Generator
 
 import pytest
-from builders import full, make_pool, swa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
 from cache_service.core.ops import AddRequest, Allocate, Decode, Free
+
+from builders import full, make_pool, swa
 
 
 def drive(gen: Generator) -> tuple[object, int]:

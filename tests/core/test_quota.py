@@ -4,9 +4,9 @@ preemption and frees."""
 
 from __future__ import annotations
 
-from builders import full, make_pool, swa
-
 from cache_service.core.ops import AddRequest, Allocate, Decode, Free, Preempt
+
+from builders import full, make_pool, swa
 
 
 def held(pool, rid: str) -> int:

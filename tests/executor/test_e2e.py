@@ -314,7 +314,7 @@ def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) ->
     several generations are in flight: the executor keeps its pool and session (no
     re-registration, no recompute), resends its in-flight Step under the same sequence
     number, and every output equals the uninterrupted run's."""
-    port = _free_port()
+    port = free_port()
     flags = ("--port", str(port), "--data-dir", str(tmp_path / "cache"))
     cs = start_cache_service(*flags)
     proc = start_executor(cs.target, "--preset", "gemma3-like")

@@ -34,8 +34,8 @@ def trailer(err: grpc.RpcError, key: str) -> str | None:
 def undecodable_count(server: ServerProcess, method: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=10).read().decode()
-    match = re.search(r'kvcache_undecodable_messages_total\{grpc_method="%s",'
-                      r'grpc_service="kvcache.v1.CacheService"\} (\S+)' % method, body)
+    match = re.search(r'kvcache_undecodable_messages_total\{grpc_method="' + method +
+                      r'",grpc_service="kvcache.v1.CacheService"\} (\S+)', body)
     return float(match.group(1)) if match else 0.0
 
 
@@ -107,10 +107,10 @@ def token_server():
 def test_auth_is_checked_before_the_body_is_parsed(token_server: ServerProcess,
                                                    payload: bytes) -> None:
     count = undecodable_count(token_server, "Step")
-    with grpc.insecure_channel(token_server.target) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            raw_unary(channel, "Step")(payload, timeout=10,
-                                       metadata=(("x-request-id", "no-token"),))
+    with grpc.insecure_channel(token_server.target) as channel, \
+            pytest.raises(grpc.RpcError) as err:
+        raw_unary(channel, "Step")(payload, timeout=10,
+                                   metadata=(("x-request-id", "no-token"),))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert trailer(err.value, "x-request-id") == "no-token"
     assert undecodable_count(token_server, "Step") == count  # never parsed
@@ -160,13 +160,12 @@ def test_health_list_reports_every_service(server: ServerProcess) -> None:
                                     "ServerReflectionInfo"])
 def test_the_open_services_answer_bad_bytes_with_invalid_argument(server: ServerProcess,
                                                                   method: str) -> None:
-    with grpc.insecure_channel(server.target) as channel:
-        with pytest.raises(grpc.RpcError) as err:
-            if method.endswith("ServerReflectionInfo"):
-                list(channel.stream_stream(method)(iter([TRUNCATED]), timeout=10))
-            elif method.endswith("Watch"):
-                list(channel.unary_stream(method)(TRUNCATED, timeout=10))
-            else:
-                channel.unary_unary(method)(TRUNCATED, timeout=10)
+    with grpc.insecure_channel(server.target) as channel, pytest.raises(grpc.RpcError) as err:
+        if method.endswith("ServerReflectionInfo"):
+            list(channel.stream_stream(method)(iter([TRUNCATED]), timeout=10))
+        elif method.endswith("Watch"):
+            list(channel.unary_stream(method)(TRUNCATED, timeout=10))
+        else:
+            channel.unary_unary(method)(TRUNCATED, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert "not a valid" in err.value.details()

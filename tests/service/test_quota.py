@@ -18,7 +18,7 @@ QUOTA = 12  # blocks per session; the pool has 255 usable
 def metric(server: ServerProcess, name: str, pool: str) -> float:
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=10).read().decode()
-    match = re.search(r'^%s\{pool="%s"\} (\S+)$' % (name, re.escape(pool)), body, re.M)
+    match = re.search(rf'^{name}\{{pool="{re.escape(pool)}"\}} (\S+)$', body, re.M)
     assert match, f"{name} for {pool} not in /metrics"
     return float(match.group(1))
 
