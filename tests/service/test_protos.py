@@ -51,3 +51,25 @@ def test_stubs_import_under_the_package_path() -> None:
     service = cache_service_pb2.DESCRIPTOR.services_by_name["CacheService"]
     assert service.full_name == "kvcache.v1.CacheService"
     assert hasattr(cache_service_pb2_grpc, "CacheServiceStub")
+
+
+BASELINE = REPO / "proto" / "BREAKING_BASELINE"
+
+
+@pytest.mark.skipif(shutil.which("buf") is None, reason="buf (pip install buf-bin) not found")
+def test_protocol_changes_are_additive(tmp_path: Path) -> None:
+    """`buf breaking` against the protos of the commit named in proto/BREAKING_BASELINE (the
+    main that the current change started from): kvcache.v1 is public, so fields and RPCs are
+    only added (removed ones `reserved`), and the WAL record must keep reading old logs.
+    Move the baseline forward only when a change has landed."""
+    commit = BASELINE.read_text().strip()
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: the baseline protos cannot be read")
+    archive = subprocess.run(["git", "archive", commit, "proto"], cwd=REPO,
+                             capture_output=True, check=False)
+    assert archive.returncode == 0, (
+        f"baseline commit {commit} is not in this clone: {archive.stderr.decode()}")
+    subprocess.run(["tar", "-x", "-C", str(tmp_path)], input=archive.stdout, check=True)
+    result = subprocess.run(["buf", "breaking", "proto", "--against", str(tmp_path / "proto")],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
