@@ -16,7 +16,7 @@ from typing import Any
 from cache_service.client._builders import layers
 from cache_service.core import events as ev
 from cache_service.core import grouping, ops
-from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.core.hashing import DeclaredRecipe
 from cache_service.core.pool import DecodeOutcome, PoolOptions
 from cache_service.core.specs import (
@@ -30,7 +30,6 @@ from cache_service.core.specs import (
     layer_spec,
 )
 from cache_service.registry import PoolDescription, PoolEntry
-from cache_service.status import qualify
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
 
