@@ -23,17 +23,11 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.discovery import HealthServicer, enable_reflection
+from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
-from kvcache_common.cli import exit_with_error
-from kvcache_common.listen import port_in_use
-from kvcache_common.logs import configure_logging, lifecycle
-from kvcache_common.metrics_http import serve_metrics
-from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
@@ -41,6 +35,12 @@ from cache_service.snapshot import SnapshotCorruption
 from cache_service.state import ServiceState, WalRecord
 from cache_service.tenants import TenantsFileError
 from cache_service.wal import WalCorruption
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.cli import exit_with_error
+from kvcache_common.listen import port_in_use
+from kvcache_common.logs import configure_logging, lifecycle
+from kvcache_common.metrics_http import serve_metrics
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 

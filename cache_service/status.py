@@ -17,7 +17,6 @@ from grpc_status import rpc_status
 
 from cache_service import calls
 from cache_service.core import errors as core
-from cache_service.core.errors import qualify
 from cache_service.event_feed import SequenceOutOfRange
 
 # Most specific first: ConfigError is an InvalidArgument, UnknownRequest a NotFound...

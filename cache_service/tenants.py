@@ -60,14 +60,14 @@ class TenantTable:
 
     @classmethod
     def single(cls, token: str, *, max_pools: int | None = None,
-               max_blocks: int | None = None) -> "TenantTable":
+               max_blocks: int | None = None) -> TenantTable:
         """Today's single shared token: one tenant, ``default``."""
         return cls({token: dataclasses.replace(ANONYMOUS, max_pools=max_pools,
                                                max_blocks=max_blocks)})
 
     @classmethod
     def from_file(cls, path: Path, *, max_pools: int | None = None,
-                  max_blocks: int | None = None) -> "TenantTable":
+                  max_blocks: int | None = None) -> TenantTable:
         """Parses a tenants file (format in the module doc); ``max_pools`` /
         ``max_blocks`` are the defaults of tenants whose line does not set them."""
         tokens: dict[str, Tenant] = {}
@@ -116,7 +116,10 @@ def _parse_options(tenant: Tenant, options: list[str], where: str) -> Tenant:
             if not value.isdigit():
                 raise TenantsFileError(f"{where}: {key} must be a non-negative integer, "
                                        f"got {value!r}")
-            tenant = dataclasses.replace(tenant, **{key: int(value)})
+            if key == "max_pools":
+                tenant = dataclasses.replace(tenant, max_pools=int(value))
+            else:
+                tenant = dataclasses.replace(tenant, max_blocks=int(value))
         else:
             raise TenantsFileError(f"{where}: unknown option {option!r} (admin, "
                                    "max_pools=N, max_blocks=N)")

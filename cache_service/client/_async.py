@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
+from cache_service.client._builders import (
+    StepBuilder,
+    decode_request,
+    peek_request,
+    register_request,
+)
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
-from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -29,7 +32,9 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
-
+from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
 
 class AsyncCacheClient:
@@ -61,7 +66,7 @@ class AsyncCacheClient:
         self._lock = asyncio.Lock()  # one mutating call at a time (sequence numbers)
         self._keepalive: asyncio.Task | None = None
 
-    async def __aenter__(self) -> "AsyncCacheClient":
+    async def __aenter__(self) -> AsyncCacheClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -74,11 +79,10 @@ class AsyncCacheClient:
             self._keepalive.cancel()
         session, self._session = self._session, None
         if session is not None:
-            try:
+            # unreachable or already expired: the lease frees them anyway
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.CloseSession(pb.CloseSessionRequest(
                     session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-            except grpc.aio.AioRpcError:
-                pass  # unreachable or already expired: the lease frees them anyway
         await self._channel.close()
 
     @property
@@ -197,7 +201,7 @@ class AsyncCacheClient:
         return DecodeResult(resp.results[0].decode)
 
     def step_stream(self, *, step_timeout: float | None = None,
-                    on_retry: Any = None) -> "AsyncStepStream":
+                    on_retry: Any = None) -> AsyncStepStream:
         """A bidirectional Step stream: ``async with client.step_stream() as s:
         r = await s.step(pool_id, ops)``; ``step_timeout`` (default ``default_timeout``)
         is each step's deadline (see :class:`AsyncStepStream`)."""
@@ -267,7 +271,7 @@ class AsyncStepStream:
         self._on_retry = on_retry
         self._call: Any = None
 
-    async def __aenter__(self) -> "AsyncStepStream":
+    async def __aenter__(self) -> AsyncStepStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -285,7 +289,7 @@ class AsyncStepStream:
                 if resp is not grpc.aio.EOF:
                     return resp
                 err = CacheError.from_rpc(await self._failed(call))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"no StepStream answer within {self.step_timeout} s")
             except grpc.aio.AioRpcError as exc:
@@ -323,8 +327,6 @@ class AsyncStepStream:
         call, self._call = self._call, None
         if call is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # already finished
             await call.done_writing()
-        except Exception:  # already finished
-            pass
         call.cancel()

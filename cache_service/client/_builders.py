@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -17,6 +16,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
 
 
@@ -103,7 +103,7 @@ class StepBuilder:
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
-            hash_recipe: pb.HashRecipe | None = None) -> "StepBuilder":
+            hash_recipe: pb.HashRecipe | None = None) -> StepBuilder:
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -119,14 +119,14 @@ class StepBuilder:
             m.hash_recipe.CopyFrom(hash_recipe)
         return self
 
-    def lookup(self, request_id: str) -> "StepBuilder":
+    def lookup(self, request_id: str) -> StepBuilder:
         self._add().lookup.request_id = request_id
         return self
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, block_table: bool = True,
-                 append_token_ids: Sequence[int] = ()) -> "StepBuilder":
+                 append_token_ids: Sequence[int] = ()) -> StepBuilder:
         m = self._add().allocate
         m.request_id = request_id
         m.num_new_tokens = num_new_tokens
@@ -144,25 +144,25 @@ class StepBuilder:
             m.skip_block_table = True
         return self
 
-    def append(self, request_id: str, token_ids: Sequence[int]) -> "StepBuilder":
+    def append(self, request_id: str, token_ids: Sequence[int]) -> StepBuilder:
         m = self._add().append_tokens
         m.request_id = request_id
         m.token_ids.extend(token_ids)
         return self
 
-    def free(self, request_id: str) -> "StepBuilder":
+    def free(self, request_id: str) -> StepBuilder:
         self._add().free.request_id = request_id
         return self
 
-    def preempt(self, request_id: str) -> "StepBuilder":
+    def preempt(self, request_id: str) -> StepBuilder:
         self._add().preempt.request_id = request_id
         return self
 
-    def new_step(self) -> "StepBuilder":
+    def new_step(self) -> StepBuilder:
         self._add().new_step.SetInParent()
         return self
 
-    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> "StepBuilder":
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> StepBuilder:
         """See :meth:`ops.decode`."""
         m = self._add().decode
         m.request_ids.extend(request_ids)

@@ -3,6 +3,7 @@ async twin without ``await``."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -12,12 +13,14 @@ from typing import Any
 
 import grpc
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
+from cache_service.client._builders import (
+    StepBuilder,
+    decode_request,
+    peek_request,
+    register_request,
+)
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
-from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -32,7 +35,9 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
-
+from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
 
 class CacheClient:
@@ -61,7 +66,7 @@ class CacheClient:
         self._lock = threading.RLock()  # one mutating call at a time (sequence numbers)
         self._keepalive_stop = threading.Event()
 
-    def __enter__(self) -> "CacheClient":
+    def __enter__(self) -> CacheClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -74,11 +79,10 @@ class CacheClient:
         with self._lock:
             session, self._session = self._session, None
             if session is not None:
-                try:
+                # unreachable or already expired: the lease frees them anyway
+                with contextlib.suppress(grpc.RpcError):
                     self._stub.CloseSession(pb.CloseSessionRequest(
                         session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-                except grpc.RpcError:
-                    pass  # unreachable or already expired: the lease frees them anyway
         self._channel.close()
 
     @property
@@ -189,7 +193,7 @@ class CacheClient:
         return DecodeResult(resp.results[0].decode)
 
     def step_stream(self, *, step_timeout: float | None = None,
-                    on_retry: Any = None) -> "StepStream":
+                    on_retry: Any = None) -> StepStream:
         """A bidirectional Step stream (see :class:`StepStream`); ``step_timeout``
         (default ``default_timeout``) is each step's deadline."""
         return StepStream(self, step_timeout or self.default_timeout, on_retry)
@@ -256,7 +260,7 @@ class StepStream:
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._call: Any = None
 
-    def __enter__(self) -> "StepStream":
+    def __enter__(self) -> StepStream:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,10 +17,10 @@ from cache_service.core.errors import (
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.pool import (
     Allocation,
-    PrefixHit,
     Pool,
-    PoolOptions,
     PoolCounters,
+    PoolOptions,
+    PrefixHit,
     RequestInfo,
 )
 from cache_service.core.specs import (

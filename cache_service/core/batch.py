@@ -18,8 +18,8 @@ Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` pref
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
 import dataclasses
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -286,7 +286,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id}: negative ref_cnt"
             if block.block_hash is not None:
                 entry = self._maps[block.group_id].get(block.block_hash)
-                assert entry is block or (type(entry) is dict and entry.get(block.block_id) is block), \
+                assert entry is block or (type(entry) is dict
+                                          and entry.get(block.block_id) is block), \
                     f"block {block.block_id} is hashed but not in the map"
         for gid, m in enumerate(self._maps):
             for block_hash, entry in m.items():

@@ -275,7 +275,8 @@ class HybridCoordinator(KVCacheCoordinator):
         # being downward closed, never needs a second lookup.
         spec_groups.sort(key=lambda sg: not sg.is_full)
         self.spec_groups = spec_groups
-        self.full_attention_group_id = spec_groups[0].group_ids[0] if spec_groups[0].is_full else None
+        self.full_attention_group_id = (spec_groups[0].group_ids[0] if spec_groups[0].is_full
+                                        else None)
         self._simple = len(spec_groups) == 2 and spec_groups[0].is_full
         # Only scheduler-block-aligned prefixes can ever be hit, so only those are hashed.
         self._cache_alignment = self.scheduler_block_size

@@ -24,7 +24,6 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cache_service.core.quota import BlockQuota
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
@@ -58,6 +57,7 @@ from cache_service.core.ops import (
     OpOutcome,
     Preempt,
 )
+from cache_service.core.quota import BlockQuota
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
@@ -154,7 +154,7 @@ class PreparedBatch:
 
     __slots__ = ("_pool", "_ops", "_plan", "_begin_step")
 
-    def __init__(self, pool: "Pool", ops: Sequence[Op], plan: list[Any],
+    def __init__(self, pool: Pool, ops: Sequence[Op], plan: list[Any],
                  begin_step: bool) -> None:
         self._pool, self._ops, self._plan, self._begin_step = pool, ops, plan, begin_step
 
@@ -294,14 +294,14 @@ class Pool:
         return self.prepare_batch(ops, begin_step=begin_step).apply()
 
     def prepare_batch(self, ops: Sequence[Op], *,
-                      begin_step: bool = False) -> "PreparedBatch":
+                      begin_step: bool = False) -> PreparedBatch:
         """The validation half of :meth:`apply_batch` (raises as it does, changes
         nothing). Apply the answer before anything else changes the pool: the service
         logs a batch between its validation and its application."""
         return PreparedBatch(self, ops, check_batch(self._checker(), ops), begin_step)
 
     def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
-                                slice_cost: int) -> Generator[None, None, "PreparedBatch"]:
+                                slice_cost: int) -> Generator[None, None, PreparedBatch]:
         """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
         caller lets nothing touch the pool until the batch is applied."""
         plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
@@ -726,21 +726,25 @@ class Pool:
                         f"block {block.block_id} twice in request {rid!r}'s group-{gid} table"
                     seen.add(block.block_id)
                     assert owner_group.setdefault(block.block_id, gid) == gid, \
-                        f"block {block.block_id} is in tables of groups {owner_group[block.block_id]} and {gid}"
+                        (f"block {block.block_id} is in tables of groups "
+                         f"{owner_group[block.block_id]} and {gid}")
                     assert pool.blocks.get(block.block_id) is block, \
                         f"block {block.block_id} in a table is not the pool's block"
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
                     if block.block_hash is not None:
                         assert block.group_id == gid, \
-                            f"block {block.block_id} cached for group {block.group_id} but held by group {gid}"
+                            (f"block {block.block_id} cached for group {block.group_id} "
+                             f"but held by group {gid}")
         used = 0
         for block in pool.blocks.values():
             if block.is_null:
                 continue
             assert block.ref_cnt == refs.get(block.block_id, 0), \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} tables holding it"
+                (f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
+                 f"{refs.get(block.block_id, 0)} tables holding it")
             used += block.ref_cnt > 0
         assert pool.get_num_free_blocks() + used == pool.num_blocks - 1, \
-            f"free {pool.get_num_free_blocks()} + used {used} != num_blocks - 1 = {pool.num_blocks - 1}"
+            (f"free {pool.get_num_free_blocks()} + used {used} != "
+             f"num_blocks - 1 = {pool.num_blocks - 1}")
         if not self._requests:
             assert used == 0, f"{used} blocks still referenced with no request registered"

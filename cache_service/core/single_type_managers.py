@@ -61,7 +61,8 @@ def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> S
     return fine if k == 1 else CoarseHashView(fine, k)
 
 
-def _lookup(pool: BlockPool, block_hash: bytes, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+def _lookup(pool: BlockPool, block_hash: bytes,
+            group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         block = pool.get_one_cached_block(block_hash, group_ids[0])
         return None if block is None else [block]

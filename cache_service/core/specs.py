@@ -81,7 +81,9 @@ class SizingLimits:
 
     @property
     def in_flight(self) -> int:
-        return self.max_model_len if self.max_in_flight_tokens is None else self.max_in_flight_tokens
+        if self.max_in_flight_tokens is None:
+            return self.max_model_len
+        return self.max_in_flight_tokens
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,11 @@ class KVCacheSpec:
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         raise NotImplementedError
 
-    def with_block_size(self, block_size: int) -> "KVCacheSpec":
+    def with_block_size(self, block_size: int) -> KVCacheSpec:
         return replace(self, block_size=block_size)
 
     @classmethod
-    def merge(cls, specs: Sequence["KVCacheSpec"]) -> "KVCacheSpec":
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """The spec of one group holding layers with ``specs``: they must all be equal
         (:class:`SpecMergeError` otherwise)."""
         if not all(spec == specs[0] for spec in specs[1:]):
@@ -113,7 +115,7 @@ class KVCacheSpec:
                                  field="layer_specs")
         return specs[0]
 
-    def is_uniform_with(self, specs: Sequence["KVCacheSpec"]) -> bool:
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
         """Whether every spec in ``specs`` is of this spec's type and needs the same token
         slots per request (so they can share one block table with different pages).
         Block sizes are compared by the caller."""
@@ -149,7 +151,9 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class FullAttentionSpec(AttentionSpec):
         return cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
-    def merge(cls, specs: Sequence[KVCacheSpec]) -> "FullAttentionSpec":
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
         """Full-attention layers merge when they differ at most in a promoted
         ``sliding_window`` / ``attention_chunk_size``; the group keeps the one non-None
         value. Two different windows -> ConfigError; a window and a chunk size, or any
@@ -292,7 +296,9 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_blocks
@@ -384,7 +390,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return specs[0].is_uniform_with(specs)
 
     @classmethod
-    def from_specs(cls, layer_specs: Mapping[str, KVCacheSpec]) -> "UniformTypeKVCacheSpecs | None":
+    def from_specs(cls, layer_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
         """The uniform-type spec of these layers (in their order), or None if they are not
         of one uniform type."""
         if not cls.is_uniform_type(layer_specs):
