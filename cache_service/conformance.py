@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print("give --config and --trace together (and --expected only with them)",
               file=sys.stderr)
         return 2
+    jobs: Sequence[tuple[str, Path, Path, Path | None]]
     if a.trace is None:
         jobs = bundled()
     else:

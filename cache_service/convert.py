@@ -11,7 +11,7 @@ core errors whose ``field`` is the protocol path.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from cache_service.client._builders import layers
 from cache_service.core import events as ev
@@ -25,6 +25,7 @@ from cache_service.core.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
     layer_spec,
@@ -98,7 +99,9 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
                 block_size=layer.block_size, shapes=tuple(shapes),
                 dtypes=tuple(s.dtype for s in layer.mamba_states), page_size_padded=padded,
                 mamba_type=layer.mamba_type or "mamba2",
-                mamba_cache_mode=MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none"),
+                # A name of the proto enum (checked above); MambaSpec checks it is one it knows.
+                mamba_cache_mode=cast(MambaCacheMode,
+                                      MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none")),
                 "mamba_states")
         cls = _ATTENTION_CLASSES.get(kind)
         if cls is None:
@@ -299,7 +302,9 @@ def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
         stored = pb.BlockStored(
             block_hashes=event.block_hashes, token_ids=event.token_ids,
             block_size=event.block_size, lora_name=event.lora_name or "",
-            group_idx=event.group_idx, kind=LAYER_KINDS.value(event.spec_kind) if event.spec_kind else 0,
+            group_idx=event.group_idx,
+            kind=(LAYER_KINDS.value(event.spec_kind) if event.spec_kind
+                  else pb.LAYER_KIND_UNSPECIFIED),
             sliding_window=event.sliding_window or 0, medium=event.medium,
             prefix_lengths=event.prefix_lengths, start_token=event.start_token)
         if event.parent_block_hash is not None:
@@ -428,10 +433,9 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
     response = pb.StepResponse(num_free_blocks=num_free_blocks)
     add_result = response.results.add
     for op, r in zip(step_ops, outcomes):
-        kind = type(op)
-        if kind is ops.Decode:
+        if isinstance(op, ops.Decode):
             write_decode(add_result().decode, r)
-        elif kind is ops.Allocate:
+        elif isinstance(op, ops.Allocate):
             out = add_result().allocate
             out.num_computed_tokens = r.num_computed_tokens
             if r.ok:
@@ -444,22 +448,22 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                         tables.add().block_ids.extend(ids)
             if op.include_table:
                 table_cache.write(out, op.request_id, r.block_ids)
-        elif kind is ops.AppendTokens or kind is ops.AddRequest:
-            out = add_result().append_tokens if kind is ops.AppendTokens \
+        elif isinstance(op, (ops.AppendTokens, ops.AddRequest)):
+            out = add_result().append_tokens if isinstance(op, ops.AppendTokens) \
                 else add_result().add_request
             out.num_tokens = r.num_tokens
             out.num_block_hashes = r.num_block_hashes
-        elif kind is ops.Lookup:
+        elif isinstance(op, ops.Lookup):
             out = add_result().lookup
             out.hit_tokens = r.hit_tokens
             out.shared_prefix_boundary = r.shared_prefix_boundary
             tables = out.block_ids
             for ids in r.block_ids:
                 tables.add().block_ids.extend(ids)
-        elif kind is ops.Free:
+        elif isinstance(op, ops.Free):
             add_result().free.num_free_blocks = r
             table_cache.forget(op.request_id)
-        elif kind is ops.Preempt:
+        elif isinstance(op, ops.Preempt):
             add_result().preempt.num_free_blocks = r
         else:
             add_result().new_step.SetInParent()

@@ -12,6 +12,7 @@ No gRPC here.
 from __future__ import annotations
 
 import asyncio
+import enum
 import gc
 import time
 from collections.abc import Callable, Generator, Iterable
@@ -29,10 +30,16 @@ PEEK_SLICE_BLOCKS = 16
 TURN_SECONDS = 0.0005
 
 
-_PENDING = object()
+class _Pending(enum.Enum):
+    # A one-member enum rather than object(): `value is _PENDING` then narrows the type.
+    PENDING = enum.auto()
 
 
-def _turn(work: Generator[None, None, T], go_on: Callable[[], bool] = lambda: True) -> object:
+_PENDING = _Pending.PENDING
+
+
+def _turn(work: Generator[None, None, T],
+          go_on: Callable[[], bool] = lambda: True) -> T | _Pending:
     """Runs ``work`` for one turn (at least one slice, then while the turn lasts and
     ``go_on()``): its value if it ended, else ``_PENDING``."""
     turn_ends = time.perf_counter() + TURN_SECONDS

@@ -116,10 +116,10 @@ class PoolCollector:
             "allocation_failures": CounterMetricFamily(
                 "kvcache_pool_allocation_failures", "Allocations answered 'no room'.",
                 labels=["pool"]),
-            "preemptions": CounterMetricFamily("kvcache_pool_preemptions", "Preempt ops applied (a "
-                                               "scheduler's preemptions and any admission roll-backs it "
-                                               "sends as preempts).",
-                                               labels=["pool"]),
+            "preemptions": CounterMetricFamily(
+                "kvcache_pool_preemptions", "Preempt ops applied (a scheduler's preemptions and "
+                "any admission roll-backs it sends as preempts).",
+                labels=["pool"]),
             "quota_refusals": CounterMetricFamily(
                 "kvcache_pool_session_quota_refusals", "Allocations answered 'no room' "
                 "because of the session block quota.", labels=["pool"]),
@@ -128,13 +128,15 @@ class PoolCollector:
                                          labels=["tenant"])
         tenant_blocks = GaugeMetricFamily("kvcache_tenant_blocks", "Blocks (num_blocks "
                                           "summed) over a tenant's pools.", labels=["tenant"])
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            *gauges.items(), *counters.items()]
         per_tenant: dict[str, list[int]] = {}
         for pool_id, s in self._stats_of():
             queries = s.prefix_queries + s.preempted_prefix_queries
             hits = s.prefix_hits + s.preempted_prefix_hits
             values = {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
                       "hit_rate": hits / queries if queries else 0.0}
-            for name, fam in (*gauges.items(), *counters.items()):
+            for name, fam in families:
                 fam.add_metric([pool_id], float(values[name] if name in values
                                                 else getattr(s, name)))
             held = per_tenant.setdefault(tenant_of(pool_id), [0, 0])

@@ -136,7 +136,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
         """One Step as the handlers apply it, without gRPC (raises a core error and
         changes nothing if the batch is rejected)."""
-        return self.state.apply_call("step", request)  # type: ignore[return-value]
+        return self.state.apply_call("step", request)
 
     # -- pools -------------------------------------------------------------------------
 
@@ -177,9 +177,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def ListPools(self, request: pb.ListPoolsRequest,
                         context: grpc.aio.ServicerContext) -> pb.ListPoolsResponse:
         ns = Namespace(calls.tenant.get())
-        return pb.ListPoolsResponse(pools=sorted(
-            (self._config(ns, e) for e in self.registry if ns.sees(e.pool_id)),
-            key=lambda config: config.pool_id))
+        configs = sorted((self._config(ns, e) for e in self.registry if ns.sees(e.pool_id)),
+                         key=lambda config: config.pool_id)
+        return pb.ListPoolsResponse(pools=configs)
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
@@ -210,7 +210,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 await _abort(context, Unavailable(
                     "server is draining; reconnect to another instance"))
             yield await self._mutate(context, "step", request, request.session_id,
-                                     before=lambda r=request: self._own(r))
+                                     before=functools.partial(self._own, request))
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -251,17 +251,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         ns = Namespace(calls.tenant.get())
         try:
             entries = self._peek_entries(ns, request)
-            extra = {"cache_salt": request.cache_salt or None,
-                     "lora_name": request.lora_name or None,
-                     "lora_path": request.lora_path or None}
+            cache_salt = request.cache_salt or None
+            lora_name = request.lora_name or None
+            lora_path = request.lora_path or None
             hits = []
             for entry in entries:
                 if request.token_ids:
                     work = entry.pool.peek_prefix_in_slices(
-                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS, **extra)
+                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS,
+                        cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
                 else:
                     work = entry.pool.peek_prefix_in_slices(
-                        block_hashes=list(request.block_hashes), **extra)
+                        block_hashes=list(request.block_hashes), cache_salt=cache_salt,
+                        lora_name=lora_name, lora_path=lora_path)
                 # Hashing a long prompt is cut into slices; the cache is read in one.
                 n = await self.gate.read(work, entry.pool_id)
                 hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -113,9 +113,14 @@ class Settings(BaseSettings):
         """Every caller's tenant when auth is off."""
         return dataclasses.replace(ANONYMOUS, **self._tenant_limits())
 
-    def _tenant_limits(self) -> dict[str, int | None]:
-        return dict(max_pools=self.tenant_max_pools or None,
-                    max_blocks=self.tenant_max_blocks or None)
+    def _tenant_limits(self) -> _TenantLimits:
+        return _TenantLimits(max_pools=self.tenant_max_pools or None,
+                             max_blocks=self.tenant_max_blocks or None)
+
+
+class _TenantLimits(TypedDict):
+    max_pools: int | None
+    max_blocks: int | None
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from itertools import islice
 from types import GeneratorType
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
@@ -45,6 +45,21 @@ from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 WalRecord = wal_pb2.WalRecord
+#: What a handler's prepare step answers: the commit, which answers the response (a Step's
+#: commit as a generator, in slices), or a generator validating in slices first.
+_Commit = Callable[[], Message | Generator[None, None, Message]]
+_Prepared = _Commit | Generator[None, None, _Commit]
+
+
+class DurabilityHook(Protocol):
+    """What the state needs of a durability hook (see :class:`Durability`)."""
+
+    needs_sync: bool
+    keeps_records: bool
+
+    def append(self, record: WalRecord) -> None: ...
+
+    async def sync(self) -> None: ...
 
 
 class Durability:
@@ -98,13 +113,13 @@ class ServiceState:
 
     def __init__(self, registry: PoolRegistry, *, lease_ttl_seconds: float = 30.0,
                  max_ops_per_step: int = 65536, max_tokens_per_step: int = 1 << 20,
-                 durability: Durability | None = None) -> None:
+                 durability: DurabilityHook | None = None) -> None:
         self.registry = registry
         self.lease_ttl_seconds = lease_ttl_seconds
         self.max_ops_per_step = max_ops_per_step
         self.max_tokens_per_step = max_tokens_per_step
         self._slice_cost: int | None = None  # of the record being applied
-        self.durability = durability or Durability()
+        self.durability: DurabilityHook = durability or Durability()
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
@@ -112,7 +127,7 @@ class ServiceState:
         # are not listed: nothing expires them)
         self._owners: dict[str, dict[str, str]] = {}
         self._tables: dict[str, convert.BlockTableCache] = {}  # by pool id
-        self._handlers: dict[str, Callable[[Any], Callable[[], Message]]] = {
+        self._handlers: dict[str, Callable[[Any], _Prepared]] = {
             "step": self._prepare_step,
             "register_pool": self._prepare_register,
             "delete_pool": self._prepare_delete,
@@ -145,7 +160,7 @@ class ServiceState:
             try:
                 next(steps)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
 
     def apply_in_slices(self, record: WalRecord, slice_cost: int | None = None
                         ) -> Generator[None, None, Message]:
@@ -170,7 +185,7 @@ class ServiceState:
             try:
                 next(steps)
             except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+                return done.value
 
     def apply_call_in_slices(self, kind: str, request: Message,
                              tenant: wal_pb2.TenantContext | None = None,
@@ -197,7 +212,7 @@ class ServiceState:
             if seq == last and seq:
                 if request == session.last_request:
                     self.counters.retries_answered += 1
-                    return session.last_response  # type: ignore[return-value]
+                    return session.last_response
                 raise FailedPrecondition(
                     f"sequence {seq} was already used by another call of this session (the "
                     f"next call is {last + 1})", field="sequence")
@@ -206,7 +221,7 @@ class ServiceState:
                     f"sequence must be {last + 1} (the next call) or {last} (a retry of "
                     f"the last call), got {seq}", field="sequence")
         commit = prepare(request)
-        if isinstance(commit, GeneratorType):  # a Step's validation, in slices
+        if not callable(commit):  # a Step's validation, in slices
             commit = yield from commit
         durability = self.durability
         if durability.keeps_records:
@@ -246,7 +261,7 @@ class ServiceState:
     def pools_of_call(self, kind: str, request: Message) -> list[str]:
         """:meth:`pools_of` of ``WalRecord(<kind>=request)``."""
         if kind in ("close_session", "expire_session"):
-            session = self.sessions.get(request.session_id)  # type: ignore[attr-defined]
+            session = self.sessions.get(request.session_id)
             return sorted({pool for pool, _ in session.requests}) if session else []
         pool_id = getattr(request, "pool_id", None)
         return [pool_id] if pool_id else []
@@ -265,12 +280,12 @@ class ServiceState:
 
     # -- pools and steps ----------------------------------------------------------------------
 
-    def _prepare_step(self, request: pb.StepRequest) -> Callable[[], pb.StepResponse]:
+    def _prepare_step(self, request: pb.StepRequest) -> _Prepared:
         entry = self.registry.get(request.pool_id)
         self._check_step_cost(request)
         step_ops = convert.ops_from_proto(request, entry.pool.options.hash_algo)
         if self._slice_cost is not None and self._step_cost(step_ops) > self._slice_cost:
-            return self._prepare_step_in_slices(request, entry, step_ops)
+            return self._prepare_step_in_slices(request, entry, step_ops, self._slice_cost)
         batch = entry.pool.prepare_batch(step_ops, begin_step=request.begin_step)
         return self._step_commit(request, entry, step_ops, batch)
 
@@ -290,9 +305,10 @@ class ServiceState:
         return cost
 
     def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
-                                step_ops: list) -> Generator[None, None, Callable]:
+                                step_ops: list, slice_cost: int
+                                ) -> Generator[None, None, _Commit]:
         batch = yield from entry.pool.prepare_batch_in_slices(
-            step_ops, begin_step=request.begin_step, slice_cost=self._slice_cost)
+            step_ops, begin_step=request.begin_step, slice_cost=slice_cost)
         return self._step_commit(request, entry, step_ops, batch)
 
     def _step_commit(self, request: pb.StepRequest, entry: PoolEntry, step_ops: list,

@@ -116,7 +116,10 @@ def _parse_options(tenant: Tenant, options: list[str], where: str) -> Tenant:
             if not value.isdigit():
                 raise TenantsFileError(f"{where}: {key} must be a non-negative integer, "
                                        f"got {value!r}")
-            tenant = dataclasses.replace(tenant, **{key: int(value)})
+            if key == "max_pools":
+                tenant = dataclasses.replace(tenant, max_pools=int(value))
+            else:
+                tenant = dataclasses.replace(tenant, max_blocks=int(value))
         else:
             raise TenantsFileError(f"{where}: unknown option {option!r} (admin, "
                                    "max_pools=N, max_blocks=N)")

@@ -113,7 +113,7 @@ def _read_segment(path: Path, expect_first: int, *, last: bool,
     if data[:len(MAGIC)] != MAGIC:
         raise WalCorruption(path, 0, f"bad magic {data[:len(MAGIC)]!r} (not a segment of "
                             "this format version)")
-    records = []
+    records: list[tuple[int, bytes]] = []
     pos = len(MAGIC)
     index = expect_first
     end = len(data)

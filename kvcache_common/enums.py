@@ -8,29 +8,36 @@ second table to update: ``LAYER_KIND_SLIDING_WINDOW`` <-> ``"sliding_window"``,
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar, cast
+
 from google.protobuf.internal.enum_type_wrapper import EnumTypeWrapper
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
+E = TypeVar("E", bound=int)
 
-class EnumNames:
+
+class EnumNames(Generic[E]):
     """Both directions of one enum, without its common prefix."""
 
-    def __init__(self, enum: EnumTypeWrapper, prefix: str) -> None:
+    def __init__(self, enum: type[E], prefix: str) -> None:
         self._to_name: dict[int, str] = {}
-        self._to_value: dict[str, int] = {}
-        for value_desc in enum.DESCRIPTOR.values:
+        self._to_value: dict[str, E] = {}
+        # The generated stubs declare an enum as an int subclass (so that message fields
+        # can be typed with it); at run time it is an EnumTypeWrapper of plain ints.
+        wrapper = cast(EnumTypeWrapper, enum)
+        for value_desc in wrapper.DESCRIPTOR.values:
             if value_desc.number == 0:
                 continue
             name = value_desc.name.removeprefix(prefix).lower()
             self._to_name[value_desc.number] = name
-            self._to_value[name] = value_desc.number
+            self._to_value[name] = cast(E, value_desc.number)
 
     def name(self, value: int) -> str:
         """The lower-case name of ``value``; ``""`` for UNSPECIFIED or an unknown value."""
         return self._to_name.get(value, "")
 
-    def value(self, name: str) -> int:
+    def value(self, name: str) -> E:
         """The enum value called ``name``; KeyError naming the known names otherwise."""
         try:
             return self._to_value[name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -78,11 +79,10 @@ class AsyncCacheClient:
             self._keepalive.cancel()
         session, self._session = self._session, None
         if session is not None:
-            try:
+            # unreachable or already expired: the lease frees them anyway
+            with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.CloseSession(pb.CloseSessionRequest(
                     session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-            except grpc.aio.AioRpcError:
-                pass  # unreachable or already expired: the lease frees them anyway
         await self._channel.close()
 
     @property
@@ -327,8 +327,6 @@ class AsyncStepStream:
         call, self._call = self._call, None
         if call is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # already finished
             await call.done_writing()
-        except Exception:  # already finished
-            pass
         call.cancel()

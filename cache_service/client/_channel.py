@@ -9,13 +9,14 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def channel_credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+def channel_credentials(tls: bool,
+                        root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
     if not tls and root_certificates is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS: list[tuple[str, int | str]] = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 30000),

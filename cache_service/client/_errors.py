@@ -21,7 +21,7 @@ class CacheError(Exception):
     def from_rpc(cls, exc: grpc.RpcError) -> CacheError:
         field = ""
         try:
-            status = rpc_status.from_call(exc)  # type: ignore[arg-type]
+            status = rpc_status.from_call(exc)
         except Exception:  # aio errors may not carry trailers in every state
             status = None
         if status is not None:
@@ -32,8 +32,9 @@ class CacheError(Exception):
 
 
 def field_violations(status: status_pb2.Status) -> list[tuple[str, str]]:
-    """(field, description) pairs of a status's BadRequest details (the fields a rejected call names)."""
-    out = []
+    """(field, description) pairs of a status's BadRequest details (the fields a rejected call
+    names)."""
+    out: list[tuple[str, str]] = []
     for detail in status.details:
         if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
             bad = error_details_pb2.BadRequest()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import LAYER_KINDS
@@ -151,8 +151,8 @@ class NewStepResult:
     pass
 
 
-OpResult = Union[AddResult, LookupResult, AllocateResult, AppendResult, FreeResult,
-                 PreemptResult, NewStepResult, DecodeResult]
+OpResult = (AddResult | LookupResult | AllocateResult | AppendResult | FreeResult
+            | PreemptResult | NewStepResult | DecodeResult)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ async twin without ``await``."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import random
 import threading
@@ -78,11 +79,10 @@ class CacheClient:
         with self._lock:
             session, self._session = self._session, None
             if session is not None:
-                try:
+                # unreachable or already expired: the lease frees them anyway
+                with contextlib.suppress(grpc.RpcError):
                     self._stub.CloseSession(pb.CloseSessionRequest(
                         session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-                except grpc.RpcError:
-                    pass  # unreachable or already expired: the lease frees them anyway
         self._channel.close()
 
     @property

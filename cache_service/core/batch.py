@@ -126,7 +126,8 @@ def check_request_id(rid: object, name: str = "request_id") -> str:
     return rid
 
 
-def check_decode_args(request_ids: Any, token_ids: Any, limit: int) -> tuple[list, list]:
+def check_decode_args(request_ids: Any, token_ids: Any,
+                      limit: int) -> tuple[list[Any], list[int]]:
     """The checks of a decode op that need no request state: at least one request,
     distinct string ids, one token id in range per request. Answers them as lists."""
     if isinstance(request_ids, (str, bytes)):
@@ -180,11 +181,12 @@ class BatchCheck:
         self.limits = limits
         self.pending_hit = pending_hit
         # request id -> [exists, num_tokens, may_have_computed_tokens] as the batch goes
-        self.state: dict[str, list] = {}
+        # (the two flags are bools, hence ints)
+        self.state: dict[str, list[int]] = {}
         self.blocks_moved = False  # a block-changing op came earlier in the batch
         self.last = False  # the op being checked is the batch's last (nothing reads after)
 
-    def _state(self, rid: str) -> list:
+    def _state(self, rid: str) -> list[int]:
         st = self.state.get(rid)
         if st is None:
             req = self.requests.get(rid)
@@ -193,7 +195,7 @@ class BatchCheck:
             self.state[rid] = st
         return st
 
-    def _require(self, rid: object, name: str = "request_id") -> list:
+    def _require(self, rid: object, name: str = "request_id") -> list[int]:
         if type(rid) is not str:
             check_request_id(rid, name)
         st = self._state(rid)  # type: ignore[arg-type]
@@ -201,14 +203,14 @@ class BatchCheck:
             raise UnknownRequest(f"unknown request {rid!r:.80}", field=name)
         return st
 
-    def _append(self, st: list, rid: str, tokens: Any, name: str) -> list[int]:
-        tokens = check_tokens(tokens, self.limits.token_limit, name)
-        st[1] += len(tokens)
+    def _append(self, st: list[int], rid: str, tokens: Any, name: str) -> list[int]:
+        checked = check_tokens(tokens, self.limits.token_limit, name)
+        st[1] += len(checked)
         limit = self.limits.max_model_len
         if st[1] > limit:
             raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
                                   f"max_model_len {limit}", field=name)
-        return tokens
+        return checked
 
     def check(self, op: Any) -> Any:
         """One op; answers what the apply step needs (see :meth:`Pool.apply_batch`)."""
@@ -411,7 +413,7 @@ def _long(token_ids: Any, threshold: int) -> bool:
 def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:
     """:meth:`BatchCheck.check` of every op; the first error's field is prefixed with
     ``ops[i].<kind>``."""
-    out = []
+    out: list[Any] = []
     append = out.append
     c = check.check
     last = len(ops) - 1

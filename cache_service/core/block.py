@@ -12,6 +12,8 @@ Invariants (kept by :mod:`block_pool` and :mod:`free_queue`, checked by
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class KVCacheBlock:
     """A block of the pool. ``prev_free_block`` / ``next_free_block`` are the
@@ -31,7 +33,7 @@ class KVCacheBlock:
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Pickled without the free-queue links: following them would recurse once per
         # free block (a million-block pool overflows the stack). The queue pickles its
         # order and relinks the blocks when it is loaded (FreeKVCacheBlockQueue.__reduce__).

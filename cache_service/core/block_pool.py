@@ -64,13 +64,13 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes,
                          group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or None if any group misses."""
-        out = []
+        out: list[KVCacheBlock] = []
         maps = self._maps
         for gid in group_ids:
             entry = maps[gid].get(block_hash)
             if entry is None:
                 return None
-            if type(entry) is dict:
+            if isinstance(entry, dict):
                 entry = next(iter(entry.values()))
             out.append(entry)
         return out
@@ -82,8 +82,8 @@ class BlockPool:
     def get_one_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         """Single-group lookup (the hot path of one-group spec groups)."""
         entry = self._maps[group_id].get(block_hash)
-        if entry is None or type(entry) is not dict:
-            return entry  # type: ignore[return-value]
+        if entry is None or not isinstance(entry, dict):
+            return entry
         return next(iter(entry.values()))
 
     def _insert(self, block_hash: bytes, group_id: int, block: KVCacheBlock) -> None:
@@ -91,10 +91,10 @@ class BlockPool:
         entry = m.get(block_hash)
         if entry is None:
             m[block_hash] = block
-        elif type(entry) is dict:
+        elif isinstance(entry, dict):
             entry[block.block_id] = block
         else:
-            m[block_hash] = {entry.block_id: entry, block.block_id: block}  # type: ignore[union-attr]
+            m[block_hash] = {entry.block_id: entry, block.block_id: block}
 
     def _evict(self, block: KVCacheBlock) -> bool:
         """Drop ``block``'s own cache entry (duplicates under the key survive)."""
@@ -106,7 +106,7 @@ class BlockPool:
         entry = m.get(block_hash)
         if entry is block:
             del m[block_hash]
-        elif type(entry) is dict and block.block_id in entry:
+        elif isinstance(entry, dict) and block.block_id in entry:
             del entry[block.block_id]
             if not entry:
                 del m[block_hash]
@@ -208,7 +208,7 @@ class BlockPool:
                       start: int, end: int, block_size: int, group_id: int) -> BlockStored:
         parent = external_block_hash(block_hashes[start - 1]) if start > 0 else None
         lora, salt = request.lora_name, request.cache_salt
-        extra: list[tuple | None] = []
+        extra: list[tuple[str, ...] | None] = []
         for i in stored:
             keys: list[str] = []
             if lora is not None:
@@ -245,11 +245,11 @@ class BlockPool:
             return False
         for m in self._maps:
             for entry in m.values():
-                if type(entry) is dict:
+                if isinstance(entry, dict):
                     for block in entry.values():
                         block.block_hash = None
                 else:
-                    entry.block_hash = None  # type: ignore[union-attr]
+                    entry.block_hash = None
             m.clear()
         if self.enable_events:
             self.events.append(AllBlocksCleared())
@@ -286,11 +286,12 @@ class BlockPool:
             assert block.ref_cnt >= 0, f"block {block.block_id}: negative ref_cnt"
             if block.block_hash is not None:
                 entry = self._maps[block.group_id].get(block.block_hash)
-                assert entry is block or (type(entry) is dict and entry.get(block.block_id) is block), \
+                assert entry is block or (isinstance(entry, dict)
+                                          and entry.get(block.block_id) is block), \
                     f"block {block.block_id} is hashed but not in the map"
         for gid, m in enumerate(self._maps):
             for block_hash, entry in m.items():
-                members = list(entry.values()) if type(entry) is dict else [entry]
+                members = list(entry.values()) if isinstance(entry, dict) else [entry]
                 assert members, "empty duplicate set left in the map"
                 for block in members:
                     assert block.block_hash == block_hash and block.group_id == gid, \

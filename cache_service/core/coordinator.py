@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool
@@ -42,6 +42,17 @@ from cache_service.core.specs import (
 
 if TYPE_CHECKING:
     from cache_service.core.request import Request
+
+
+class CoordinatorOptions(TypedDict):
+    """The keyword arguments of every coordinator (see :class:`KVCacheCoordinator`)."""
+
+    max_model_len: int
+    max_in_flight_tokens: int | None
+    enable_caching: bool
+    enable_events: bool
+    scheduler_block_size: int
+    hash_block_size: int
 
 
 class KVCacheCoordinator:
@@ -215,7 +226,7 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
 class UnitaryCoordinator(KVCacheCoordinator):
     """Exactly one group with caching (hash block size == block size)."""
 
-    def __init__(self, config: KVCacheConfig, **kwargs) -> None:
+    def __init__(self, config: KVCacheConfig, **kwargs: Unpack[CoordinatorOptions]) -> None:
         super().__init__(config, **kwargs)
         if len(config.groups) != 1:
             raise ConfigError("the unitary coordinator needs exactly one group", field="groups")
@@ -254,7 +265,7 @@ class HybridCoordinator(KVCacheCoordinator):
     """Two or more groups with caching: the fixed-point hit search of
     docs/semantics.md#hybrid-fixed-point."""
 
-    def __init__(self, config: KVCacheConfig, **kwargs) -> None:
+    def __init__(self, config: KVCacheConfig, **kwargs: Unpack[CoordinatorOptions]) -> None:
         super().__init__(config, **kwargs)
         for m in self.managers:
             if m.block_size % self.hash_block_size:
@@ -275,7 +286,8 @@ class HybridCoordinator(KVCacheCoordinator):
         # being downward closed, never needs a second lookup.
         spec_groups.sort(key=lambda sg: not sg.is_full)
         self.spec_groups = spec_groups
-        self.full_attention_group_id = spec_groups[0].group_ids[0] if spec_groups[0].is_full else None
+        self.full_attention_group_id = (spec_groups[0].group_ids[0] if spec_groups[0].is_full
+                                        else None)
         self._simple = len(spec_groups) == 2 and spec_groups[0].is_full
         # Only scheduler-block-aligned prefixes can ever be hit, so only those are hashed.
         self._cache_alignment = self.scheduler_block_size
@@ -315,9 +327,9 @@ class HybridCoordinator(KVCacheCoordinator):
                 continue
             keep = cdiv(hit_length, sg.spec.block_size)
             for gid in sg.group_ids:
-                blocks = blocks_by_group[gid]
-                if blocks is not None:
-                    del blocks[keep:]
+                kept = blocks_by_group[gid]
+                if kept is not None:
+                    del kept[keep:]
         result = tuple(b if b is not None else [] for b in blocks_by_group)
         return result, hit_length, longest - hit_length
 
@@ -328,9 +340,10 @@ def make_coordinator(config: KVCacheConfig, *, max_model_len: int,
                      hash_block_size: int) -> KVCacheCoordinator:
     """NoPrefixCache when caching is off, Unitary for one group, else Hybrid
     (docs/semantics.md#coordinator-selection)."""
-    kwargs = dict(max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
-                  enable_caching=enable_caching, enable_events=enable_events,
-                  scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+    kwargs = CoordinatorOptions(
+        max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
+        enable_caching=enable_caching, enable_events=enable_events,
+        scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
     if not enable_caching:
         return NoPrefixCacheCoordinator(config, **kwargs)
     if not config.groups:

@@ -9,7 +9,7 @@ the removals first).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 
 @dataclass
@@ -58,4 +58,4 @@ class AllBlocksCleared:
     medium: str = field(default="GPU")
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

@@ -14,6 +14,7 @@ appended later go behind it, exactly as if the range were linked block by block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from cache_service.core.block import KVCacheBlock
 
@@ -175,7 +176,7 @@ class FreeKVCacheBlockQueue:
             curr = curr.next_free_block
         return out
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         """Pickles the queue as its order (the fresh range as ``None``), not as links: a
         snapshot of the pool restores the exact eviction order without deep recursion."""
         order: list[KVCacheBlock | None] = []

@@ -30,6 +30,7 @@ from cache_service.core.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MambaCacheMode,
     MambaSpec,
     SizingLimits,
     SlidingWindowSpec,
@@ -137,6 +138,7 @@ def unify_mamba_hybrid(layer_specs: Mapping[str, KVCacheSpec], *, mamba_cache_mo
     if mamba_cache_mode not in ("none", "align"):
         raise ConfigError(f"mamba_cache_mode must be 'none' or 'align', got "
                           f"{mamba_cache_mode!r}", field="mamba_cache_mode")
+    mode: MambaCacheMode = "align" if mamba_cache_mode == "align" else "none"
     for value, name in ((max_model_len, "max_model_len"),
                         (kernel_block_alignment, "kernel_block_alignment")):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -150,8 +152,8 @@ def unify_mamba_hybrid(layer_specs: Mapping[str, KVCacheSpec], *, mamba_cache_mo
     if not attention:
         # Pure Mamba: nothing to align pages with.
         for name, spec in mamba.items():
-            out[name] = replace(spec, mamba_cache_mode=mamba_cache_mode,
-                                block_size=spec.block_size if mamba_cache_mode == "align"
+            out[name] = replace(spec, mamba_cache_mode=mode,
+                                block_size=spec.block_size if mode == "align"
                                 else max_model_len)
         return out
     block_sizes = {s.block_size for s in attention.values()}
@@ -166,12 +168,12 @@ def unify_mamba_hybrid(layer_specs: Mapping[str, KVCacheSpec], *, mamba_cache_mo
     needed = kernel_block_alignment * cdiv(needed, kernel_block_alignment)
     block_size = max(block_size, needed)
     attn_page = block_size * per_token
-    for name, spec in attention.items():
-        out[name] = replace(spec, block_size=block_size)
+    for name, attn_spec in attention.items():
+        out[name] = replace(attn_spec, block_size=block_size)
     for name, spec in mamba.items():
         out[name] = replace(
-            spec, mamba_cache_mode=mamba_cache_mode,
-            block_size=block_size if mamba_cache_mode == "align" else max_model_len,
+            spec, mamba_cache_mode=mode,
+            block_size=block_size if mode == "align" else max_model_len,
             page_size_padded=attn_page if attn_page != spec.real_page_size_bytes else None)
     return out
 

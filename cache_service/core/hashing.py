@@ -81,11 +81,15 @@ def none_hash(hash_fn: HashFn) -> bytes:
     return h
 
 
+#: A block's tagged extra keys: ``("lora", name, path)``, ``("cache_salt", salt)``.
+ExtraKeys = tuple[tuple[str | None, ...], ...]
+
+
 def hash_block_tokens(
     hash_fn: HashFn,
     parent: bytes | None,
     token_ids: Sequence[int],
-    extra_keys: tuple | None,
+    extra_keys: ExtraKeys | None,
 ) -> bytes:
     """The hash of one full block whose predecessor hashed to ``parent`` (None = first block)."""
     if parent is None:
@@ -100,13 +104,13 @@ def block_extra_keys(
     lora_name: str | None,
     lora_path: str | None,
     cache_salt: str | None,
-) -> tuple | None:
+) -> ExtraKeys | None:
     """Extra keys of the block covering tokens ``[start, end)`` in vLLM 0.33's tagged form:
     ``("lora", name, path)`` on every block of a LoRA request, then ``("cache_salt", salt)``
     on the block that starts at token 0 only. None when there are none (not an empty tuple:
     the two hash differently). vLLM always has a LoRA path; ``None`` is hashed as given.
     Multimodal and prompt-embedding keys are not supported."""
-    keys: list[tuple] = []
+    keys: list[tuple[str | None, ...]] = []
     if lora_name is not None:
         keys.append(("lora", lora_name, lora_path))
     if cache_salt and start == 0:  # vLLM tests truthiness: an empty salt is no salt

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from cache_service.core.hashing import DeclaredRecipe
 
@@ -101,7 +101,7 @@ class Decode:
     token_ids: Sequence[int]
 
 
-Op = Union[AddRequest, Lookup, Allocate, AppendTokens, Free, Preempt, NewStep, Decode]
+Op = AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep | Decode
 #: One outcome per op: RequestInfo (add, append), PrefixHit (lookup), Allocation
 #: (allocate), int = free blocks after the op (free, preempt), None (new_step),
 #: DecodeOutcome (decode).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from cache_service.core.batch import (
     BatchCheck,
@@ -317,6 +317,18 @@ class Pool:
                     plan[i] = (tokens, hashes)
         return PreparedBatch(self, ops, plan, begin_step)
 
+    # The outcome of each kind of op (see ops.OpOutcome), for the single-op methods.
+    @overload
+    def _apply_one(self, op: AddRequest | AppendTokens) -> RequestInfo: ...
+    @overload
+    def _apply_one(self, op: Lookup) -> PrefixHit: ...
+    @overload
+    def _apply_one(self, op: Allocate) -> Allocation: ...
+    @overload
+    def _apply_one(self, op: Decode) -> DecodeOutcome: ...
+    @overload
+    def _apply_one(self, op: Free | Preempt) -> int: ...
+
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
         return self._apply(op, self._checker().check(op))
@@ -330,10 +342,9 @@ class Pool:
 
     def _apply(self, op: Op, prepared: Any) -> OpOutcome:
         """Applies one validated op; ``prepared`` is what :class:`BatchCheck` answered."""
-        kind = type(op)
-        if kind is Decode:
+        if isinstance(op, Decode):
             return self._decode(op.request_ids, op.token_ids, prepared)
-        if kind is Allocate:
+        if isinstance(op, Allocate):
             req = self._requests[op.request_id]
             if prepared:
                 req.append_tokens(prepared)
@@ -341,11 +352,11 @@ class Pool:
                                   op.full_sequence_must_fit, op.use_lookup,
                                   op.delay_cache_blocks, op.num_encoder_tokens,
                                   op.include_table)
-        if kind is AppendTokens:
+        if isinstance(op, AppendTokens):
             req = self._requests[op.request_id]
             req.append_tokens(prepared)
             return self._info(req)
-        if kind is AddRequest:
+        if isinstance(op, AddRequest):
             tokens, hashes = prepared
             req = Request(op.request_id, tokens, hash_fn=self._hash_fn,
                           hash_block_size=self._hbs, cache_salt=op.cache_salt,
@@ -354,12 +365,12 @@ class Pool:
             if self._quota is not None:
                 self._quota.join(op.request_id, op.account or "")
             return self._info(req)
-        if kind is Lookup:
+        if isinstance(op, Lookup):
             req = self._requests[op.request_id]
             blocks, hit, boundary = self._manager.get_computed_blocks(req)
             self._pending[op.request_id] = (blocks, hit, self._epoch)
             return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
-        if kind is Free:
+        if isinstance(op, Free):
             req = self._requests.pop(op.request_id)
             self._epoch += 1
             self._manager.free(req)
@@ -367,7 +378,7 @@ class Pool:
                 self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
             return self.num_free_blocks
-        if kind is Preempt:
+        if isinstance(op, Preempt):
             req = self._requests[op.request_id]
             self._epoch += 1
             self._manager.free(req)
@@ -563,8 +574,9 @@ class Pool:
             else:
                 r = self._allocate(req, 1, include_tables=False)
                 ok[i] = r.ok
-                if r.ok and any(r.new_block_ids):
-                    grown[i] = r.new_block_ids
+                new_ids = r.new_block_ids
+                if r.ok and new_ids is not None and any(new_ids):
+                    grown[i] = new_ids
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
@@ -592,7 +604,8 @@ class Pool:
             try:
                 next(peek)
             except StopIteration as done:
-                return done.value
+                hit: int = done.value
+                return hit
 
     def peek_prefix_in_slices(self, token_ids: Sequence[int] | None = None, *,
                               block_hashes: Sequence[bytes] | None = None,
@@ -606,6 +619,8 @@ class Pool:
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
         check_extra_keys(cache_salt, lora_name, lora_path)
+        hashes: list[bytes] | None
+        num_tokens: int | None
         if (token_ids is not None and block_hashes is None
                 and len(token_ids) > slice_blocks * self._hbs):
             # A long prompt: checked and hashed a slice at a time (converting or checking
@@ -622,6 +637,7 @@ class Pool:
             if self._hash_fn is None:
                 return 0
             if hashes is None:
+                assert tokens is not None  # no block_hashes, so token_ids were given
                 hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
                                              lora_name=lora_name, lora_path=lora_path,
                                              cache_salt=cache_salt)
@@ -726,21 +742,25 @@ class Pool:
                         f"block {block.block_id} twice in request {rid!r}'s group-{gid} table"
                     seen.add(block.block_id)
                     assert owner_group.setdefault(block.block_id, gid) == gid, \
-                        f"block {block.block_id} is in tables of groups {owner_group[block.block_id]} and {gid}"
+                        (f"block {block.block_id} is in tables of groups "
+                         f"{owner_group[block.block_id]} and {gid}")
                     assert pool.blocks.get(block.block_id) is block, \
                         f"block {block.block_id} in a table is not the pool's block"
                     refs[block.block_id] = refs.get(block.block_id, 0) + 1
                     if block.block_hash is not None:
                         assert block.group_id == gid, \
-                            f"block {block.block_id} cached for group {block.group_id} but held by group {gid}"
+                            (f"block {block.block_id} cached for group {block.group_id} "
+                             f"but held by group {gid}")
         used = 0
         for block in pool.blocks.values():
             if block.is_null:
                 continue
             assert block.ref_cnt == refs.get(block.block_id, 0), \
-                f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs.get(block.block_id, 0)} tables holding it"
+                (f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
+                 f"{refs.get(block.block_id, 0)} tables holding it")
             used += block.ref_cnt > 0
         assert pool.get_num_free_blocks() + used == pool.num_blocks - 1, \
-            f"free {pool.get_num_free_blocks()} + used {used} != num_blocks - 1 = {pool.num_blocks - 1}"
+            (f"free {pool.get_num_free_blocks()} + used {used} != "
+             f"num_blocks - 1 = {pool.num_blocks - 1}")
         if not self._requests:
             assert used == 0, f"{used} blocks still referenced with no request registered"

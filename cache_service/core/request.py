@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 from cache_service.core.hashing import HashFn, hash_request_tokens
 
@@ -56,7 +57,7 @@ class Request:
                 self.block_hashes = list(block_hashes)
             self._update_block_hashes()
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         # Token ids travel as one packed array: a snapshot holds millions of them, and
         # unpickling them one int object at a time dominated the restart time.
         state = {name: getattr(self, name) for name in self.__slots__}
@@ -95,7 +96,7 @@ class Request:
             lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt))
 
 
-def _restore_request(state: dict) -> Request:
+def _restore_request(state: dict[str, Any]) -> Request:
     req = Request.__new__(Request)
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
@@ -103,7 +104,7 @@ def _restore_request(state: dict) -> Request:
     return req
 
 
-def _pack(token_ids: list[int]) -> array:
+def _pack(token_ids: list[int]) -> array[int]:
     try:
         return array("i", token_ids)  # the pool's token ids lie in [0, 2**31)
     except OverflowError:

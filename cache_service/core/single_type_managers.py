@@ -16,7 +16,7 @@ the fine hash at ``(i+1)*k - 1``: docs/semantics.md#coarse-hash-views).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, overload
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool
@@ -48,7 +48,13 @@ class CoarseHashView(Sequence[bytes]):
     def __len__(self) -> int:
         return len(self._fine) // self._k
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
@@ -61,7 +67,8 @@ def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> S
     return fine if k == 1 else CoarseHashView(fine, k)
 
 
-def _lookup(pool: BlockPool, block_hash: bytes, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
+def _lookup(pool: BlockPool, block_hash: bytes,
+            group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         block = pool.get_one_cached_block(block_hash, group_ids[0])
         return None if block is None else [block]
@@ -224,6 +231,7 @@ class SingleTypeKVCacheManager:
         ids = self.req_to_ids.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if blocks:
+            assert ids is not None  # the two tables of a request come and go together
             if ids[0]:
                 self.pool.free_blocks(reversed(blocks))
                 return
@@ -299,7 +307,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 block = get(hashes[i])
                 if block is None:
                     break
-                if type(block) is dict:
+                if isinstance(block, dict):
                     block = next(iter(block.values()))
                 hit.append(block)
             result: HitBlocks = (hit,)
@@ -325,8 +333,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     frees_skipped_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
-        super().__init__(spec, pool, group_id, **kwargs)
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        super().__init__(spec, pool, group_id, enable_caching=enable_caching,
+                         admission_cap=admission_cap)
         assert isinstance(spec, SlidingWindowSpec)
         self.sliding_window = spec.sliding_window
 
@@ -410,8 +420,10 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     frees_skipped_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
-        super().__init__(spec, pool, group_id, **kwargs)
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        super().__init__(spec, pool, group_id, enable_caching=enable_caching,
+                         admission_cap=admission_cap)
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         self.attention_chunk_size = spec.attention_chunk_size
 
@@ -454,8 +466,10 @@ class MambaManager(SingleTypeKVCacheManager):
 
     frees_skipped_blocks = True
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, **kwargs) -> None:
-        super().__init__(spec, pool, group_id, **kwargs)
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        super().__init__(spec, pool, group_id, enable_caching=enable_caching,
+                         admission_cap=admission_cap)
         assert isinstance(spec, MambaSpec)
         self.align = spec.mamba_cache_mode == "align"
         self.num_speculative_blocks = spec.num_speculative_blocks

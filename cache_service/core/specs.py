@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from cache_service.core.errors import ConfigError
 
@@ -81,7 +81,9 @@ class SizingLimits:
 
     @property
     def in_flight(self) -> int:
-        return self.max_model_len if self.max_in_flight_tokens is None else self.max_in_flight_tokens
+        if self.max_in_flight_tokens is None:
+            return self.max_model_len
+        return self.max_in_flight_tokens
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,9 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
 
 
 @dataclass(frozen=True)
@@ -170,17 +174,18 @@ class FullAttentionSpec(AttentionSpec):
         ``sliding_window`` / ``attention_chunk_size``; the group keeps the one non-None
         value. Two different windows -> ConfigError; a window and a chunk size, or any
         other difference -> SpecMergeError."""
-        if not all(type(spec) is FullAttentionSpec for spec in specs):
+        full = [spec for spec in specs if type(spec) is FullAttentionSpec]
+        if len(full) != len(specs):
             raise SpecMergeError("All attention layers in the same KV cache group must be "
                                  "FullAttentionSpec.", field="layer_specs")
-        windows = {s.sliding_window for s in specs if s.sliding_window is not None}
-        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}
+        windows = {s.sliding_window for s in full if s.sliding_window is not None}
+        chunks = {s.attention_chunk_size for s in full if s.attention_chunk_size is not None}
         for name, values in (("sliding_window", windows), ("attention_chunk_size", chunks)):
             if len(values) > 1:
                 raise ConfigError("All attention layers in the same KV cache group must have "
                                   f"the same window size; got {name} {sorted(values)}",
                                   field=name)
-        merged = replace(specs[0], sliding_window=next(iter(windows), None),
+        merged = replace(full[0], sliding_window=next(iter(windows), None),
                          attention_chunk_size=next(iter(chunks), None))
         base = [f.name for f in fields(AttentionSpec)]
         for spec in specs:
@@ -292,7 +297,9 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_blocks
@@ -359,7 +366,7 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
         return all(spec == self for spec in specs)
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails; read layer_specs via __dict__ so that a
         # half-built instance (copy, unpickle) raises AttributeError instead of recursing.
         layer_specs = self.__dict__.get("layer_specs")
