@@ -33,10 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
 from bench_service import DECODE, admit, decode_batch, model, pool_kwargs  # noqa: E402
-from cache_service.client import CacheClient, StepBuilder, register_request  # noqa: E402
+from cache_service.client import (  # noqa: E402
+    CacheClient,
+    DecodeResult,
+    StepBuilder,
+    register_request,
+)
 from cache_service.durability import open_data_dir  # noqa: E402
 from cache_service.server import _new_state, _replay  # noqa: E402
-from cache_service.settings import Settings  # noqa: E402
+from cache_service.settings import parse_settings  # noqa: E402
 from cache_service.state import WalRecord  # noqa: E402
 from kvcache_common.launch import ServerProcess, start_cache_service  # noqa: E402
 
@@ -79,7 +84,9 @@ def bench_steps(root: Path, n: int, steps: int, warmup: int, rounds: int) -> dic
                     t0 = time.perf_counter_ns()
                     result = client.step_batch(batch)
                     elapsed = time.perf_counter_ns() - t0
-                    assert result.results[0].all_ok, "decode found no room; enlarge the pool"
+                    decoded = result.results[0]
+                    assert isinstance(decoded, DecodeResult) and decoded.all_ok, \
+                        "decode found no room; enlarge the pool"
                     samples[name].append(elapsed)
             step += per_round
     finally:
@@ -93,7 +100,7 @@ def bench_steps(root: Path, n: int, steps: int, warmup: int, rounds: int) -> dic
 def build_state(directory: Path, num_blocks: int, requests: int, prompt: int,
                 tail: int, tail_batch: int) -> dict:
     """A data directory with a big pool: admissions + a snapshot + a log tail."""
-    settings = Settings(event_buffer=10000)
+    settings = parse_settings(["--event-buffer", "10000"])
     data_dir, state = open_data_dir(directory, new_state=lambda i: _new_state(settings, i),
                                     apply=_replay, fsync="never", snapshot_every=10**9)
     state.durability = data_dir

@@ -50,7 +50,7 @@ def model() -> list:
 def held_batches(pool_id: str, n: int, session_id: str = "", first_seq: int = 1
                  ) -> list[pb.StepRequest]:
     """Steps that add and allocate ``n`` requests, 250 per Step, stamped with a session."""
-    out = []
+    out: list[pb.StepRequest] = []
     for start in range(0, n, 250):
         batch = StepBuilder(pool_id, begin_step=True)
         for i in range(start, min(n, start + 250)):

@@ -4,6 +4,7 @@ the one-piece call does: a decode op applied in slices, and a prefix peek hashed
 from __future__ import annotations
 
 from collections.abc import Generator
+from typing import TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -14,8 +15,10 @@ from cache_service.core.ops import AddRequest, Allocate, Decode, Free
 
 from builders import full, make_pool, swa
 
+T = TypeVar("T")
 
-def drive(gen: Generator) -> tuple[object, int]:
+
+def drive(gen: Generator[None, None, T]) -> tuple[T, int]:
     """Runs a generator to its end: (its value, how many times it yielded)."""
     yields = 0
     while True:

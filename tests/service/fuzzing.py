@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import descriptor
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import layers, ops, register_request
@@ -44,7 +45,7 @@ _STRINGS = ["", POOL, CBOR_POOL, LIVE, "ghost", "x" * 300, "a/b", "default/fz", 
             " ", "fz ", "\x00"]
 
 
-def _requests() -> dict[str, Callable[[], object]]:
+def _requests() -> dict[str, Callable[[], Message]]:
     """A valid-looking request per RPC (the fuzzer mutates them)."""
     def step() -> pb.StepRequest:
         return pb.StepRequest(pool_id=POOL, begin_step=True, ops=[
@@ -179,7 +180,7 @@ class Fuzzer:
 
     # -- the state a rejected call must not change ----------------------------------------
 
-    def _unary(self, rpc: str, request: object) -> bytes:
+    def _unary(self, rpc: str, request: Message) -> bytes:
         return self.channel.unary_unary(SERVICE + rpc)(request.SerializeToString(),
                                                        timeout=20)
 

@@ -113,7 +113,7 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
         else:  # an invalid batch: rejected whole, not logged
             batch.add("bad", [1, 2]).allocate("nobody", 1)
         request = batch.request
-        if sessions and draw(st.booleans()):
+        if bool(sessions) and draw(st.booleans()):
             sid = draw(st.sampled_from(sorted(sessions)))
             request.session_id = sid
             # Usually the next number; sometimes a retry of the last or a gap.

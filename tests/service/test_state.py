@@ -131,9 +131,9 @@ def test_records_name_their_problems() -> None:
         state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(session_id="x",
                                                                    max_requests=1)))
     assert exc.value.field == "session_id"
-    with pytest.raises(KVCacheError) as exc:
+    with pytest.raises(KVCacheError) as empty:
         state.apply(WalRecord())
-    assert exc.value.field == "mutation"
+    assert empty.value.field == "mutation"
     with pytest.raises(NotFound) as exc:
         state.apply(step(1, ops.new_step(), pool="nope", sid=""))
     assert exc.value.field == "pool_id"

@@ -27,7 +27,8 @@ def test_tokens_map_to_tenants_with_their_options(tmp_path: Path) -> None:
     assert table.authenticate("Bearer tok-a-2") == Tenant("team-a", max_pools=2)
     assert table.authenticate("Bearer tok-b") == Tenant("team-b", max_pools=5,
                                                         max_blocks=4096)
-    assert table.authenticate("Bearer tok-ops").admin
+    ops = table.authenticate("Bearer tok-ops")
+    assert ops is not None and ops.admin
     for bad in (None, "", "tok-b", "Bearer tok-b ", "Bearer ", "bearer tok-b", "Bearer x"):
         assert table.authenticate(bad) is None
     assert sorted(table.tenants) == ["ops", "team-a", "team-b"]

@@ -15,6 +15,7 @@ from cache_service.snapshot import SnapshotCorruption, list_snapshots, read_snap
 from cache_service.wal import (
     HEADER_SIZE,
     MAGIC,
+    FsyncPolicy,
     WalCorruption,
     WriteAheadLog,
     list_segments,
@@ -61,7 +62,8 @@ def _payloads(n: int, start: int = 0) -> list[bytes]:
     return [f"record-{i}".encode() * (1 + i % 3) for i in range(start, start + n)]
 
 
-def _write(directory: Path, payloads: list[bytes], fsync: str = "never") -> WriteAheadLog:
+def _write(directory: Path, payloads: list[bytes], fsync: FsyncPolicy = "never"
+           ) -> WriteAheadLog:
     wal = WriteAheadLog(directory, 1, fsync=fsync)
     for p in payloads:
         wal.append(p)
@@ -69,7 +71,7 @@ def _write(directory: Path, payloads: list[bytes], fsync: str = "never") -> Writ
 
 
 @pytest.mark.parametrize("fsync", ["always", "batch", "never"])
-def test_round_trip_across_segments(tmp_path: Path, fsync: str) -> None:
+def test_round_trip_across_segments(tmp_path: Path, fsync: FsyncPolicy) -> None:
     wal = _write(tmp_path, _payloads(5), fsync)
     assert wal.rotate() == 5
     for p in _payloads(3, 5):
