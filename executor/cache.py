@@ -30,8 +30,8 @@ from cache_service.core.specs import (
     SlidingWindowSpec,
 )
 from executor.batch import GroupLayout
-from executor.config import ModelConfig
 from executor.model import layer_name
+from executor.model_config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +76,7 @@ def model_layer_specs(cfg: ModelConfig, *, block_size: int = 16,
 
 
 @dataclass(frozen=True)
-class GroupInfo:
+class CacheGroup:
     """One KV-cache group of the pool: its layers (by name) and geometry."""
 
     layer_names: tuple[str, ...]
@@ -87,7 +87,7 @@ class CacheTensors:
     """Physical cache of one model: ``layer_tensors[i]`` is (k, v) or (conv, ssm) of layer i,
     ``layer_group[i]`` the group whose block tables index it."""
 
-    def __init__(self, cfg: ModelConfig, groups: Sequence[GroupInfo], num_blocks: int,
+    def __init__(self, cfg: ModelConfig, groups: Sequence[CacheGroup], num_blocks: int,
                  page_size_bytes: int, device: torch.device | str = "cpu") -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks: need the null block and at least one more, "

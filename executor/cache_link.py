@@ -26,11 +26,11 @@ from cache_service.client import (
 from cache_service.client._session import IN_DOUBT
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
-from executor.cache import GroupInfo
+from executor.cache import CacheGroup
 from executor.errors import CacheUnavailable, PoolLost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "group_infos",
+__all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "cache_groups",
            "group_layouts"]
 
 log = structlog.get_logger("executor.cache_link")
@@ -64,9 +64,9 @@ def group_layouts(info: PoolInfo) -> list[GroupLayout]:
     return out
 
 
-def group_infos(info: PoolInfo) -> list[GroupInfo]:
+def cache_groups(info: PoolInfo) -> list[CacheGroup]:
     """Each of the pool's groups as CacheTensors takes it: its layer names and its layout."""
-    return [GroupInfo(tuple(g.layer_names), lay)
+    return [CacheGroup(tuple(g.layer_names), lay)
             for g, lay in zip(info.groups, group_layouts(info))]
 
 

@@ -90,7 +90,7 @@ class TokenEvent:
 
 
 @dataclass
-class Request:
+class EngineRequest:
     request_id: str
     prompt: list[int]
     max_tokens: int
@@ -119,7 +119,7 @@ class Request:
 class ScheduledChunk:
     """Scheduled work: compute ``req``'s tokens ``[start, start + n)`` in this step's forward."""
 
-    req: Request
+    req: EngineRequest
     start: int
     n: int
 
@@ -128,7 +128,7 @@ class ScheduledChunk:
 class PendingAllocate:
     """An ``allocate`` of ``n`` slots for ``req`` in a batch; its answer is at ``op_index``."""
 
-    req: Request
+    req: EngineRequest
     n: int
     op_index: int
 
@@ -137,7 +137,7 @@ class PendingAllocate:
 class Candidate:
     """An admission candidate whose call-1 ``lookup`` answer is at ``op_index``."""
 
-    req: Request
+    req: EngineRequest
     op_index: int
 
 
@@ -145,7 +145,7 @@ class Candidate:
 class DecodeBatch:
     """The running requests of one step that share its ``decode`` op (in op order)."""
 
-    requests: list[Request] = field(default_factory=list)
+    requests: list[EngineRequest] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the token each one appends
     op_index: int = -1  # the op's index in the step's batch
 
@@ -158,9 +158,9 @@ class StepRollback:
     def __init__(self, to_free: list[str], to_preempt: list[str]) -> None:
         self.to_free = to_free
         self.to_preempt = to_preempt
-        self._requests: list[tuple[Request, bool, list[int]]] = []
+        self._requests: list[tuple[EngineRequest, bool, list[int]]] = []
 
-    def touch(self, req: Request) -> None:
+    def touch(self, req: EngineRequest) -> None:
         """Remember ``req``'s sync state before the step changes it."""
         self._requests.append((req, req.added, req.pending_append))
 
@@ -206,12 +206,12 @@ class Engine:
                    if g.kind == "mamba" and g.mamba_cache_mode == "align"]
         self.mamba_align_block = max(aligned) if aligned else 0
         check_engine_config(config, self.mamba_align_block)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
         self.to_free: list[str] = []
         # Requests the engine moved to waiting whose preempt has not reached the service yet.
         self.to_preempt: list[str] = []
-        self.inbox: queue.Queue[tuple[str, Request | str | None]] = queue.Queue()
+        self.inbox: queue.Queue[tuple[str, EngineRequest | str | None]] = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
         self.on_reregister = on_reregister
@@ -219,7 +219,7 @@ class Engine:
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ public, thread-safe
-    def submit(self, req: Request) -> None:
+    def submit(self, req: EngineRequest) -> None:
         self.validate(req)
         self.inbox.put(("add", req))
 
@@ -233,7 +233,7 @@ class Engine:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}-{time.monotonic_ns()}"
 
-    def validate(self, req: Request) -> None:
+    def validate(self, req: EngineRequest) -> None:
         if not req.prompt:
             raise InvalidArgument("at least one token is required", field="prompt_token_ids")
         bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < self.vocab_size), None)
@@ -289,7 +289,7 @@ class Engine:
             return
         while True:
             kind, payload = item
-            if isinstance(payload, Request):  # kind "add"
+            if isinstance(payload, EngineRequest):  # kind "add"
                 payload.stats.prompt_tokens = len(payload.prompt)
                 self.waiting.append(payload)
             elif kind == "abort":
@@ -310,12 +310,12 @@ class Engine:
                             self.to_preempt.remove(rid)
                     self._emit(req, [], finish="abort")
 
-    def chunk_len(self, req: Request, start: int, budget: int) -> int:
+    def chunk_len(self, req: EngineRequest, start: int, budget: int) -> int:
         """Tokens to compute from ``start`` under ``budget`` (0: cannot progress now)."""
         return plan_chunk(start, len(req.tokens), budget, boundary=req.boundary,
                           align_block=self.mamba_align_block)
 
-    def _blocks_estimate(self, req: Request) -> int:
+    def _blocks_estimate(self, req: EngineRequest) -> int:
         """Blocks a request may need for its whole sequence (no hit): admission sizing only."""
         n = len(req.tokens) + req.max_tokens - len(req.outputs)
         total = 0
@@ -395,7 +395,7 @@ class Engine:
         prefill chunk, rare, gets generic ops), and it is placed before those allocations.
         """
         decode = DecodeBatch()
-        generic: list[tuple[Request, list[int], int]] = []  # (req, tokens to append, n)
+        generic: list[tuple[EngineRequest, list[int], int]] = []  # (req, tokens to append, n)
         for req in self.running:
             n = self.chunk_len(req, req.num_computed, budget)
             if n == 0:
@@ -481,7 +481,7 @@ class Engine:
         order = {id(r): i for i, r in enumerate(self.running)}
         return sorted(scheduled, key=lambda c: order.get(id(c.req), 0))
 
-    def _to_waiting(self, req: Request) -> None:
+    def _to_waiting(self, req: EngineRequest) -> None:
         """Preempted: back to the front of the queue; everything is recomputed on re-admission."""
         self.running.remove(req)
         req.num_computed = 0
@@ -524,7 +524,7 @@ class Engine:
             return []
         self.free_blocks_hint = result.num_free_blocks
         admitted: list[ScheduledChunk] = []
-        rollback: list[Request] = []
+        rollback: list[EngineRequest] = []
         stopped = False
         for alloc in plan:
             req = alloc.req
@@ -595,7 +595,8 @@ class Engine:
                 self.metrics.finished += 1
             self._emit(req, [tok], finish=finish)
 
-    def _emit(self, req: Request, tokens: list[int], *, finish: str = "", error: str = "") -> None:
+    def _emit(self, req: EngineRequest, tokens: list[int], *, finish: str = "",
+              error: str = "") -> None:
         stats = None
         if finish or error:
             req.stats.output_tokens = len(req.outputs)

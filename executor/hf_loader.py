@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from executor.config import ModelConfig
 from executor.errors import SettingError
 from executor.model import HybridModel
+from executor.model_config import ModelConfig
 
 DEFAULT_MAX_MODEL_LEN = 4096  # checkpoints advertise 128k+; the pool must fit one such request
 

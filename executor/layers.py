@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 import kernels
 from executor.batch import AttentionMeta, MambaMeta
-from executor.config import ModelConfig
+from executor.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,5 @@
 """The hybrid decoder: embedding -> N x (norm, mixer, residual, norm, MLP, residual) -> norm ->
-logits. Mixers are chosen per layer from the pattern (see ``executor.config``).
+logits. Mixers are chosen per layer from the pattern (see ``executor.model_config``).
 
 ``forward`` takes packed tokens of several requests plus ``ForwardMeta`` and the per-layer cache
 tensors; it never allocates cache memory itself. Weights are random but deterministic in
@@ -16,8 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from executor.batch import AttentionMeta, ForwardMeta, MambaMeta
-from executor.config import ModelConfig
 from executor.layers import Attention, GatedMLP, Mamba1Mixer, Mamba2Mixer, RMSNorm
+from executor.model_config import ModelConfig
 
 
 class LayerCaches(Protocol):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from executor.config import ModelConfig
+from executor.model_config import ModelConfig
 
 _BASE = ModelConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_heads=4,
                     num_kv_heads=1, head_dim=32, mamba2_heads=4, mamba2_head_dim=32,

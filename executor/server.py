@@ -44,9 +44,8 @@ from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
 from executor.batch import SeqChunk
 from executor.cache import CacheTensors, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_infos
-from executor.config import ModelConfig
-from executor.engine import Engine, EngineConfig, Request, TokenEvent, check_engine_config
+from executor.cache_link import CacheLink, PoolPlan, cache_groups
+from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, check_engine_config
 from executor.errors import (
     CacheUnavailable,
     ExecutorError,
@@ -55,6 +54,7 @@ from executor.errors import (
     RequestFailed,
 )
 from executor.model import HybridModel
+from executor.model_config import ModelConfig
 from executor.presets import get_preset
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
@@ -209,7 +209,7 @@ class Executor:
         else:
             return
         try:  # a failure here must end the process, not leave it up and never SERVING
-            cache = CacheTensors(self.model.config, group_infos(info), info.num_blocks,
+            cache = CacheTensors(self.model.config, cache_groups(info), info.num_blocks,
                                  info.layer_page_size_bytes, device=self.settings.device)
             self.runner = ModelRunner(self.model, cache)
             self.engine = Engine(self.runner, self.link, engine_config(self.settings))
@@ -256,7 +256,7 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
         rid = request.request_id or engine.new_request_id()
         if len(rid) > 200:
             raise InvalidArgument("at most 200 characters", field="request_id")
-        engine.submit(Request(rid, list(request.prompt_token_ids), request.max_tokens,
+        engine.submit(EngineRequest(rid, list(request.prompt_token_ids), request.max_tokens,
                               sampling=_sampling(request.sampling),
                               stop_token_ids=frozenset(request.stop_token_ids),
                               cache_salt=request.cache_salt,

@@ -20,10 +20,10 @@ from executor.batch import (
     SeqChunk,
     build_forward_meta,
 )
-from executor.cache import CacheTensors, GroupInfo, mamba_state_shapes
+from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes
 from executor.client import GenerateOptions, Generation
-from executor.config import ModelConfig
 from executor.model import HybridModel, layer_name
+from executor.model_config import ModelConfig
 
 R = TypeVar("R")
 
@@ -41,7 +41,7 @@ def one_group_per_layer(cfg: ModelConfig, block_size: int, mamba_cache_mode: str
         kind = cfg.layer_kind(i)
         is_attn = kind in ("full_attention", "sliding_window")
         mbs = block_size if mamba_cache_mode == "align" else cfg.max_model_len
-        groups.append(GroupInfo((layer_name(i, kind),),
+        groups.append(CacheGroup((layer_name(i, kind),),
                                 GroupLayout("attention" if is_attn else "mamba",
                                             block_size if is_attn else mbs, mamba_cache_mode)))
     return CacheTensors(cfg, groups, num_blocks, max(pages))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from cache_service.core.grouping import get_kv_cache_config
 from cache_service.core.specs import AttentionSpec, MambaSpec, SlidingWindowSpec
 from executor.batch import GroupLayout
-from executor.cache import CacheTensors, GroupInfo, mamba_state_shapes, model_layer_specs
+from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes, model_layer_specs
 from executor.presets import PRESETS
 
 
@@ -46,7 +46,7 @@ def _tensors(preset: str, num_blocks: int = 12) -> CacheTensors:
         s = g.spec
         layout = (GroupLayout("mamba", s.block_size, s.mamba_cache_mode) if isinstance(s, MambaSpec)
                   else GroupLayout("attention", s.block_size))
-        groups.append(GroupInfo(tuple(g.layer_names), layout))
+        groups.append(CacheGroup(tuple(g.layer_names), layout))
     return CacheTensors(cfg, groups, kv.num_blocks, kv.groups[0].spec.page_size_bytes)
 
 
@@ -75,7 +75,7 @@ def test_a_block_of_any_layer_lives_inside_its_page(layer: int, block: int, whic
 def test_layers_must_match_their_groups() -> None:
     cfg = PRESETS["hybrid-fsm"]
     t = _tensors("hybrid-fsm")
-    swapped = [GroupInfo(g.layer_names,
+    swapped = [CacheGroup(g.layer_names,
                          GroupLayout("attention" if g.layout.kind == "mamba" else "mamba",
                                      g.layout.block_size)) for g in t.groups]
     with pytest.raises(ValueError, match="groups"):

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from cache_service.client import AllocateResult, CacheError, DecodeResult, StepResult, ops
 from executor.cache import CacheTensors, model_layer_specs
-from executor.cache_link import CacheLink, PoolPlan, group_infos
-from executor.engine import Engine, EngineConfig, Request, TokenEvent, plan_chunk
+from executor.cache_link import CacheLink, PoolPlan, cache_groups
+from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, plan_chunk
 from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
@@ -126,11 +126,12 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
                     vocab_size=cfg.vocab_size)
     link = RecordingLink(target, plan, fail_at=fail_at)
     info = link.register()
-    cache = CacheTensors(cfg, group_infos(info), info.num_blocks, info.layer_page_size_bytes)
+    cache = CacheTensors(cfg, cache_groups(info), info.num_blocks, info.layer_page_size_bytes)
     engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
     outputs: list[list[int]] = [[] for _ in prompts]
     for prompt, out in zip(prompts, outputs):
-        engine.submit(Request(engine.new_request_id(), prompt, max_tokens, sink=collect_into(out)))
+        engine.submit(EngineRequest(engine.new_request_id(), prompt, max_tokens,
+                                    sink=collect_into(out)))
     engine._drain_inbox(block=False)
     try:
         while engine.has_work:
