@@ -23,7 +23,6 @@ from cache_service.client import (
     StepStream,
     layers,
 )
-from cache_service.client._session import IN_DOUBT
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
 from executor.cache import CacheGroup
@@ -137,7 +136,7 @@ class CacheLink:
             try:
                 return self._send(ops, begin_step)
             except CacheError as exc:
-                if exc.code not in IN_DOUBT or time.perf_counter() >= deadline:
+                if not exc.in_doubt or time.perf_counter() >= deadline:
                     raise
                 attempt += 1
                 log.warning("cache_step_in_doubt", code=exc.code.name, attempt=attempt,

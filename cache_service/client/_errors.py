@@ -6,6 +6,11 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+#: Codes after which the call may or may not have been applied.
+IN_DOUBT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+                      grpc.StatusCode.INTERNAL})
+
 
 class CacheError(Exception):
     """A failed call: ``code`` (grpc.StatusCode), ``message``, and ``field`` — the first
@@ -16,6 +21,12 @@ class CacheError(Exception):
         self.code = code
         self.message = message
         self.field = field
+
+    @property
+    def in_doubt(self) -> bool:
+        """The call may or may not have been applied (the answer was lost): resend the SAME
+        call, under the same sequence number, to learn its outcome without applying it twice."""
+        return self.code in IN_DOUBT
 
     @classmethod
     def from_rpc(cls, exc: grpc.RpcError) -> CacheError:

@@ -25,11 +25,6 @@ import grpc
 
 from cache_service.client._errors import CacheError
 
-#: Codes after which the call may or may not have been applied.
-IN_DOUBT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                      grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-                      grpc.StatusCode.INTERNAL})
-
 
 @dataclass
 class SessionStamp:
@@ -56,7 +51,7 @@ class SessionStamp:
                 and self.in_doubt):
             self.accepted()
             return True
-        if err.code in IN_DOUBT:
+        if err.in_doubt:
             self.in_doubt = True
         return False
 

@@ -23,7 +23,6 @@ import grpc
 import pytest
 
 from cache_service.client import CacheClient, CacheError, StepBuilder
-from cache_service.client._session import IN_DOUBT
 from cache_service.wal import HEADER_SIZE, MAGIC
 from kvcache_common.launch import ServerProcess, start_cache_service
 
@@ -77,7 +76,7 @@ class LoadClient:
             try:
                 return call()
             except CacheError as exc:
-                if exc.code not in IN_DOUBT or stop.is_set():
+                if not exc.in_doubt or stop.is_set():
                     raise
                 self.in_doubt += 1
 
