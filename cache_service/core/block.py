@@ -6,7 +6,10 @@ Invariants (kept by :mod:`block_pool` and :mod:`free_queue`, checked by
 * ``ref_cnt == 0`` <=> the block is in the free queue (the null block excepted).
 * ``block_hash is not None`` <=> the block is in the cached-block map under
   ``(group_id, block_hash)``. A free block may still be cached: it is an eviction
-  candidate that a later request can hit.
+  candidate that a later request can hit. ``hash_num_tokens`` is the prefix length that
+  hash stands for (a partial entry's ends inside the block). A block may be reachable
+  under further keys of its group (``BlockPool`` keeps them); it has them only while it
+  has a ``block_hash``.
 * The null block (id 0) is never free, never hashed and its ``ref_cnt`` is not kept.
 """
 
@@ -19,8 +22,8 @@ class KVCacheBlock:
     """A block of the pool. ``prev_free_block`` / ``next_free_block`` are the
     intrusive links of the free queue and are touched only by it."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "group_id", "prev_free_block",
-                 "next_free_block", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "hash_num_tokens", "group_id",
+                 "prev_free_block", "next_free_block", "is_null")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -28,6 +31,7 @@ class KVCacheBlock:
         # Raw block hash (bytes) while cached; the map key is (group_id, block_hash),
         # which is vLLM's BlockHashWithGroupId without the byte concatenation.
         self.block_hash: bytes | None = None
+        self.hash_num_tokens: int | None = None
         self.group_id = 0
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
@@ -38,15 +42,18 @@ class KVCacheBlock:
         # free block (a million-block pool overflows the stack). The queue pickles its
         # order and relinks the blocks when it is loaded (FreeKVCacheBlockQueue.__reduce__).
         return (_restore_block, (self.block_id, self.ref_cnt, self.block_hash, self.group_id,
-                                 self.is_null))
+                                 self.is_null, self.hash_num_tokens))
 
-    def set_block_hash(self, block_hash: bytes, group_id: int) -> None:
+    def set_block_hash(self, block_hash: bytes, group_id: int,
+                       num_tokens: int | None = None) -> None:
         assert self.block_hash is None, f"block {self.block_id} already has a hash"
         self.block_hash = block_hash
+        self.hash_num_tokens = num_tokens
         self.group_id = group_id
 
     def reset_hash(self) -> None:
         self.block_hash = None
+        self.hash_num_tokens = None
 
     def __repr__(self) -> str:
         h = None if self.block_hash is None else self.block_hash[-4:].hex()
@@ -54,10 +61,11 @@ class KVCacheBlock:
 
 
 def _restore_block(block_id: int, ref_cnt: int, block_hash: bytes | None, group_id: int,
-                   is_null: bool) -> KVCacheBlock:
+                   is_null: bool, hash_num_tokens: int | None = None) -> KVCacheBlock:
     block = KVCacheBlock(block_id)
     block.ref_cnt = ref_cnt
     block.block_hash = block_hash
+    block.hash_num_tokens = hash_num_tokens
     block.group_id = group_id
     block.is_null = is_null
     return block

@@ -10,6 +10,11 @@ The cached-block map is kept per group: ``_maps[group_id][block_hash]`` is one b
 or a ``{block_id: block}`` dict when several blocks are cached under the same key
 (vLLM never de-duplicates: block tables are append-only). A lookup returns the
 first-inserted block still present.
+
+A block has at most one *primary* key (``block.block_hash``) and, while it has one, may
+be reachable under further keys of its group (``_extra``): a partial entry registered
+on a block that already had a key, or the keys a copy-on-write moved onto it
+(docs/semantics.md#partial-hits-and-copy-on-write). Evicting a block drops all of them.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class BlockPool:
                                                       materialize=self._materialize)
         self._maps: list[dict[bytes, KVCacheBlock | dict[int, KVCacheBlock]]] = [
             {} for _ in range(max(1, num_groups))]
+        # block id -> its non-primary keys (same group as its primary one).
+        self._extra: dict[int, set[bytes]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.events: list[KVEvent] = []
@@ -96,12 +103,8 @@ class BlockPool:
         else:
             m[block_hash] = {entry.block_id: entry, block.block_id: block}
 
-    def _evict(self, block: KVCacheBlock) -> bool:
-        """Drop ``block``'s own cache entry (duplicates under the key survive)."""
-        block_hash = block.block_hash
-        if block_hash is None:
-            return False
-        gid = block.group_id
+    def _remove_key(self, block_hash: bytes, gid: int, block: KVCacheBlock) -> bool:
+        """Drop the map entry ``(gid, block_hash) -> block``; False if there was none."""
         m = self._maps[gid]
         entry = m.get(block_hash)
         if entry is block:
@@ -110,10 +113,54 @@ class BlockPool:
             del entry[block.block_id]
             if not entry:
                 del m[block_hash]
-        block.block_hash = None
-        if self.enable_events:
-            self.events.append(BlockRemoved([external_block_hash(block_hash)], gid))
+        else:
+            return False
         return True
+
+    def _remove_hashes(self, block: KVCacheBlock) -> list[bytes]:
+        """Drop every key of ``block`` (primary first) and its hash; the keys dropped."""
+        block_hash = block.block_hash
+        if block_hash is None:
+            return []
+        gid = block.group_id
+        removed = [block_hash] if self._remove_key(block_hash, gid, block) else []
+        extra = self._extra.pop(block.block_id, None) if self._extra else None
+        if extra:
+            removed += [h for h in extra if self._remove_key(h, gid, block)]
+        block.block_hash = None
+        block.hash_num_tokens = None
+        return removed
+
+    def _announce_removed(self, hashes: list[bytes], gid: int) -> None:
+        if self.enable_events:
+            self.events.extend(BlockRemoved([external_block_hash(h)], gid) for h in hashes)
+
+    def _evict(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s own cache entries (duplicates under its keys survive)."""
+        if block.block_hash is None:
+            return False
+        gid = block.group_id
+        removed = self._remove_hashes(block)
+        self._announce_removed(removed, gid)
+        return bool(removed)
+
+    def _insert_key(self, block_hash: bytes, group_id: int, block: KVCacheBlock,
+                    num_tokens: int | None) -> None:
+        """Make ``block`` reachable under ``(group_id, block_hash)``: its primary key if
+        it has none, else one more key (nothing if it already has this one)."""
+        if block.block_hash is None:
+            block.block_hash = block_hash
+            block.hash_num_tokens = num_tokens
+            block.group_id = group_id
+        elif block.block_hash == block_hash or self._has_key(block_hash, group_id, block):
+            return
+        else:
+            self._extra.setdefault(block.block_id, set()).add(block_hash)
+        self._insert(block_hash, group_id, block)
+
+    def _has_key(self, block_hash: bytes, group_id: int, block: KVCacheBlock) -> bool:
+        entry = self._maps[group_id].get(block_hash)
+        return entry is block or (isinstance(entry, dict) and block.block_id in entry)
 
     @property
     def num_cached_keys(self) -> int:
@@ -193,8 +240,14 @@ class BlockPool:
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
-            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            if block.block_hash is not None:
+                # Only a partial entry can precede the full one: the block filled up.
+                assert block.hash_num_tokens is not None \
+                    and block.hash_num_tokens < (i + 1) * block_size, \
+                    f"block {block.block_id} is already cached"
+                self._announce_removed(self._remove_hashes(block), group_id)
             block.block_hash = block_hash
+            block.hash_num_tokens = (i + 1) * block_size
             block.group_id = group_id
             insert(block_hash, group_id, block)
             stored.append(i)
@@ -228,6 +281,38 @@ class BlockPool:
             start_token=start * block_size,
         )
 
+    def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
+                            group_id: int) -> bytes | None:
+        """Make ``block`` reachable under the key of the prefix ``[0, num_tokens)`` (a
+        multiple of the hash block size that may end inside the block): a partial entry.
+        A shorter key the block had is dropped first. Returns the key (None for the null
+        block). A new entry is announced as one stored hash block."""
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        n = num_tokens // hbs
+        assert num_tokens % hbs == 0 and 0 < n <= len(request.block_hashes)
+        block_hash = request.block_hashes[n - 1]
+        already = ((block.block_hash == block_hash and block.group_id == group_id)
+                   or self._has_key(block_hash, group_id, block))
+        if (not already and block.block_hash is not None and block.hash_num_tokens is not None
+                and block.hash_num_tokens < num_tokens):
+            self._announce_removed(self._remove_hashes(block), group_id)
+        self._insert_key(block_hash, group_id, block, num_tokens)
+        if self.enable_events and not already:
+            # Announced as the one hash block that ends at the boundary.
+            self.events.append(self._stored_event(
+                request, request.block_hashes, [n - 1], n - 1, n, hbs, group_id))
+        return block_hash
+
+    def move_block_hashes(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Re-point every key of ``src`` to ``dst`` (a fresh block about to receive a
+        copy of ``src``'s data): the entries stay live, no events."""
+        assert dst.block_hash is None and dst.block_id not in self._extra
+        num_tokens, gid = src.hash_num_tokens, src.group_id
+        for block_hash in self._remove_hashes(src):
+            self._insert_key(block_hash, gid, dst, num_tokens)
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Drop the cache entries of these blocks; ref counts and queue positions stay."""
         ids = list(block_ids)
@@ -245,12 +330,10 @@ class BlockPool:
             return False
         for m in self._maps:
             for entry in m.values():
-                if isinstance(entry, dict):
-                    for block in entry.values():
-                        block.block_hash = None
-                else:
-                    entry.block_hash = None
+                for block in entry.values() if isinstance(entry, dict) else (entry,):
+                    block.reset_hash()
             m.clear()
+        self._extra.clear()
         if self.enable_events:
             self.events.append(AllBlocksCleared())
         return True
@@ -285,14 +368,18 @@ class BlockPool:
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} but in_queue={in_queue}"
             assert block.ref_cnt >= 0, f"block {block.block_id}: negative ref_cnt"
             if block.block_hash is not None:
-                entry = self._maps[block.group_id].get(block.block_hash)
-                assert entry is block or (isinstance(entry, dict)
-                                          and entry.get(block.block_id) is block), \
-                    f"block {block.block_id} is hashed but not in the map"
+                for key in (block.block_hash, *self._extra.get(block.block_id, ())):
+                    assert self._has_key(key, block.group_id, block), \
+                        f"block {block.block_id} is hashed but not in the map"
+            else:
+                assert block.block_id not in self._extra, \
+                    f"block {block.block_id} has extra keys but no hash"
         for gid, m in enumerate(self._maps):
             for block_hash, entry in m.items():
                 members = list(entry.values()) if isinstance(entry, dict) else [entry]
                 assert members, "empty duplicate set left in the map"
                 for block in members:
-                    assert block.block_hash == block_hash and block.group_id == gid, \
+                    assert block.group_id == gid and (
+                        block.block_hash == block_hash
+                        or block_hash in self._extra.get(block.block_id, ())), \
                         f"map entry for block {block.block_id} does not match its hash"

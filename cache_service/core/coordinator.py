@@ -6,7 +6,8 @@
 * :class:`HybridCoordinator` — two or more groups with caching: groups with equal
   specs are looked up jointly ("spec groups"), full attention first, and the hit
   length is shrunk until every spec group agrees (a fixed point). Hits are
-  multiples of the scheduler block size (lcm of the group block sizes).
+  multiples of the scheduler block size (lcm of the group block sizes), or of the hash
+  block size when partial hits are on (docs/semantics.md#partial-hits-and-copy-on-write).
 
 :func:`make_coordinator` picks one as docs/semantics.md#coordinator-selection says.
 """
@@ -23,6 +24,7 @@ from cache_service.core.errors import ConfigError
 from cache_service.core.single_type_managers import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
+    FullAttentionManager,
     HitBlocks,
     MambaManager,
     SingleTypeKVCacheManager,
@@ -96,8 +98,13 @@ class KVCacheCoordinator:
         self._stepping = tuple(m for m in managers if isinstance(m, MambaManager))
         self._has_cross = any(type(m) is CrossAttentionManager for m in managers)
         self._caching_managers = tuple(m for m in managers if m.enable_caching)
+        # Whether caching may add a partial entry (at the prompt's last hash-block
+        # boundary) without hashing a new full block; set by the hybrid coordinator.
+        self._tail_entries = False
         # Cacheable token counts are rounded down to this (the hybrid hit alignment).
         self._cache_alignment = 1
+        #: Hits may end inside blocks (hybrid pools with a coarse Mamba "align" group).
+        self.partial_hits = False
         self.empty_blocks: HitBlocks = tuple(() for _ in managers)  # type: ignore[misc]
 
     # -- hits --------------------------------------------------------------------------
@@ -179,6 +186,9 @@ class KVCacheCoordinator:
         lists, and ``cache_blocks(request, num_cache_tokens)`` would hash nothing (pass 0
         when no caching follows). Pure; see the managers' ``allocation_is_noop``."""
         rid = request.request_id
+        if self._tail_entries and num_cache_tokens < request.num_prompt_tokens:
+            # Still in the prompt: a partial entry may be due (it never is after it).
+            return False
         n = 0
         if num_cache_tokens > 0 and self._caching_managers:
             # What each manager's cache_blocks caps its full-block count with.
@@ -289,13 +299,31 @@ class HybridCoordinator(KVCacheCoordinator):
         self.full_attention_group_id = (spec_groups[0].group_ids[0] if spec_groups[0].is_full
                                         else None)
         self._simple = len(spec_groups) == 2 and spec_groups[0].is_full
-        # Only scheduler-block-aligned prefixes can ever be hit, so only those are hashed.
-        self._cache_alignment = self.scheduler_block_size
+        hbs = self.hash_block_size
+        # Partial hits: a Mamba "align" group coarser than the hash block size, and every
+        # group either able to hit inside its blocks or as fine as the hash block size.
+        self.partial_hits = any(
+            isinstance(m.spec, MambaSpec) and m.spec.mamba_cache_mode == "align"
+            and m.block_size > hbs for m in self.managers) and all(
+            m.supports_partial_hits or m.block_size == hbs for m in self.managers)
+        if self.partial_hits:
+            # Hits land on hash-block boundaries; any computed prefix may be hashed
+            # (rounding it down would re-key a state block a copy-on-write privatized).
+            self._hit_alignment = hbs
+            self._cache_alignment = 1
+        else:
+            # Only scheduler-block-aligned prefixes can ever be hit, so only those are
+            # hashed.
+            self._hit_alignment = self._cache_alignment = self.scheduler_block_size
+        for m in self.managers:
+            m.cache_hit_alignment_tokens = self._hit_alignment
+        self._tail_entries = self.partial_hits or any(
+            type(m) is FullAttentionManager and m.block_size > hbs for m in self.managers)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
         num_groups = len(self.managers)
-        alignment = self.scheduler_block_size
+        alignment = self._hit_alignment
         hit_length = max_cache_hit_length
         longest = 0
         blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups

@@ -47,6 +47,17 @@ def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
     return sched, hash_block_size if hash_block_size is not None else default_hash
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy block ``src_block_id``'s data to ``dst_block_id`` in group ``group_id``
+    before the forward pass of the step that allocated it (a partial hit's copy-on-write,
+    docs/semantics.md#partial-hits-and-copy-on-write)."""
+
+    group_id: int
+    src_block_id: int
+    dst_block_id: int
+
+
 @dataclass
 class PrefixCacheStats:
     """Prefix-cache counters recorded at admission; ``preempted_*`` for re-admissions."""
@@ -98,6 +109,10 @@ class KVCacheManager:
         self.fast_path = True
         #: Set when allocate_slots answered None because of ``max_new_blocks``.
         self.refused_by_quota = False
+        #: Whether allocations may queue block copies (partial hits are on).
+        self.partial_hits = self.coordinator.partial_hits
+        # Both ends of every copy taken by take_block_copies, until the copies have run.
+        self._copied_blocks: list[KVCacheBlock] = []
         specs = [manager_spec(g.spec) for g in config.groups]
         self._event_metadata = [
             (s.kind, s.sliding_window if isinstance(s, SlidingWindowSpec) else None) for s in specs]
@@ -217,6 +232,26 @@ class KVCacheManager:
             n_cache = num_tokens  # draft tokens beyond the sequence are never cached
         coordinator.cache_blocks(request, n_cache)
         return new_blocks
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """The copies queued by allocations since the last call, in order. Their source
+        and destination blocks stay referenced until ``release_copied_blocks``."""
+        copies: list[BlockCopy] = []
+        if not self.partial_hits:
+            return copies
+        for manager in self.coordinator.managers:
+            if manager.pending_copies:
+                for source, copy in manager.take_pending_copies():
+                    copies.append(BlockCopy(manager.group_id, source.block_id, copy.block_id))
+                    self._copied_blocks += (source, copy)
+        return copies
+
+    def release_copied_blocks(self) -> None:
+        """The copies taken so far have run (the caller's step is over): drop the
+        references that kept their blocks from being reused."""
+        if self._copied_blocks:
+            blocks, self._copied_blocks = self._copied_blocks, []
+            self.pool.free_blocks(blocks)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Explicit caching (after a delayed allocation's data arrived)."""

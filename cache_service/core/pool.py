@@ -16,6 +16,10 @@ Semantics follow vLLM 0.33 (docs/semantics.md). Two pool-level rules:
 * On a successful ``allocate`` the request's computed tokens advance by hit + new
   tokens, and its first allocation (after ``add`` or ``preempt``) records
   prefix-cache statistics.
+
+With partial hits (docs/semantics.md#partial-hits-and-copy-on-write) an allocation may
+answer block copies the caller must run before the step's forward pass; their blocks
+stay referenced until the batch that queued them ends.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from cache_service.core.hashing import (
     none_hash,
     none_hash_seed,
 )
-from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
+from cache_service.core.kv_cache_manager import BlockCopy, KVCacheManager, resolve_block_sizes
 from cache_service.core.ops import (
     AddRequest,
     Allocate,
@@ -113,6 +117,8 @@ class Allocation:
     block_ids: list[list[int]] | None
     num_computed_tokens: int
     hit_tokens_used: int = 0
+    #: Copies to run before this step's forward pass (partial hits), in order.
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -124,6 +130,8 @@ class DecodeOutcome:
 
     ok: list[bool]
     new_block_ids: dict[int, list[list[int]]]
+    #: Copies to run before this step's forward pass (partial hits), in order.
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -164,7 +172,9 @@ class PreparedBatch:
         if self._begin_step:
             pool._manager.new_step_starts()
         apply = pool._apply
-        return [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
+        outcomes = [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
+        pool._manager.release_copied_blocks()
+        return outcomes
 
     def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
         """:meth:`apply` cut into slices of about ``slice_cost`` units (a request of a
@@ -189,6 +199,7 @@ class PreparedBatch:
             if spent >= slice_cost:
                 spent = 0
                 yield
+        pool._manager.release_copied_blocks()
         return outcomes
 
 
@@ -331,7 +342,9 @@ class Pool:
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
-        return self._apply(op, self._checker().check(op))
+        outcome = self._apply(op, self._checker().check(op))
+        self._manager.release_copied_blocks()
+        return outcome
 
     def _checker(self) -> BatchCheck:
         return BatchCheck(self._requests, self._limits, self._fresh_hit)
@@ -503,7 +516,7 @@ class Pool:
         req.num_computed_tokens += hit + num_new_tokens
         return Allocation(True, [[b.block_id for b in g] for g in new],
                               self._table_ids(request_id) if include_tables else None,
-                              req.num_computed_tokens, hit)
+                              req.num_computed_tokens, hit, manager.take_block_copies())
 
     def _count_quota(self, request_id: str, refused: bool) -> None:
         """After an allocation in a pool with a quota: the request's blocks (it may also
@@ -571,12 +584,16 @@ class Pool:
                 req.num_computed_tokens += 1
                 if any(new):
                     grown[i] = [[b.block_id for b in g] for g in new]
+                if self._manager.partial_hits:
+                    # A copy may come without a new block in the table (see MambaManager).
+                    outcome.block_copies += self._manager.take_block_copies()
             else:
                 r = self._allocate(req, 1, include_tables=False)
                 ok[i] = r.ok
                 new_ids = r.new_block_ids
                 if r.ok and new_ids is not None and any(new_ids):
                     grown[i] = new_ids
+                outcome.block_copies += r.block_copies
 
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:

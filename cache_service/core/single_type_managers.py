@@ -81,6 +81,9 @@ class SingleTypeKVCacheManager:
 
     #: False when ``get_num_skipped_tokens`` is always 0 (lets callers skip the call).
     frees_skipped_blocks: ClassVar[bool] = False
+    #: Whether hits may end inside a block (at a hash-block boundary) when the pool
+    #: enables partial hits (docs/semantics.md#partial-hits-and-copy-on-write).
+    supports_partial_hits: ClassVar[bool] = False
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
                  enable_caching: bool, admission_cap: int | None = None) -> None:
@@ -96,6 +99,34 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # Copy-on-write: request -> (table index, shared block) of a hit that ends inside
+        # that block, redirected to a private copy by its next allocation; and the
+        # (source, copy) pairs queued since the caller last took them.
+        self.partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
+        self.pending_copies: list[tuple[KVCacheBlock, KVCacheBlock]] = []
+
+    def _has_partial_hit(self, new_computed_blocks: Sequence[KVCacheBlock],
+                         num_local_computed_tokens: int) -> bool:
+        """The adopted hit ends inside one of this group's blocks: that block is shared
+        and the request must write into a copy of it."""
+        return bool(new_computed_blocks) and num_local_computed_tokens % self.block_size != 0
+
+    def _apply_cow(self, request_id: str, block_idx: int, source: KVCacheBlock,
+                   copy: KVCacheBlock) -> None:
+        """Put the private ``copy`` in place of the shared ``source`` in the request's
+        table and queue the copy. Both stay referenced until the copy has run: the
+        source keeps the reference the hit took, the copy gets one more than the table's
+        (released by ``KVCacheManager.release_copied_blocks``)."""
+        table = self.req_to_blocks[request_id]
+        assert table[block_idx] is source and not source.is_null and source.ref_cnt > 0
+        table[block_idx] = copy
+        self.req_to_ids[request_id][block_idx] = copy.block_id
+        self.pending_copies.append((source, copy))
+        copy.ref_cnt += 1
+
+    def take_pending_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     # -- skipping ----------------------------------------------------------------------
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -127,6 +158,8 @@ class SingleTypeKVCacheManager:
         for block in new_computed_blocks[max(0, skipped_blocks - have):]:
             if block.ref_cnt == 0 and not block.is_null:
                 evictable += 1
+        if self._has_partial_hit(new_computed_blocks, num_local_computed_tokens):
+            new += 1  # the private copy of the shared last block
         return new + evictable
 
     def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
@@ -139,7 +172,8 @@ class SingleTypeKVCacheManager:
         has already removed them, as the general path does first.)"""
         table = self.req_to_blocks.get(request_id)
         # A missing table would be created by allocate_new_blocks: not a no-op.
-        if table is None or -(-num_tokens // self.block_size) > len(table):
+        if table is None or -(-num_tokens // self.block_size) > len(table) \
+                or request_id in self.partial_hit_reqs:
             return False
         return self.num_cached_block.get(request_id, 0) >= num_cacheable_tokens // self.block_size
 
@@ -163,6 +197,12 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks[request_id] = blocks
         self.req_to_ids[request_id] = [0] * skipped + [b.block_id for b in kept]
         self.num_cached_block[request_id] = len(blocks)
+        if self._has_partial_hit(kept, num_local_computed_tokens):
+            # The last block is shared and only partly ours: the next allocation swaps in
+            # a private copy, which caching then hashes once it is full.
+            block_idx = num_local_computed_tokens // self.block_size
+            self.partial_hit_reqs[request_id] = (block_idx, kept[-1])
+            self.num_cached_block[request_id] = block_idx
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
@@ -191,15 +231,23 @@ class SingleTypeKVCacheManager:
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list[KVCacheBlock]:
-        """Grow the table to cover ``num_tokens`` slots; returns the new blocks."""
+        """Grow the table to cover ``num_tokens`` slots; returns the new blocks (first
+        the private copy of a partial hit's shared block, if there is one)."""
+        cow: list[KVCacheBlock] = []
+        if self.partial_hit_reqs:
+            partial = self.partial_hit_reqs.pop(request_id, None)
+            if partial is not None:
+                cow = self.pool.get_new_blocks(1)
+                self._apply_cow(request_id, partial[0], partial[1], cow[0])
         table = self.req_to_blocks.get(request_id)
         n = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
         if n <= 0:
             if table is None:
                 self.req_to_blocks[request_id] = []
                 self.req_to_ids[request_id] = []
-            return []
-        return self._append_new(request_id, n)
+            return cow
+        new = self._append_new(request_id, n)
+        return cow + new if cow else new
 
     # -- caching -----------------------------------------------------------------------
     def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
@@ -230,6 +278,8 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, None)
         ids = self.req_to_ids.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
+        if self.partial_hit_reqs:
+            self.partial_hit_reqs.pop(request_id, None)
         if blocks:
             assert ids is not None  # the two tables of a request come and go together
             if ids[0]:
@@ -290,7 +340,10 @@ class SingleTypeKVCacheManager:
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
-    """Full attention: a hit is the longest run of cached blocks from the start."""
+    """Full attention: a hit is the longest run of cached blocks from the start (with
+    partial hits, plus a partial entry inside the next block)."""
+
+    supports_partial_hits = True
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -320,12 +373,39 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for lst, block in zip(result, cached):
                     lst.append(block)
         hit_length = len(result[0]) * bs
+        if alignment_tokens < bs and bs % alignment_tokens == 0:
+            # Partial hits: the hit may go on into the first block not cached whole, up
+            # to the longest of its interior boundaries that is cached (a partial entry).
+            unit = alignment_tokens
+            first = len(result[0]) * (bs // unit)
+            last = min(first + bs // unit - 1, max_length // unit, len(block_hashes))
+            for fine_idx in range(last - 1, first - 1, -1):
+                cached = pool.get_cached_block(block_hashes[fine_idx], group_ids)
+                if cached is not None:
+                    for lst, block in zip(result, cached):
+                        lst.append(block)
+                    return result, (fine_idx + 1) * unit
         if hit_length % alignment_tokens:
             hit_length -= hit_length % alignment_tokens
             keep = cdiv(hit_length, bs)
             for lst in result:
                 del lst[keep:]
         return result, hit_length
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        super().cache_blocks(request, num_tokens)
+        hbs = self.pool.hash_block_size
+        if self.block_size == hbs:
+            return
+        # The prompt's last hash-block boundary (a resend's hit is capped one token
+        # short of the prompt) gets a partial entry when it ends inside a block.
+        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        table = self.req_to_blocks[request.request_id]
+        idx = boundary // self.block_size
+        if idx < len(table):
+            self.pool.cache_partial_block(request, table[idx], boundary, self.group_id)
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
@@ -465,6 +545,7 @@ class MambaManager(SingleTypeKVCacheManager):
     ``note_step_start``. Why: docs/semantics.md#mamba-checkpoints-from-untrusted-schedulers"""
 
     frees_skipped_blocks = True
+    supports_partial_hits = True
 
     def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
                  enable_caching: bool, admission_cap: int | None = None) -> None:
@@ -508,9 +589,13 @@ class MambaManager(SingleTypeKVCacheManager):
         required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         table = self.req_to_blocks.get(request_id)
         new = required - len(new_computed_blocks) - (0 if table is None else len(table))
+        partial = (self._has_partial_hit(new_computed_blocks, num_local_computed_tokens)
+                   or request_id in self.partial_hit_reqs)
+        if partial:
+            new = max(new, 0) + 1  # the copy of the state at the partial boundary
         if new > 0:
             cap = 1 if request_id in self.allocated_reqs else 1 + self.num_speculative_blocks
-            new = min(new, cap)
+            new = min(new, cap + partial)
         evictable = 0
         for block in new_computed_blocks:
             if block.ref_cnt == 0 and not block.is_null:
@@ -526,8 +611,10 @@ class MambaManager(SingleTypeKVCacheManager):
                 num_tokens_main_model, num_cacheable_tokens)
         table = self.req_to_blocks.get(request_id)
         # allocate_new_blocks adds the request to allocated_reqs even when it allocates
-        # nothing, so a request not yet there is not a no-op.
-        if table is None or request_id not in self.allocated_reqs:
+        # nothing, so a request not yet there is not a no-op; nor is one whose partial
+        # entry is to move to a copy.
+        if table is None or request_id not in self.allocated_reqs \
+                or request_id in self.partial_hit_reqs:
             return False
         required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
         if required > len(table):
@@ -548,7 +635,8 @@ class MambaManager(SingleTypeKVCacheManager):
         ids = self.req_to_ids[request_id]
         spec_blocks = self.num_speculative_blocks
         required = cdiv(num_tokens_main_model, self.block_size) + spec_blocks
-        if required <= len(table):
+        partial = self.partial_hit_reqs.pop(request_id, None) if self.partial_hit_reqs else None
+        if required <= len(table) and partial is None:
             self.allocated_reqs.add(request_id)
             return []
         prev_len = len(table)
@@ -556,7 +644,8 @@ class MambaManager(SingleTypeKVCacheManager):
         start = self.step_start.pop(request_id, None)
         if was_allocated:
             state_idx = self.last_state_block_idx[request_id] = prev_len - 1 - spec_blocks
-            if (start is not None and state_idx >= 0 and start != (state_idx + 1) * self.block_size
+            if (required > prev_len and start is not None and state_idx >= 0
+                    and start != (state_idx + 1) * self.block_size
                     and not table[state_idx].is_null):
                 # The table grows past the block holding the state at `start`, which is
                 # not its boundary: a foreign scheduler's chunk ran past it.
@@ -580,8 +669,24 @@ class MambaManager(SingleTypeKVCacheManager):
                 table[idx] = self.null_block
                 ids[idx] = 0
         n = max(required - len(table), 0)
-        new = self.pool.get_new_blocks(n)
+        new = self.pool.get_new_blocks(n + (partial is not None))
         returned = table[prev_len:]
+        if partial is not None:
+            idx, source = partial
+            copy, new = new[0], new[1:]
+            if was_allocated:
+                # The request registered this partial entry itself and goes on writing
+                # its state block (tables only grow), so the entry moves to the copy,
+                # which nothing may hit before the copy has run (next step).
+                assert table[idx] is source
+                self.pool.move_block_hashes(source, copy)
+                self.pending_copies.append((source, copy))
+                source.ref_cnt += 1
+                if copy.block_hash is not None:
+                    self.cached_this_step.add(copy.block_hash)
+            else:
+                self._apply_cow(request_id, idx, source, copy)
+                returned.insert(0, copy)
         table.extend(new)
         ids.extend([b.block_id for b in new])
         self.allocated_reqs.add(request_id)
@@ -599,12 +704,39 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(rid, 0)
+        if self.align and self.cache_hit_alignment_tokens < self.block_size:
+            tail = self._cache_partial_tail(request, num_tokens)
+            if tail is not None:
+                self.cached_this_step.add(tail)
         if after > before:
             table = self.req_to_blocks[rid]
             for idx in range(before, after):
                 block = table[idx]
                 if not block.is_null and block.block_hash is not None:
                     self.cached_this_step.add(block.block_hash)
+
+    def _cache_partial_tail(self, request: Request, num_tokens: int) -> bytes | None:
+        """When the computed prefix ends exactly at the prompt's last hash-block boundary
+        (``(num_prompt_tokens - 1)`` rounded down), inside a block: a partial entry for
+        the state there. The request goes on writing that block, so its next allocation
+        moves the entry to a copy (``partial_hit_reqs``)."""
+        hbs = self.pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hbs \
+                or num_tokens != (request.num_prompt_tokens - 1) // hbs * hbs:
+            return None
+        rid = request.request_id
+        table = self.req_to_blocks[rid]
+        idx = cdiv(num_tokens, self.block_size) - 1
+        if idx >= len(table):
+            return None
+        source = table[idx]
+        if source.is_null or source.hash_num_tokens == num_tokens:
+            return None
+        key = self.pool.cache_partial_block(request, source, num_tokens, self.group_id)
+        if key is not None and num_tokens % self.block_size:
+            self.partial_hit_reqs[rid] = (idx, source)
+            self.num_cached_block[rid] = idx
+        return key
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         if not self.align:
@@ -647,8 +779,19 @@ class MambaManager(SingleTypeKVCacheManager):
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
-        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
         null = pool.null_block
+        if alignment_tokens < bs and bs % alignment_tokens == 0:
+            # Partial hits: any hash-block boundary may hold a cached state (a full
+            # block's key is the fine hash at its end, so those are found too).
+            unit, k = alignment_tokens, bs // alignment_tokens
+            for fine_idx in range(min(max_length // unit, len(block_hashes)) - 1, -1, -1):
+                cached = _lookup(pool, block_hashes[fine_idx], group_ids)
+                if cached is not None:
+                    pad = fine_idx // k
+                    return tuple([null] * pad + [block] for block in cached), \
+                        (fine_idx + 1) * unit
+            return tuple([] for _ in group_ids), 0
+        hashes = hash_view(block_hashes, pool.hash_block_size, bs)
         # Right to left: only the state at the hit boundary is needed.
         n = min(max_length // bs, len(hashes))
         probe = pool.group_map(group_ids[0]).__contains__
