@@ -184,9 +184,13 @@ class Replayer:
             delay_cache_blocks=op.get("delay_cache_blocks", False)), begin_step=self.auto_step)
         if not res.ok:
             return {"ok": False, "new_block_ids": None}
-        return {"ok": True, "hit_tokens_used": res.hit_tokens_used,
-                "num_computed_tokens": res.num_computed_tokens,
-                "new_block_ids": res.new_block_ids, "block_ids": res.block_ids}
+        out = {"ok": True, "hit_tokens_used": res.hit_tokens_used,
+               "num_computed_tokens": res.num_computed_tokens,
+               "new_block_ids": res.new_block_ids, "block_ids": res.block_ids}
+        if res.block_copies:
+            # As scripts/oracle/oracle_cow.py prints vLLM's: [source, copy] block ids.
+            out["block_copies"] = [[c.src_block_id, c.dst_block_id] for c in res.block_copies]
+        return out
 
     def _append(self, op: dict[str, Any]) -> dict[str, Any]:
         info = self._one(AppendTokens(self._req(op), op.get("tokens", [])))

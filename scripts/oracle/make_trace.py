@@ -9,10 +9,11 @@ followed by the same request's ``allocate`` (the pool re-runs stale lookups, vLL
 not).
 
 With a Mamba ``align`` group the chunks follow vLLM's scheduler rule: a chunk that starts
-on a block boundary ends on one (or at the end of the sequence), and a chunk that starts
-inside a block does not run past that block's end. To apply it to the *real* progress
-(an allocation may fail), the generator runs every operation on this project's pool
-as it goes.
+on a (Mamba) block boundary ends on one (or at the end of the sequence), and a chunk that
+starts inside a block does not run past that block's end; with partial hits a prompt's
+chunk also stops at its last hash-block boundary (where vLLM's scheduler stops so that
+the state there is cached). To apply it to the *real* progress (an allocation may fail),
+the generator runs every operation on this project's pool as it goes.
 """
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     align = (any(g["type"] == "mamba" for g in config["groups"])
              and config.get("enable_caching", True))
     capacity = config["num_blocks"] * bs
+    # The block grid Mamba states live on (the attention block size when they agree).
+    cbs = max([g["block_size"] for g in config["groups"] if g["type"] == "mamba"] or [bs])
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([1, 2, 3, 4, 6]) * bs)]
                 for _ in range(4)]
     ops: list[dict[str, Any]] = []
     replayer = Replayer(make_pool(config))
+    hbs = replayer.pool.hash_block_size
+    partial_hits = replayer.pool.manager.partial_hits
+    # With partial hits: the prompt of each request, and the prompts whose request
+    # stopped at its last hash-block boundary inside a block (a partial entry sits there).
+    prompts: dict[str, list[int]] = {}
+    reached: list[list[int]] = []
     # id -> [num_tokens, computed, running]
     reqs: dict[str, list[int]] = {}
     next_id = 0
@@ -51,6 +60,10 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 rid_ = emitted.get("req")
                 if emitted.get("op") == "allocate" and rid_ in reqs and out.get("ok"):
                     reqs[rid_][1] = out["num_computed_tokens"]
+                    prompt = prompts.get(rid_) if partial_hits else None
+                    if prompt is not None and reqs[rid_][1] == (len(prompt) - 1) // hbs * hbs \
+                            and reqs[rid_][1] % cbs:
+                        reached.append(prompt)
             applied = len(ops)
         if len(reqs) > 6 and rng.random() < 0.3:
             ops.append({"op": "free", "req": rng.choice(list(reqs))})
@@ -71,6 +84,14 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
             n = rng.randrange(1, max(2, min(mml, capacity // 3)))
             prefix = rng.choice(prefixes) if rng.random() < 0.7 else []
             tokens = (prefix + [rng.randrange(1000) for _ in range(n)])[:max(1, min(mml - 64, n))]
+            if partial_hits:
+                # Partial entries sit at a prompt's last hash-block boundary: only a resend
+                # or an extension of that prompt can hit them.
+                if reached and rng.random() < 0.5:
+                    base = rng.choice(reached)
+                    tokens = (base + [rng.randrange(1000) for _ in range(rng.randrange(0, 40))]
+                              )[:mml - 64]
+                prompts[rid] = tokens
             op: dict[str, Any] = {"op": "add", "req": rid, "tokens": tokens}
             if rng.random() < 0.05:
                 op["cache_salt"] = "s"
@@ -87,13 +108,17 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 n = 1
             else:
                 n = rng.randrange(1, remaining + 1)
-                if align and computed % bs:
+                if align and computed % cbs:
                     # Inside a block: stop at its end at the latest.
-                    n = min(n, bs - computed % bs)
-                elif align and computed + n < num_tokens and (computed + n) % bs:
-                    n = (computed + n) // bs * bs - computed
+                    n = min(n, cbs - computed % cbs)
+                elif align and computed + n < num_tokens and (computed + n) % cbs:
+                    n = (computed + n) // cbs * cbs - computed
                     if n <= 0:
                         continue  # vLLM schedules nothing for it this step
+                tail = (num_tokens - 1) // hbs * hbs
+                if partial_hits and computed < tail < computed + n \
+                        and tail > (num_tokens - 1) // cbs * cbs:
+                    n = tail - computed
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True

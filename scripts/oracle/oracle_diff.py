@@ -25,6 +25,8 @@ from typing import Any
 
 ORACLE = Path(os.environ.get(
     "VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
+# The oracle as vLLM's scheduler would drive it: copy-on-write copies drained each op.
+SCHEDULING_ORACLE = Path(__file__).resolve().parent / "oracle_cow.py"
 ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
                                 Path.home() / ".cache/vllm-oracle-venv/bin/python"))
 
@@ -47,8 +49,9 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
 
 
 def run_oracle(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
-    proc = subprocess.run([str(ORACLE_PY), str(ORACLE), *oracle_args(config)], input=trace,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run([str(ORACLE_PY), str(SCHEDULING_ORACLE), *oracle_args(config)],
+                          input=trace, capture_output=True, text=True, check=True,
+                          env={**os.environ, "VLLM_ORACLE": str(ORACLE)})
     return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -59,7 +62,9 @@ def provenance(config_path: Path, trace_path: Path, trace: str, config: dict[str
                           capture_output=True, text=True, check=True)
     described = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
-        "answers_by": "vLLM's own KVCacheManager, in process on a CPU (vllm_oracle.py)",
+        "answers_by": "vLLM's own KVCacheManager, in process on a CPU (vllm_oracle.py, "
+                      "copy-on-write copies drained after each op as vLLM's scheduler does: "
+                      "scripts/oracle/oracle_cow.py)",
         "vllm_version": described["vllm_version"],
         "oracle_config": described,
         "oracle_args": args,

@@ -1,0 +1,46 @@
+"""Dev tool (never run by tests): the vLLM oracle plus what vLLM's scheduler does with
+copy-on-write copies. Run it with the oracle venv's python and ``vllm_oracle.py``'s
+arguments (``oracle_diff.py`` does):
+
+    VLLM_ORACLE=.../vllm_oracle.py ~/.cache/vllm-oracle-venv/bin/python \\
+        scripts/oracle/oracle_cow.py --scenario full_mamba --mamba-block-size 32 < trace
+
+``vllm_oracle.py`` drives vLLM's ``KVCacheManager`` alone. A partial prefix hit's copies
+(``KVCacheManager.take_kv_cache_block_copies``) are drained by vLLM's scheduler, which
+then frees the blocks the manager kept for them (``Scheduler._free_cow_retained_blocks``,
+synchronous engine). Without a scheduler those blocks would stay held forever. After
+every trace operation (this project's replay applies each one as a batch of its own) this
+wrapper drains the copies the same way and adds ``"block_copies": [[src, dst], ...]`` to
+the operation's result when there are any. On traces without copies it answers exactly
+as ``vllm_oracle.py`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ORACLE = Path(os.environ.get(
+    "VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
+sys.path.insert(0, str(ORACLE.parent))
+
+import vllm_oracle  # noqa: E402  (found through the path set above)
+
+
+class SchedulingOracle(vllm_oracle.Oracle):  # type: ignore[misc,name-defined]
+    """The oracle, draining copy-on-write copies after each operation."""
+
+    def apply(self, op: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = super().apply(op)
+        copies, retained = self.manager.take_kv_cache_block_copies()
+        if copies:
+            out["block_copies"] = [[c.src_block_id, c.dst_block_id] for c in copies]
+        self.manager.block_pool.free_blocks(retained)
+        return out
+
+
+if __name__ == "__main__":
+    vllm_oracle.Oracle = SchedulingOracle
+    sys.exit(vllm_oracle.main())
