@@ -83,9 +83,12 @@ class ServerReplayer:
                 return {"ok": False, "new_block_ids": None}
             # The protocol sends no per-group tables when nothing was allocated.
             new = r.new_block_ids or [[] for _ in r.block_ids]
-            return {"ok": True, "hit_tokens_used": r.hit_tokens_used,
-                    "num_computed_tokens": r.num_computed_tokens,
-                    "new_block_ids": new, "block_ids": r.block_ids}
+            out = {"ok": True, "hit_tokens_used": r.hit_tokens_used,
+                   "num_computed_tokens": r.num_computed_tokens,
+                   "new_block_ids": new, "block_ids": r.block_ids}
+            if r.block_copies:
+                out["block_copies"] = [[c.src_block_id, c.dst_block_id] for c in r.block_copies]
+            return out
         if name in ("free", "preempt"):
             r = self.step(ops.free(rid) if name == "free" else ops.preempt(rid))
             return {"num_free_blocks": r.num_free_blocks}

@@ -18,6 +18,7 @@ from cache_service.core import events as ev
 from cache_service.core import grouping, ops
 from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.core.hashing import DeclaredRecipe
+from cache_service.core.kv_cache_manager import BlockCopy
 from cache_service.core.pool import DecodeOutcome, PoolOptions
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
@@ -383,9 +384,18 @@ def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[ops.Op]:
     return out
 
 
+def write_copies(out: Any, copies: Sequence[BlockCopy]) -> None:
+    """Appends ``copies`` to a result's ``block_copies``."""
+    for c in copies:
+        m = out.block_copies.add()
+        m.group, m.src_block_id, m.dst_block_id = c.group_id, c.src_block_id, c.dst_block_id
+
+
 def write_decode(out: pb.DecodeResult, result: DecodeOutcome) -> None:
     """Fills a DecodeResult's packed arrays (the layout documented in the proto)."""
     out.ok.extend(result.ok)
+    if result.block_copies:
+        write_copies(out, result.block_copies)
     grown = result.new_block_ids
     if grown:
         out.grown.extend(grown)
@@ -446,6 +456,8 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                     tables = out.new_block_ids
                     for ids in new_ids:
                         tables.add().block_ids.extend(ids)
+                if r.block_copies:
+                    write_copies(out, r.block_copies)
             if op.include_table:
                 table_cache.write(out, op.request_id, r.block_ids)
         elif isinstance(op, (ops.AppendTokens, ops.AddRequest)):

@@ -40,6 +40,7 @@ from cache_service.client._results import (
     AddResult,
     AllocateResult,
     AppendResult,
+    BlockCopy,
     DecodeResult,
     Event,
     FreeResult,
@@ -58,6 +59,7 @@ from cache_service.client._sync import CacheClient, StepStream
 
 __all__ = [
     "AddResult", "AllocateResult", "AppendResult", "AsyncCacheClient", "AsyncStepStream",
+    "BlockCopy",
     "CacheClient", "CacheError", "DecodeResult", "Event", "FreeResult", "GroupInfo",
     "LookupResult", "NewStepResult", "OpResult", "PoolInfo", "PoolStats", "PreemptResult",
     "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",

@@ -24,6 +24,16 @@ class AppendResult:
     num_block_hashes: int
 
 
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy block ``src_block_id`` into ``dst_block_id`` in group ``group`` (every layer)
+    before the step's forward pass: a partial prefix hit's copy-on-write."""
+
+    group: int
+    src_block_id: int
+    dst_block_id: int
+
+
 class _MessageView:
     """A read-only view over one result message; subclasses convert fields on access, so a
     scheduler pays only for what it reads."""
@@ -85,6 +95,11 @@ class AllocateResult(_MessageView):
     def hit_tokens_used(self) -> int:
         return self._m.hit_tokens_used
 
+    @property
+    def block_copies(self) -> list[BlockCopy]:
+        """Copies to run, in order, before this step's forward pass (partial hits)."""
+        return copies_from(self._m.block_copies)
+
     def __repr__(self) -> str:
         return (f"AllocateResult(ok={self.ok}, new_block_ids={self.new_block_ids}, "
                 f"block_ids={self.block_ids}, num_computed_tokens={self.num_computed_tokens}, "
@@ -131,6 +146,11 @@ class DecodeResult(_MessageView):
                 pos += count
             k += groups
         return out
+
+    @property
+    def block_copies(self) -> list[BlockCopy]:
+        """Copies to run, in order, before this step's forward pass (partial hits)."""
+        return copies_from(self._m.block_copies)
 
     def __repr__(self) -> str:
         return f"DecodeResult(ok={self.ok}, new_block_ids={self.new_block_ids})"
@@ -241,6 +261,10 @@ class Event:
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
     return [list(t.block_ids) for t in tables]
+
+
+def copies_from(copies: Iterable[pb.BlockCopy]) -> list[BlockCopy]:
+    return [BlockCopy(c.group, c.src_block_id, c.dst_block_id) for c in copies]
 
 
 def op_result_from(r: pb.OpResult) -> OpResult:

@@ -9,7 +9,8 @@ PY="${VLLM_ORACLE_PY:-$HOME/.cache/vllm-oracle-venv/bin/python}"
 ORACLE="${VLLM_ORACLE:-$TOOLS/../../../shared/tools/vllm-oracle/vllm_oracle.py}"
 declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamba"
   [swa_mamba_nocache]="swa_mamba" [full_swa_mamba_nocache]="full_swa_mamba"
-  [full_swa_mamba]="full_swa_mamba --enable-caching")
+  [full_swa_mamba]="full_swa_mamba --enable-caching"
+  [full_mamba32]="full_mamba --mamba-block-size 32")
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"

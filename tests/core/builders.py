@@ -102,7 +102,8 @@ SMALL_MAX_LEN = 96
 
 
 def small_config(name: str) -> dict[str, Any]:
-    """The sample config scaled down so that random runs fill and evict the pool."""
+    """The sample config scaled down so that random runs fill and evict the pool (block
+    sizes keep their ratios to 16, so a coarser Mamba group keeps partial hits on)."""
     c = load_sample_config(name)
     c["num_blocks"] = 40
     c["max_model_len"] = SMALL_MAX_LEN
@@ -110,7 +111,7 @@ def small_config(name: str) -> dict[str, Any]:
         if g["type"] == "mamba" and g.get("mamba_cache_mode") == "none":
             g["block_size"] = SMALL_MAX_LEN
         else:
-            g["block_size"] = SMALL_BLOCK
+            g["block_size"] = SMALL_BLOCK * max(1, g["block_size"] // 16)
         if g["type"] == "sliding_window":
             g["sliding_window"] = 10
     return c

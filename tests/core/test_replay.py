@@ -37,7 +37,7 @@ def run(config: dict, trace: str) -> list[dict]:
 def test_every_sample_config_has_traces() -> None:
     configs = {p.stem for p in SAMPLES.glob("*.json")}
     assert configs >= {"full", "full_swa", "full_mamba", "swa_mamba_nocache",
-                       "full_swa_mamba_nocache"}
+                       "full_swa_mamba_nocache", "full_mamba32"}
     assert {t.name.split(".")[0] for t in TRACES} == configs
 
 

@@ -363,18 +363,30 @@ class LookupResult(_message.Message):
     def __init__(self, hit_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
-    __slots__ = ("ok", "new_block_ids", "block_ids", "num_computed_tokens", "hit_tokens_used")
+    __slots__ = ("ok", "new_block_ids", "block_ids", "num_computed_tokens", "hit_tokens_used", "block_copies")
     OK_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
     num_computed_tokens: int
     hit_tokens_used: int
-    def __init__(self, ok: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., hit_tokens_used: _Optional[int] = ...) -> None: ...
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, ok: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., hit_tokens_used: _Optional[int] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("group", "src_block_id", "dst_block_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    src_block_id: int
+    dst_block_id: int
+    def __init__(self, group: _Optional[int] = ..., src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
 
 class AppendTokensResult(_message.Message):
     __slots__ = ("num_tokens", "num_block_hashes")
@@ -401,16 +413,18 @@ class NewStepResult(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("ok", "grown", "new_block_counts", "new_block_ids")
+    __slots__ = ("ok", "grown", "new_block_counts", "new_block_ids", "block_copies")
     OK_FIELD_NUMBER: _ClassVar[int]
     GROWN_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     ok: _containers.RepeatedScalarFieldContainer[bool]
     grown: _containers.RepeatedScalarFieldContainer[int]
     new_block_counts: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, ok: _Optional[_Iterable[bool]] = ..., grown: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ..., grown: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class OpResult(_message.Message):
     __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode")
