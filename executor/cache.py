@@ -148,6 +148,20 @@ class CacheTensors:
         ssm = slot[:, conv_bytes:conv_bytes + ssm_bytes].view(dtype).view(n, *ssm_shape)
         return conv, ssm
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Run ``(group, src, dst)`` block copies in order: block ``dst`` of every layer of
+        the group gets block ``src``'s data (a partial prefix hit's copy-on-write; the
+        service answers them with the allocation). Must run before the step's forward."""
+        for group, src, dst in copies:
+            if not 0 <= group < len(self.groups):
+                raise ValueError(f"block copy: group {group} is not in [0, {len(self.groups)})")
+            for block in (src, dst):
+                if not 0 < block < self.num_blocks:
+                    raise ValueError(f"block copy: block {block} is not in [1, {self.num_blocks})")
+            # A group's layer j lives in slot j, indexed by the pool's block ids.
+            for slot in self.slots[:len(self.groups[group].layer_names)]:
+                slot[dst].copy_(slot[src])
+
     @property
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.slots)

@@ -217,6 +217,9 @@ class Engine:
         self.on_reregister = on_reregister
         self._stop = threading.Event()
         self._ids = itertools.count()
+        # (group, src, dst) block copies the service answered during this step's calls
+        # (partial prefix hits): run, in order, before the step's forward pass.
+        self.block_copies: list[tuple[int, int, int]] = []
 
     # ------------------------------------------------------------------ public, thread-safe
     def submit(self, req: EngineRequest) -> None:
@@ -335,6 +338,7 @@ class Engine:
         rollback = StepRollback(self.to_free, self.to_preempt)
         self.to_free, self.to_preempt = [], []
         budget = self.config.max_tokens_per_step
+        self.block_copies = []
         decoding, planned, budget = self._plan_running(step_ops, rollback, budget)
         candidates = self._plan_candidates(step_ops, rollback, budget)
         try:
@@ -351,6 +355,7 @@ class Engine:
             decoded = result.results[decoding.op_index]
             assert isinstance(decoded, DecodeResult)
             ok, grown = decoded.ok, decoded.new_block_ids
+            self._note_copies(decoded)
             for i, req in enumerate(decoding.requests):
                 if not ok[i]:
                     failed.append(PendingAllocate(req, 1, -1))
@@ -361,6 +366,7 @@ class Engine:
         for alloc in planned:
             answer = result.results[alloc.op_index]
             assert isinstance(answer, AllocateResult)
+            self._note_copies(answer)
             if answer.ok:
                 alloc.req.tables = answer.block_ids
                 scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
@@ -373,6 +379,8 @@ class Engine:
             scheduled += self._admit(candidates, result.results, budget)
         self.metrics.cache_calls += self.link.calls - calls0
         cache_secs = self.link.call_seconds - secs0
+        # Before any forward: a copy's source may be reused by this step's new blocks.
+        self.runner.copy_blocks(self.block_copies)
         if scheduled:
             tf = time.perf_counter()
             self._execute(scheduled)
@@ -473,6 +481,7 @@ class Engine:
             for alloc in retry:
                 answer = result.results[alloc.op_index]
                 assert isinstance(answer, AllocateResult)
+                self._note_copies(answer)
                 if answer.ok:
                     alloc.req.tables = answer.block_ids
                     scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
@@ -480,6 +489,10 @@ class Engine:
                     failed.append(alloc)
         order = {id(r): i for i, r in enumerate(self.running)}
         return sorted(scheduled, key=lambda c: order.get(id(c.req), 0))
+
+    def _note_copies(self, answer: AllocateResult | DecodeResult) -> None:
+        self.block_copies += [(c.group, c.src_block_id, c.dst_block_id)
+                              for c in answer.block_copies]
 
     def _to_waiting(self, req: EngineRequest) -> None:
         """Preempted: back to the front of the queue; everything is recomputed on re-admission."""
@@ -530,6 +543,7 @@ class Engine:
             req = alloc.req
             answer = result.results[alloc.op_index]
             assert isinstance(answer, AllocateResult)
+            self._note_copies(answer)  # also a rolled-back one's: its blocks may be reused
             if not answer.ok:
                 stopped = True
                 continue

@@ -26,6 +26,12 @@ class ModelRunner:
     def layout(self) -> list[GroupLayout]:
         return self.cache.layout
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """The step's ``(group, src, dst)`` block copies, before its forward pass."""
+        if copies:
+            with self.lock:
+                self.cache.copy_blocks(copies)
+
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> Tensor:
         """``tokens[b]`` are request b's ``chunks[b].query_len`` new tokens. Returns fp32
         logits [B, vocab] at each request's last new token. Bad input (a client's, through

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ORACLE.parent))
 import vllm_oracle  # noqa: E402  (found through the path set above)
 
 
-class SchedulingOracle(vllm_oracle.Oracle):  # type: ignore[misc,name-defined]
+class SchedulingOracle(vllm_oracle.Oracle):
     """The oracle, draining copy-on-write copies after each operation."""
 
     def apply(self, op: dict[str, Any]) -> dict[str, Any]:

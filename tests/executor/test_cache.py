@@ -85,3 +85,24 @@ def test_layers_must_match_their_groups() -> None:
     with pytest.raises(ValueError, match="page_size_bytes"):
         CacheTensors(cfg, t.groups, 12, 64)
     assert torch.count_nonzero(t.slots[0]) == 0  # fresh caches start zeroed
+
+
+def test_copy_blocks_copies_every_layer_of_the_group_and_nothing_else() -> None:
+    t = _tensors("plamo2-like")
+    torch.manual_seed(0)
+    for slot in t.slots:
+        slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8))
+    before = [s.clone() for s in t.slots]
+    group = next(g for g, info in enumerate(t.groups) if info.layout.kind == "mamba")
+    layers = len(t.groups[group].layer_names)
+    t.copy_blocks([(group, 3, 7), (group, 7, 9)])  # in order: 9 gets 3's data too
+    for j, (slot, old) in enumerate(zip(t.slots, before)):
+        if j < layers:
+            assert torch.equal(slot[7], old[3]) and torch.equal(slot[9], old[3])
+        else:
+            assert torch.equal(slot[7], old[7]) and torch.equal(slot[9], old[9])
+        untouched = [b for b in range(t.num_blocks) if b not in (7, 9)]
+        assert torch.equal(slot[untouched], old[untouched])
+    for bad in [(len(t.groups), 3, 7), (group, 0, 7), (group, 3, t.num_blocks)]:
+        with pytest.raises(ValueError, match="block copy"):
+            t.copy_blocks([bad])

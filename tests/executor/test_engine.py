@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import structlog
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -115,7 +116,9 @@ def collect_into(out: list[int]) -> Callable[[TokenEvent], None]:
 
 
 def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_tokens: int, *,
-               num_blocks: int | None = None, fail_at: frozenset[int] = frozenset()
+               num_blocks: int | None = None, fail_at: frozenset[int] = frozenset(),
+               link_cls: type[RecordingLink] = RecordingLink,
+               runner_cls: type[ModelRunner] = ModelRunner
                ) -> tuple[list[list[int]], Engine, RecordingLink]:
     """Every prompt submitted at once, the engine stepped in this thread until done; the
     engine's and the service's views are compared after every step, failed ones included."""
@@ -124,10 +127,10 @@ def run_engine(target: str, model: HybridModel, prompts: list[list[int]], max_to
                     specs=model_layer_specs(cfg), max_model_len=cfg.max_model_len,
                     num_blocks=num_blocks, memory_bytes=None if num_blocks else 64 << 20,
                     vocab_size=cfg.vocab_size)
-    link = RecordingLink(target, plan, fail_at=fail_at)
+    link = link_cls(target, plan, fail_at=fail_at)
     info = link.register()
     cache = CacheTensors(cfg, cache_groups(info), info.num_blocks, info.layer_page_size_bytes)
-    engine = Engine(ModelRunner(model, cache), link, EngineConfig(max_num_seqs=8))
+    engine = Engine(runner_cls(model, cache), link, EngineConfig(max_num_seqs=8))
     outputs: list[list[int]] = [[] for _ in prompts]
     for prompt, out in zip(prompts, outputs):
         engine.submit(EngineRequest(engine.new_request_id(), prompt, max_tokens,
@@ -312,3 +315,60 @@ def test_a_hung_cache_service_costs_a_stream_retry_not_a_hang(cache_service,
         assert [(e["reason"], e["attempt"]) for e in retries] == [("deadline_exceeded", 1)]
     finally:
         link.close()
+
+
+class CopyInjectingLink(RecordingLink):
+    """Adds one block copy (the first allocated request's Mamba state block into the pool's
+    last block, which no request uses) to the first successful allocate answer, as the
+    service answers a partial prefix hit's copy-on-write."""
+
+    injected: tuple[int, int, int] | None = None
+
+    def step(self, step_ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        result = super().step(step_ops, begin_step=begin_step)
+        for op, answer in zip(step_ops, result.results):
+            if self.injected is None and isinstance(answer, AllocateResult) and answer.ok:
+                assert self.info is not None
+                group = next(i for i, g in enumerate(self.info.groups)
+                             if g.kind.startswith("mamba"))
+                src = [b for b in answer.block_ids[group] if b][-1]
+                copy = answer._m.block_copies.add()
+                copy.group, copy.src_block_id = group, src
+                copy.dst_block_id = self.info.num_blocks - 1
+                self.injected = (group, src, copy.dst_block_id)
+        return result
+
+
+class OrderRecordingRunner(ModelRunner):
+    """Records copy and forward calls in order; after each copy, checks the data moved."""
+
+    calls: list[tuple[str, list[tuple[int, int, int]]]] = []
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        super().copy_blocks(copies)
+        if copies:
+            OrderRecordingRunner.calls.append(("copy", list(copies)))
+            for group, src, dst in copies:
+                for slot in self.cache.slots[:len(self.cache.groups[group].layer_names)]:
+                    assert torch.equal(slot[dst], slot[src])
+
+    def forward(self, tokens, chunks):
+        OrderRecordingRunner.calls.append(("forward", []))
+        return super().forward(tokens, chunks)
+
+
+def test_block_copies_of_an_answer_run_before_the_steps_forward(cache_service,
+                                                                small_model) -> None:
+    """A copy the service answers (a partial hit's copy-on-write) is run on the cache
+    tensors before the forward pass of the step that received it; the outputs are those
+    of a run without it (the destination block is unused)."""
+    prompts = shared_prefix_workload(3, prefix_len=30, seed=3)
+    ref, _, _ = run_engine(cache_service.target, small_model, prompts, 6)
+    OrderRecordingRunner.calls = []
+    got, _, link = run_engine(cache_service.target, small_model, prompts, 6,
+                              link_cls=CopyInjectingLink, runner_cls=OrderRecordingRunner)
+    assert got == ref
+    assert isinstance(link, CopyInjectingLink) and link.injected is not None
+    calls = OrderRecordingRunner.calls
+    assert calls[0] == ("copy", [link.injected]) and calls[1][0] == "forward"
+    assert [c for c in calls if c[0] == "copy"] == [calls[0]]  # only the answered copy
