@@ -326,7 +326,7 @@ class CopyInjectingLink(RecordingLink):
 
     def step(self, step_ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         result = super().step(step_ops, begin_step=begin_step)
-        for op, answer in zip(step_ops, result.results):
+        for answer in result.results:
             if self.injected is None and isinstance(answer, AllocateResult) and answer.ok:
                 assert self.info is not None
                 group = next(i for i, g in enumerate(self.info.groups)
