@@ -58,7 +58,11 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
-    registry = PoolRegistry(settings.event_buffer)
+    node = None
+    if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
+        from cache_service.cluster.node import ClusterNode
+        node = ClusterNode(settings)
+    registry = node.registry if node is not None else PoolRegistry(settings.event_buffer)
     prom_registry, rpc_metrics = new_registry(registry.stats)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)
@@ -81,6 +85,14 @@ async def serve(settings: Settings) -> int:
         log.error("bind_failed", address=address)
         return 1
     await server.start()
+    if node is not None:
+        try:  # a member before SERVING: readiness implies the replica can own pools
+            await node.join(port)
+        except (ConnectionError, asyncio.TimeoutError) as exc:
+            log.error("etcd_unreachable", endpoints=settings.etcd_endpoints, error=str(exc))
+            await server.stop(0)
+            return 1
+        servicer.cluster = node
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -94,7 +106,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             tls=settings.tls_cert is not None, auth=token is not None)
+             tls=settings.tls_cert is not None, auth=token is not None,
+             member=node.membership.member_id if node and node.membership else None)
 
     await stop.wait()
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
@@ -108,6 +121,9 @@ async def serve(settings: Settings) -> int:
     registry.close()
     started = loop.time()
     await interceptor.wait_idle(settings.drain_seconds)
+    if node is not None:
+        # After the drain, so that no write races the successor's takeover.
+        await node.leave()
     # Calls that raced the drain flag are answered UNAVAILABLE within the remaining grace
     # (at least 1 s, so that a starved loop still answers them); health watchers and
     # anything still running at its end are cancelled.

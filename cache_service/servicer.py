@@ -297,6 +297,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.max_ops_per_step = max_ops_per_step
         self.draining = False
         self._tables: dict[str, BlockTableCache] = {}  # by pool id
+        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
+        #: their etcd keys, fans PeekPrefix out. None when standalone.
+        self.cluster: Any = None
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -310,6 +313,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def RegisterPool(self, request: pb.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> pb.RegisterPoolResponse:
+        if self.cluster is not None:
+            try:  # raises a redirect unless this replica owns the pool
+                await self.cluster.place(request)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+
         def run() -> pb.RegisterPoolResponse:
             check_pool_id(request.pool_id)
             desc = convert.description_from_proto(request)
@@ -330,6 +339,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
+        if self.cluster is not None:
+            try:
+                await self.cluster.delete(request.pool_id)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+
         def run() -> pb.DeletePoolResponse:
             dropped = self.registry.delete(request.pool_id)
             self._tables.pop(request.pool_id, None)
@@ -451,7 +466,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def PeekPrefix(self, request: pb.PeekPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
-        def run() -> pb.PeekPrefixResponse:
+        def run(request: pb.PeekPrefixRequest = request) -> pb.PeekPrefixResponse:
             if not request.pool_ids:
                 raise InvalidArgument("at least one pool id is required", field="pool_ids")
             has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
@@ -483,6 +498,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                                **extra)
                 hits.append(pb.PoolHit(pool_id=entry.pool_id, hit_tokens=n))
             return pb.PeekPrefixResponse(hits=hits)
+        if self.cluster is not None:
+            try:  # pools on other replicas are asked there, within this call's deadline
+                return await self.cluster.peek_prefix(request, context, run)
+            except KVCacheError as exc:
+                await _abort(context, exc)
         return await self._unary(context, run)
 
     async def GetRequest(self, request: pb.GetRequestRequest,

@@ -67,5 +67,9 @@ def to_status(exc: Exception) -> grpc.Status:
         any_detail = any_pb2.Any()
         any_detail.Pack(bad)
         details.append(any_detail)
-    return rpc_status.to_status(status_pb2.Status(
+    status = rpc_status.to_status(status_pb2.Status(
         code=getattr(code_pb2, code.name), message=message, details=details))
+    extra = getattr(exc, "trailing_metadata", ())
+    if extra:  # e.g. a cluster redirect naming the pool's owner
+        status = status._replace(trailing_metadata=tuple(status.trailing_metadata) + extra)
+    return status

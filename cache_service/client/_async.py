@@ -14,6 +14,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
+from cache_service.client._routing import MAX_REDIRECTS, Routes
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -32,8 +33,9 @@ from cache_service.client._results import (
 
 
 class AsyncCacheClient:
-    """grpc.aio client. ``target`` is ``host:port``; ``token`` adds a bearer token;
-    ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``."""
+    """grpc.aio client. ``target`` is ``host:port`` (cluster mode: several, comma-separated;
+    calls on a pool follow the replicas' redirects to its owner); ``token`` adds a bearer
+    token; ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, default_timeout: float = 10.0,
@@ -43,9 +45,16 @@ class AsyncCacheClient:
         if ssl_target_name_override:
             options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
         creds = channel_credentials(tls, root_certificates)
-        self._channel = (grpc.aio.secure_channel(target, creds, options=options) if creds
-                         else grpc.aio.insecure_channel(target, options=options))
-        self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._channels: list[grpc.aio.Channel] = []
+
+        def open_stub(address: str) -> pb_grpc.CacheServiceStub:
+            channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
+                       else grpc.aio.insecure_channel(address, options=options))
+            self._channels.append(channel)
+            return pb_grpc.CacheServiceStub(channel)
+
+        self._routes = Routes(target, open_stub)
+        self._stub = self._routes.stub(self._routes.seeds[0])
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
@@ -58,15 +67,25 @@ class AsyncCacheClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
-    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
-        attempt = 0
+    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        """``method`` of the pool's replica; follows redirects, retries UNAVAILABLE."""
+        routes = self._routes
+        pool_id = getattr(request, "pool_id", "")
+        attempt = hops = 0
         while True:
+            address = routes.address(pool_id)
             try:
-                return await method(request, timeout=timeout or self.default_timeout,
-                                    metadata=self._metadata)
+                return await getattr(routes.stub(address), method)(
+                    request, timeout=timeout or self.default_timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    if hops < MAX_REDIRECTS and routes.follow(pool_id, exc.trailing_metadata()):
+                        hops += 1
+                        continue
+                    routes.failed(pool_id, address)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
                     raise CacheError.from_rpc(exc) from None
                 base, cap = self._backoff
@@ -76,53 +95,54 @@ class AsyncCacheClient:
     async def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                             timeout: float | None = None, **kwargs: Any) -> PoolInfo:
         """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
-        resp = await self._call(self._stub.RegisterPool,
+        resp = await self._call("RegisterPool",
                                 register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
     async def get_pool(self, pool_id: str, *, timeout: float | None = None) -> PoolInfo:
-        resp = await self._call(self._stub.GetPool, pb.GetPoolRequest(pool_id=pool_id), timeout)
+        resp = await self._call("GetPool", pb.GetPoolRequest(pool_id=pool_id), timeout)
         return pool_info_from(resp.config)
 
     async def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
-        resp = await self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout)
+        resp = await self._call("ListPools", pb.ListPoolsRequest(), timeout)
         return [pool_info_from(c) for c in resp.pools]
 
     async def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
         """Drops the pool; answers the number of requests it still had."""
-        resp = await self._call(self._stub.DeletePool, pb.DeletePoolRequest(pool_id=pool_id),
+        resp = await self._call("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
                                 timeout)
         return resp.num_requests_dropped
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
                    timeout: float | None = None) -> StepResult:
         """Apply a batch of ops in order (all or nothing on invalid input)."""
-        resp = await self._call(self._stub.Step, pb.StepRequest(
+        resp = await self._call("Step", pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
         return step_result(resp)
 
     async def step_batch(self, batch: StepBuilder, *,
                          timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
-        return step_result(await self._call(self._stub.Step, batch.request, timeout))
+        return step_result(await self._call("Step", batch.request, timeout))
 
     async def step_raw(self, request: pb.StepRequest, *,
                        timeout: float | None = None) -> pb.StepResponse:
         """Step with protocol messages (no conversion), for hot loops."""
-        return await self._call(self._stub.Step, request, timeout)
+        return await self._call("Step", request, timeout)
 
     async def decode(self, pool_id: str, request_ids: Sequence[str],
                      token_ids: Sequence[int], *, begin_step: bool = False,
                      timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
-        resp = await self._call(self._stub.Step, decode_request(
+        resp = await self._call("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
         return DecodeResult(resp.results[0].decode)
 
     def step_stream(self) -> "AsyncStepStream":
         """A bidirectional Step stream: ``async with client.step_stream() as s:
         r = await s.step(pool_id, ops)``."""
-        return AsyncStepStream(self._stub.StepStream(metadata=self._metadata))
+        return AsyncStepStream(self._routes, lambda address: self._routes.stub(
+            address).StepStream(metadata=self._metadata))
 
     async def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
@@ -130,23 +150,23 @@ class AsyncCacheClient:
                           timeout: float | None = None,
                           lora_path: str | None = None) -> dict[str, int]:
         """Cached prefix length per pool (read-only)."""
-        resp = await self._call(self._stub.PeekPrefix, peek_request(
+        resp = await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
 
     async def get_request(self, pool_id: str, request_id: str, *,
                           timeout: float | None = None) -> RequestState:
-        r = await self._call(self._stub.GetRequest, pb.GetRequestRequest(
+        r = await self._call("GetRequest", pb.GetRequestRequest(
             pool_id=pool_id, request_id=request_id), timeout)
         return request_state_from(r)
 
     async def stats(self, pool_id: str, *, timeout: float | None = None) -> PoolStats:
-        r = await self._call(self._stub.GetPoolStats, pb.GetPoolStatsRequest(pool_id=pool_id),
+        r = await self._call("GetPoolStats", pb.GetPoolStatsRequest(pool_id=pool_id),
                              timeout)
         return stats_from(r.stats)
 
     async def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        r = await self._call(self._stub.ResetPrefixCache,
+        r = await self._call("ResetPrefixCache",
                              pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
         return r.reset
 
@@ -157,22 +177,34 @@ class AsyncCacheClient:
         req = pb.SubscribeEventsRequest(pool_id=pool_id)
         if from_sequence is not None:
             req.from_sequence = from_sequence
-        call = self._stub.SubscribeEvents(req, metadata=self._metadata)
-        try:
-            async for batch in call:
-                for e in batch.events:
-                    yield event_from(e)
-        except grpc.aio.AioRpcError as exc:
-            raise CacheError.from_rpc(exc) from None
-        finally:
-            call.cancel()
+        for hop in range(MAX_REDIRECTS + 1):
+            address = self._routes.address(pool_id)
+            call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
+            delivered = False
+            try:
+                async for batch in call:
+                    delivered = True
+                    for e in batch.events:
+                        yield event_from(e)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if (delivered or exc.code() != grpc.StatusCode.UNAVAILABLE
+                        or not self._routes.follow(pool_id, exc.trailing_metadata())):
+                    raise CacheError.from_rpc(exc) from None
+            finally:
+                call.cancel()
 
 
 class AsyncStepStream:
-    """One open StepStream call: each :meth:`step` sends one request and awaits its answer."""
+    """A StepStream: each :meth:`step` sends one request and awaits its answer. The call is
+    opened to the pool's replica on first use; a redirect (nothing applied) reopens it on
+    the owner and resends, any other error ends it (the next step opens a new one)."""
 
-    def __init__(self, call: Any) -> None:
-        self._call = call
+    def __init__(self, routes: Routes, open_call: Any) -> None:
+        self._routes = routes
+        self._open = open_call
+        self._call: Any = None
+        self._address = ""
 
     async def __aenter__(self) -> "AsyncStepStream":
         return self
@@ -182,26 +214,41 @@ class AsyncStepStream:
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
                    begin_step: bool = False) -> StepResult:
-        try:
-            await self._call.write(pb.StepRequest(pool_id=pool_id, begin_step=begin_step,
-                                                  ops=step_ops))
-            resp = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            raise CacheError.from_rpc(exc) from None
-        if resp is grpc.aio.EOF:
-            raise CacheError.from_rpc(await self._failed())
-        return step_result(resp)
+        request = pb.StepRequest(pool_id=pool_id, begin_step=begin_step, ops=step_ops)
+        hops = 0
+        while True:
+            address = self._routes.address(pool_id)
+            if self._call is None or address != self._address:
+                await self.close()
+                self._call, self._address = self._open(address), address
+            try:
+                await self._call.write(request)
+                resp = await self._call.read()
+                if resp is not grpc.aio.EOF:
+                    return step_result(resp)
+                error = await self._failed()
+            except grpc.aio.AioRpcError as exc:
+                error = exc
+            await self.close()  # the server ended the call
+            if (error.code() == grpc.StatusCode.UNAVAILABLE and hops < MAX_REDIRECTS
+                    and self._routes.follow(pool_id, error.trailing_metadata())):
+                hops += 1
+                continue
+            raise CacheError.from_rpc(error) from None
 
     async def _failed(self) -> Any:
-        # The server ended the stream (an invalid batch): surface its status.
+        # The server ended the stream (an invalid batch, a redirect): surface its status.
         code = await self._call.code()
         details = await self._call.details()
-        trailing = await self._call.trailingauth_metadata()
+        trailing = await self._call.trailing_metadata()
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
     async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is None:
+            return
         try:
-            await self._call.done_writing()
+            await call.done_writing()
         except Exception:  # already finished
             pass
-        self._call.cancel()
+        call.cancel()

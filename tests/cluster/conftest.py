@@ -1,0 +1,195 @@
+"""Fixtures of the cluster tier: a real etcd server (the ``etcd`` binary, Debian package
+``etcd-server``) and cache-service replicas as processes started the way a user starts
+them (``python -m cache_service --etcd-endpoints ...``).
+
+- No ``etcd`` binary (or no ``aetcd``) -> every `cluster` test skips with ONE reason line;
+  ``scripts/test.sh`` installs the package when it can.
+- One etcd per session (its own data dir and free ports); each test gets its own cluster
+  name, so tests share the server but no keys.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from cache_service.client import layers
+from kvcache_common.launch import ServerProcess, start_cache_service
+
+#: Short, so that failover tests take seconds: a dead owner is replaced within ~TTL.
+LEASE_TTL = 2
+
+
+def _no_etcd_reason() -> str | None:
+    if shutil.which("etcd") is None:
+        return ("cluster tier: no `etcd` binary on PATH (`apt-get install etcd-server`; "
+                "scripts/test.sh installs it)")
+    if importlib.util.find_spec("aetcd") is None:
+        return "cluster tier: the aetcd package is missing (pip install -e '.[cluster]')"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without etcd, mark every `cluster` test skipped (checked once per session)."""
+    cluster_items = [item for item in items if item.get_closest_marker("cluster")]
+    reason = _no_etcd_reason() if cluster_items else None
+    if reason:
+        for item in cluster_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str,
+               interval: float = 0.05) -> object:
+    """Polls ``predicate`` until it returns a truthy value (answered) or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class EtcdServer:
+    """One etcd member on loopback; :meth:`kill` and :meth:`start` keep its data dir."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.client_port = _free_port()
+        self.peer_port = _free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        client_url = f"http://{self.endpoint}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            ["etcd", "--name", "t", "--data-dir", str(self.data_dir),
+             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"t={peer_url}"],
+            stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "etcd.log", "ab"))
+        wait_until(self.healthy, timeout, "etcd /health")
+
+    def healthy(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError("etcd exited; see " + str(self.data_dir.parent / "etcd.log"))
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
+                return b'"health":"true"' in r.read()
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+class Cluster:
+    """Replicas of one cluster (a fresh cluster name per test)."""
+
+    def __init__(self, etcd: EtcdServer) -> None:
+        self.etcd = etcd
+        self.name = f"t-{uuid.uuid4().hex[:8]}"
+        self.replicas: list[ServerProcess] = []
+
+    def start_replica(self, *flags: str) -> ServerProcess:
+        replica = start_cache_service(
+            "--etcd-endpoints", self.etcd.endpoint, "--cluster-name", self.name,
+            "--lease-ttl", str(LEASE_TTL), "--drain-seconds", "1", *flags)
+        self.replicas.append(replica)
+        return replica
+
+    def by_target(self, target: str) -> ServerProcess:
+        return next(r for r in self.replicas if r.target == target)
+
+    def stop(self) -> None:
+        for replica in self.replicas:
+            if replica.returncode is None:
+                os.kill(replica.proc.pid, signal.SIGCONT)  # a test may have stopped it
+            replica.stop()
+
+
+@pytest.fixture
+def cluster(etcd: EtcdServer) -> Iterator[Cluster]:
+    c = Cluster(etcd)
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def three(cluster: Cluster) -> Cluster:
+    """A cluster of three replicas."""
+    for _ in range(3):
+        cluster.start_replica()
+    return cluster
+
+
+def small_layers() -> list[pb.LayerSpec]:
+    return [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_size=8)
+            for i in range(2)]
+
+
+def raw_stub(target: str) -> pb_grpc.CacheServiceStub:
+    """The generated stub on one replica: no redirect following."""
+    return pb_grpc.CacheServiceStub(grpc.insecure_channel(target))
+
+
+def owner_of(cluster: Cluster, pool_id: str) -> str:
+    """The target of the one replica that answers GetPool for ``pool_id`` (each other
+    replica must redirect to it)."""
+    owners, redirects = [], set()
+    for replica in cluster.replicas:
+        if replica.returncode is not None:
+            continue
+        try:
+            raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id=pool_id), timeout=5)
+            owners.append(replica.target)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+            redirects.add(dict(exc.trailing_metadata()).get("x-kvcache-owner"))
+    assert len(owners) == 1, (pool_id, owners)
+    assert redirects <= {owners[0]}, (owners, redirects)
+    return owners[0]
+
