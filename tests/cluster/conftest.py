@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 import uuid
@@ -176,20 +177,104 @@ def raw_stub(target: str) -> pb_grpc.CacheServiceStub:
     return pb_grpc.CacheServiceStub(grpc.insecure_channel(target))
 
 
-def owner_of(cluster: Cluster, pool_id: str) -> str:
-    """The target of the one replica that answers GetPool for ``pool_id`` (each other
-    replica must redirect to it)."""
-    owners, redirects = [], set()
-    for replica in cluster.replicas:
+def find_owner(cluster: Cluster, pool_id: str, *, with_state: bool = True,
+               among: list[ServerProcess] | None = None) -> str | None:
+    """The target of the replica owning ``pool_id`` when every live replica (of ``among``)
+    agrees: the owner answers GetPool (or NOT_FOUND when ``with_state`` is False, after a
+    takeover without shared storage) and every other replica redirects to it; else None."""
+    answers: dict[str, str] = {}
+    for replica in cluster.replicas if among is None else among:
         if replica.returncode is not None:
             continue
         try:
             raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id=pool_id), timeout=5)
-            owners.append(replica.target)
+            answers[replica.target] = "ok"
         except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
-            redirects.add(dict(exc.trailing_metadata()).get("x-kvcache-owner"))
-    assert len(owners) == 1, (pool_id, owners)
-    assert redirects <= {owners[0]}, (owners, redirects)
+            owner = dict(exc.trailing_metadata() or ()).get("x-kvcache-owner")
+            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                answers[replica.target] = f"->{owner}" if owner else "unavailable"
+            elif exc.code() == grpc.StatusCode.NOT_FOUND:
+                answers[replica.target] = "missing"
+            else:
+                raise
+    owners = [t for t, a in answers.items()
+              if a == "ok" or (a == "missing" and not with_state)]
+    redirects = [a[2:] for a in answers.values() if a.startswith("->")]
+    if len(owners) != 1 or set(redirects) - {owners[0]} or len(redirects) + 1 != len(answers):
+        return None
     return owners[0]
 
+
+def owner_of(cluster: Cluster, pool_id: str, *, with_state: bool = True) -> str:
+    """:func:`find_owner` once the replicas agree (each learns of a placement through its
+    etcd watch, a few milliseconds after the fact)."""
+    return wait_until(lambda: find_owner(cluster, pool_id, with_state=with_state), 10,
+                      f"the replicas agreeing on the owner of {pool_id!r}")
+
+
+class Partition:
+    """A TCP proxy in front of etcd for one replica: :meth:`cut` drops every connection
+    and refuses new ones (the replica is partitioned from etcd but still reachable by
+    clients), :meth:`heal` forwards again."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.open = True
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if not self.open:
+                    conn.close()
+                    continue
+                try:
+                    up = socket.create_connection(self.upstream, timeout=5)
+                except OSError:
+                    conn.close()
+                    continue
+                self._sockets += [conn, up]
+            for a, b in ((conn, up), (up, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        with self._lock:
+            self.open = False
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def heal(self) -> None:
+        with self._lock:
+            self.open = True
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
