@@ -62,7 +62,7 @@ class Settings(BaseSettings):
                                           "replicas and clients reach this replica at "
                                           "(default: --host:<bound port>, the host name if "
                                           "--host is 0.0.0.0)")
-    lease_ttl: int = Field(5, ge=2, le=300, description="cluster mode: seconds the etcd "
+    etcd_lease_ttl: int = Field(5, ge=2, le=300, description="cluster mode: seconds the etcd "
                            "lease outlives this replica's last keep-alive; the failover "
                            "detection time")
     log_level: Literal["debug", "info", "warning", "error"] = Field(

@@ -43,15 +43,23 @@ class Etcd:
 
     def _new_client(self) -> aetcd.Client:
         host, port = self.endpoints[self._index]
-        return aetcd.Client(host=host, port=port, timeout=self.timeout)
+        # Reconnect within ~0.5 s once etcd is back: gRPC's default backoff grows to 2 min,
+        # far beyond a lease TTL of a few seconds.
+        return aetcd.Client(host=host, port=port, timeout=self.timeout, options={
+            "grpc.initial_reconnect_backoff_ms": 100, "grpc.min_reconnect_backoff_ms": 100,
+            "grpc.max_reconnect_backoff_ms": 500})
 
     @property
     def endpoint(self) -> str:
         host, port = self.endpoints[self._index]
         return f"{host}:{port}"
 
-    async def reconnect(self) -> None:
-        """Drops the current client (its watches end) and connects to the next endpoint."""
+    async def reconnect(self, failed: aetcd.Client) -> None:
+        """Drops ``failed`` (its watches end) and connects to the next endpoint, unless
+        another task has replaced it already (the keep-alive and the watch both notice an
+        outage; one new client serves both)."""
+        if failed is not self.client:
+            return
         old = self.client
         self._index = (self._index + 1) % len(self.endpoints)
         self.client = self._new_client()

@@ -47,6 +47,7 @@ class Membership:
         """Grants a lease and puts the member key, retrying over the endpoints until
         ``deadline`` (monotonic); then keeps the lease alive in the background."""
         while True:
+            client = self.etcd.client
             try:
                 await self._grant()
                 break
@@ -55,7 +56,7 @@ class Membership:
                     raise ConnectionError(f"cannot reach etcd at {self.etcd.endpoints}: "
                                           f"{exc}") from None
                 _log.warning("etcd_unreachable", endpoint=self.etcd.endpoint, error=str(exc))
-                await self.etcd.reconnect()
+                await self.etcd.reconnect(client)
                 await asyncio.sleep(0.2)
         self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
 
@@ -73,9 +74,9 @@ class Membership:
         period = self.ttl / 3
         while True:
             started = time.monotonic()
+            client = self.etcd.client
             try:
-                reply = await asyncio.wait_for(
-                    self.etcd.client.refresh_lease(self.lease_id), period)
+                reply = await asyncio.wait_for(client.refresh_lease(self.lease_id), period)
                 if reply is not None and reply.TTL > 0:
                     self.valid_until = started + reply.TTL
                 else:
@@ -85,10 +86,13 @@ class Membership:
                     await self._grant()
                     if self.on_new_lease is not None:
                         await self.on_new_lease()
-            except ETCD_ERRORS as exc:
+            except Exception as exc:  # noqa: BLE001 - the keep-alive must never stop
+                if not isinstance(exc, ETCD_ERRORS):
+                    # e.g. a call racing the close of a replaced client
+                    _log.exception("keepalive_failed")
                 _log.warning("etcd_unreachable", endpoint=self.etcd.endpoint, error=str(exc),
                              lease_valid=self.lease_valid())
-                await self.etcd.reconnect()
+                await self.etcd.reconnect(client)
             # A timer, not synchronization: the next renewal is due a third of a TTL later.
             await asyncio.sleep(max(0.0, period - (time.monotonic() - started)))
 

@@ -72,7 +72,7 @@ class ClusterNode:
         assert settings.etcd_endpoints
         self.settings = settings
         self.keys = KeyLayout(settings.cluster_name)
-        self.etcd = Etcd(settings.etcd_endpoints, timeout=max(1.0, settings.lease_ttl / 3))
+        self.etcd = Etcd(settings.etcd_endpoints, timeout=max(1.0, settings.etcd_lease_ttl / 3))
         self.registry = ClusterRegistry(settings.event_buffer)
         self.membership: Membership | None = None
         self.placement: Placement | None = None
@@ -84,7 +84,7 @@ class ClusterNode:
         address = advertised_address(self.settings, port)
         member_id = self.settings.member_id or address
         self.membership = Membership(self.etcd, self.keys, member_id, address,
-                                     self.settings.lease_ttl)
+                                     self.settings.etcd_lease_ttl)
         self.placement = Placement(self.etcd, self.keys, self.membership,
                                    self.registry.has, None, self.registry.discard)
         self.registry.placement = self.placement

@@ -130,12 +130,12 @@ class Placement:
     async def _follow(self) -> None:
         while True:
             events: asyncio.Queue = asyncio.Queue()
-            watch = None
+            client = self.etcd.client
             try:
                 revision = await self._load()
                 await self.reconcile()
                 self.synced.set()
-                watch = await self.etcd.client.watch_prefix(
+                watch = await client.watch_prefix(
                     self.keys.root, start_revision=revision + 1)
                 pump = asyncio.create_task(self._pump(watch, events))
                 try:
@@ -158,9 +158,12 @@ class Placement:
                         await self.reconcile()
                 finally:
                     pump.cancel()
-            except ETCD_ERRORS + (RuntimeError,) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure: list and watch again
+                if not isinstance(exc, ETCD_ERRORS + (RuntimeError,)):
+                    _log.exception("cluster_view_failed")
                 _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
-                await self.etcd.reconnect()
+                await self.etcd.reconnect(client)
+                # A pause between attempts while etcd is away (a timer, not a sync).
                 await asyncio.sleep(0.2)
 
     @staticmethod
@@ -174,7 +177,7 @@ class Placement:
 
     async def _load(self) -> int:
         """Replaces the view with a full listing; answers its revision."""
-        listing = await self.etcd.client.get_prefix(self.keys.root)
+        listing = await self.etcd.client.get_prefix(self.keys.root)  # one revision
         members: dict[str, Member] = {}
         owners: dict[str, Owner] = {}
         registered: set[str] = set()

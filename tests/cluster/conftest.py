@@ -138,7 +138,7 @@ class Cluster:
     def start_replica(self, *flags: str) -> ServerProcess:
         replica = start_cache_service(
             "--etcd-endpoints", self.etcd.endpoint, "--cluster-name", self.name,
-            "--lease-ttl", str(LEASE_TTL), "--drain-seconds", "1", *flags)
+            "--etcd-lease-ttl", str(LEASE_TTL), "--drain-seconds", "1", *flags)
         self.replicas.append(replica)
         return replica
 
