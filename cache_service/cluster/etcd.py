@@ -65,8 +65,8 @@ class Etcd:
         self.client = self._new_client()
         try:
             await asyncio.wait_for(old.close(), self.timeout)
-        except (Exception, asyncio.CancelledError):  # closing a dead channel may fail
-            pass
+        except ETCD_ERRORS + (RuntimeError, ValueError) as exc:  # a dead channel may not close
+            _log.debug("etcd_close_failed", error=str(exc))
         _log.info("etcd_reconnect", endpoint=self.endpoint)
 
     async def close(self) -> None:

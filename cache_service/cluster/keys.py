@@ -64,7 +64,7 @@ class Owner:
         return json.dumps({"member": member, "address": address}).encode()
 
     @classmethod
-    def decode(cls, value: bytes, lease: int, token: int) -> "Owner":
+    def decode(cls, value: bytes, lease: int, token: int) -> Owner:
         data = json.loads(value)
         return cls(str(data["member"]), str(data["address"]), lease, token)
 

@@ -8,7 +8,6 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 import grpc
 import structlog

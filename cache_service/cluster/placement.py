@@ -172,7 +172,7 @@ class Placement:
             async for event in watch:
                 await events.put(event)
             await events.put(RuntimeError("etcd watch ended"))
-        except Exception as exc:  # delivered to the follower, which reconnects
+        except Exception as exc:  # noqa: BLE001 - delivered to the follower, which reconnects
             await events.put(exc)
 
     async def _load(self) -> int:
@@ -318,11 +318,11 @@ class Placement:
                                  error=str(exc))
                     continue
                 if not ok:
-                    if pool_id in self.registered or await self.etcd.client.get(
-                            self.keys.pool(pool_id)) is not None:
-                        if await self.etcd.client.get(self.keys.owner(pool_id)) is None:
-                            raise Unavailable(f"pool {pool_id!r} is failing over to another "
-                                              "replica; retry", field="pool_id")
+                    # Owned meanwhile (the loop redirects there), or registered without an
+                    # owner: its owner died and the takeover has not happened yet.
+                    if await self.etcd.client.get(self.keys.owner(pool_id)) is None:
+                        raise Unavailable(f"pool {pool_id!r} is failing over to another "
+                                          "replica; retry", field="pool_id")
                     continue
                 token = responses[0].response_put.header.revision
                 owner = Owner(target, member.address, member.lease, token)

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
+from cache_service.client import layers
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from cache_service.client import layers
+from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
 
 #: Short, so that failover tests take seconds: a dead owner is replaced within ~TTL.
@@ -36,7 +33,7 @@ LEASE_TTL = 2
 
 
 def _no_etcd_reason() -> str | None:
-    if shutil.which("etcd") is None:
+    if etcd_binary() is None:
         return ("cluster tier: no `etcd` binary on PATH (`apt-get install etcd-server`; "
                 "scripts/test.sh installs it)")
     if importlib.util.find_spec("aetcd") is None:
@@ -53,12 +50,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(predicate: Callable[[], object], timeout: float, what: str,
                interval: float = 0.05) -> object:
     """Polls ``predicate`` until it returns a truthy value (answered) or ``timeout``."""
@@ -70,53 +61,6 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str,
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
-
-
-class EtcdServer:
-    """One etcd member on loopback; :meth:`kill` and :meth:`start` keep its data dir."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.client_port = _free_port()
-        self.peer_port = _free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self, timeout: float = 30.0) -> None:
-        client_url = f"http://{self.endpoint}"
-        peer_url = f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            ["etcd", "--name", "t", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-             "--initial-cluster", f"t={peer_url}"],
-            stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "etcd.log", "ab"))
-        wait_until(self.healthy, timeout, "etcd /health")
-
-    def healthy(self) -> bool:
-        if self.proc is None or self.proc.poll() is not None:
-            raise RuntimeError("etcd exited; see " + str(self.data_dir.parent / "etcd.log"))
-        try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as r:
-                return b'"health":"true"' in r.read()
-        except OSError:
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture(scope="session")

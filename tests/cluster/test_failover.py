@@ -9,8 +9,8 @@ import time
 import grpc
 import pytest
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import CacheClient, CacheError, ops
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from tests.cluster.conftest import (
     LEASE_TTL,
     Cluster,

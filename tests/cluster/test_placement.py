@@ -7,8 +7,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import CacheClient, CacheError, ops
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from tests.cluster.conftest import Cluster, owner_of, raw_stub, small_layers
 
 pytestmark = pytest.mark.cluster
