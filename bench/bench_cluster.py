@@ -37,11 +37,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import percentile, print_table, ratio, write_results  # noqa: E402
+from _common import percentile, print_table, ratio, write_results
 
-from cache_service.client import CacheClient, CacheError, layers, ops  # noqa: E402
-from kvcache_common.etcd_launch import EtcdServer, etcd_binary  # noqa: E402
-from kvcache_common.launch import ServerProcess, start_cache_service  # noqa: E402
+from cache_service.client import CacheClient, CacheError, layers, ops
+from kvcache_common.etcd_launch import EtcdServer, etcd_binary
+from kvcache_common.launch import ServerProcess, start_cache_service
 
 TTL = 2
 LAYERS = [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_size=8)
@@ -75,6 +75,38 @@ def owner_target(replicas: list[ServerProcess], pool_id: str) -> str:
     raise RuntimeError(f"no replica serves {pool_id}")
 
 
+def _one_kill(client: CacheClient, pool: str, victim: ServerProcess) -> float | None:
+    """Steps ``pool`` in a thread, SIGKILLs its owner, answers the seconds from the kill to
+    the first successful Step sent after the owner's process was gone (None: none in 30 s)."""
+    state = {"killed": 0.0, "dead": 0.0, "back": 0.0, "stop": False}
+
+    def load() -> None:
+        i = 0
+        while not state["stop"]:
+            started = time.monotonic()
+            try:
+                client.step(pool, [ops.add(f"r{i}", [1, 2, 3]), ops.free(f"r{i}")])
+                # Only a Step sent after the victim was gone counts.
+                if state["dead"] and started > state["dead"] and not state["back"]:
+                    state["back"] = time.monotonic()
+            except CacheError:
+                register(client, pool)  # NOT_FOUND: no shared state; register again
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    time.sleep(0.3)  # a steady stream of steps before the kill
+    state["killed"] = time.monotonic()
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    state["dead"] = time.monotonic()
+    while not state["back"] and time.monotonic() - state["killed"] < 30:
+        time.sleep(0.01)
+    state["stop"] = True
+    worker.join(30)
+    return state["back"] - state["killed"] if state["back"] else None
+
+
 def bench_failover(etcd: EtcdServer, kills: int) -> dict:
     cluster = f"bench-{uuid.uuid4().hex[:6]}"
     replicas = [replica(etcd, cluster) for _ in range(3)]
@@ -87,34 +119,9 @@ def bench_failover(etcd: EtcdServer, kills: int) -> dict:
                 pool = f"f{k}"
                 register(client, pool)
                 victim = next(r for r in live if r.target == owner_target(live, pool))
-                state = {"killed": 0.0, "dead": 0.0, "back": 0.0, "stop": False}
-
-                def load() -> None:
-                    i = 0
-                    while not state["stop"]:
-                        started = time.monotonic()
-                        try:
-                            client.step(pool, [ops.add(f"r{i}", [1, 2, 3]), ops.free(f"r{i}")])
-                            # Only a Step sent after the victim was gone counts.
-                            if state["dead"] and started > state["dead"] and not state["back"]:
-                                state["back"] = time.monotonic()
-                        except CacheError:
-                            register(client, pool)  # NOT_FOUND: no shared state; again
-                        i += 1
-
-                worker = threading.Thread(target=load)
-                worker.start()
-                time.sleep(0.3)  # a steady stream of steps before the kill
-                state["killed"] = time.monotonic()
-                victim.signal(signal.SIGKILL)
-                victim.proc.wait(10)
-                state["dead"] = time.monotonic()
-                while not state["back"] and time.monotonic() - state["killed"] < 30:
-                    time.sleep(0.01)
-                state["stop"] = True
-                worker.join(30)
-            if state["back"]:
-                samples.append(state["back"] - state["killed"])
+                sample = _one_kill(client, pool, victim)
+            if sample is not None:
+                samples.append(sample)
             victim.stop()
             replicas.append(replica(etcd, cluster))
     finally:
@@ -225,14 +232,15 @@ def main() -> int:
             etcd.stop()
     one = scaling[0]["steps_per_s"]
     rows = [
-        ["failover p50 (s)", failover["p50_s"], f"p99 {failover['p99_s']} s, max "
-         f"{failover['max_s']} s over {args.kills} kills, lease TTL {TTL} s"],
+        ["failover p50 (s)", failover["p50_s"], (f"p99 {failover['p99_s']} s, max "
+                                                 f"{failover['max_s']} s over {args.kills} "
+                                                 f"kills, lease TTL {TTL} s")],
         ["Step, standalone (us)", overhead["standalone_us"], ""],
         ["Step, cluster member (us)", overhead["cluster_us"],
          f"{overhead['ratio']:.3f}x standalone (goal <= 1.05x)"],
     ] + [[f"Steps/s, {r['replicas']} replica(s)", r["steps_per_s"],
-          f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
-          f"{r['pools_per_replica']}"] for r in scaling]
+          (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
+           f"{r['pools_per_replica']}")] for r in scaling]
     print_table("Cluster mode (etcd)", ["measure", "value", "notes"], rows)
     path = write_results("cluster", {"failover": failover, "overhead": overhead,
                                      "scaling": scaling})
