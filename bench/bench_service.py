@@ -61,6 +61,7 @@ from cache_service.client import (  # noqa: E402
 from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest  # noqa: E402
 from cache_service.registry import PoolRegistry, build_pool  # noqa: E402
 from cache_service.servicer import CacheServicer  # noqa: E402
+from cache_service.state import ServiceState  # noqa: E402
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096
@@ -185,7 +186,7 @@ def bench_servicer(n: int, steps: int, warmup: int, *, mode: str) -> list[int]:
     """The servicer's Step in this process, without gRPC: parse, validate, apply, build and
     serialize the response. Separates the servicer's own cost from the transport's."""
     registry = PoolRegistry()
-    servicer = CacheServicer(registry)
+    servicer = CacheServicer(ServiceState(registry))
     registry.register("s", convert.description_from_proto(
         register_request("s", model(), **pool_kwargs(n, steps + warmup))))
     admit_batch = StepBuilder("s", begin_step=True)

@@ -43,6 +43,20 @@ class EventFeed(Generic[E]):
         self._closed = False
         self._changed = asyncio.Event()
 
+    def __getstate__(self) -> dict:
+        """The buffer and sequence (a snapshot); subscribers and their wake-up event stay
+        with the running server."""
+        return {"capacity": self.capacity, "buffer": list(self._buffer), "next": self._next}
+
+    def __setstate__(self, state: dict) -> None:
+        # A restored feed is open: a server closes its feeds when it stops, and the
+        # snapshot written then must not carry that into the next run.
+        self.capacity = state["capacity"]
+        self._buffer = deque(state["buffer"], maxlen=self.capacity)
+        self._next = state["next"]
+        self._closed = False
+        self._changed = asyncio.Event()
+
     @property
     def next_sequence(self) -> int:
         """The sequence the next published event will get."""

@@ -105,11 +105,43 @@ class PoolCollector:
         yield from counters.values()
 
 
-def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]]) -> tuple[
+class SessionCollector:
+    """Scrape-time session counters, read from ``counters_of()`` (the state's
+    ``SessionCounters``)."""
+
+    _SERIES = (
+        ("opened", "kvcache_sessions_opened", "Sessions opened."),
+        ("closed", "kvcache_sessions_closed", "Sessions closed by their client."),
+        ("expired", "kvcache_sessions_expired", "Sessions whose lease ran out."),
+        ("requests_expired", "kvcache_session_requests_expired",
+         "Requests freed because their session's lease ran out."),
+        ("retries_answered", "kvcache_step_retries_answered",
+         "Retried calls (same session and sequence) answered from the stored response."),
+    )
+
+    def __init__(self, counters_of: Callable[[], Any]) -> None:
+        self._counters_of = counters_of
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        counters = self._counters_of()
+        for attr, name, doc in self._SERIES:
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], float(getattr(counters, attr)))
+            yield fam
+
+
+def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]],
+                 counters_of: Callable[[], Any] | None = None) -> tuple[
         CollectorRegistry, RpcMetrics]:
-    """A registry with process metrics, RPC metrics and the pool collector."""
+    """A registry with process metrics, RPC metrics, the pool collector and (given
+    ``counters_of``) the session collector."""
     registry = CollectorRegistry(auto_describe=False)
     ProcessCollector(registry=registry)
     rpc = RpcMetrics(registry)
     registry.register(PoolCollector(stats_of))
+    if counters_of is not None:
+        registry.register(SessionCollector(counters_of))
     return registry, rpc

@@ -10,6 +10,7 @@ No gRPC here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class PoolEntry:
     description: PoolDescription
     pool: Pool
     feed: EventFeed
+    incarnation: int = 1
 
     @property
     def config(self) -> KVCacheConfig:
@@ -116,15 +118,36 @@ def build_pool(desc: PoolDescription) -> Pool:
     return Pool(config, opts)
 
 
-class PoolRegistry:
-    """Pools by id. Not thread-safe by design: the server's event loop owns it."""
+def incarnation_id(instance_id: str, ordinal: int) -> int:
+    """The incarnation of the ``ordinal``-th pool created in a state of ``instance_id``:
+    a non-zero 64-bit id. Derived, not drawn at random, so that replaying the same
+    registrations on the same state gives the same ids (recovery) while a new instance
+    (a fresh in-memory start, a new data directory) or a new registration gives new ones."""
+    digest = hashlib.blake2b(f"{instance_id}/{ordinal}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
 
-    def __init__(self, event_buffer: int = 10000) -> None:
+
+class PoolRegistry:
+    """Pools by id. Not thread-safe by design: the server's event loop owns it.
+    ``instance_id`` names this state's life (see :func:`incarnation_id`)."""
+
+    def __init__(self, event_buffer: int = 10000, instance_id: str = "") -> None:
         self._pools: dict[str, PoolEntry] = {}
         self._event_buffer = event_buffer
+        self.instance_id = instance_id
+        self._created = 0  # pools ever created in this state: the next incarnation ordinal
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
+        entry, created = self.prepare_register(pool_id, desc)
+        if created:
+            self.add(entry)
+        return entry, created
+
+    def prepare_register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
+        """The validation half of :meth:`register`: the existing pool (created False), or
+        a new one NOT yet registered (:meth:`add` it). Raises and changes nothing on a bad
+        description or one that differs from the registered pool's."""
         check_pool_id(pool_id)
         existing = self._pools.get(pool_id)
         if existing is not None:
@@ -133,9 +156,14 @@ class PoolRegistry:
                 return existing, False
             raise AlreadyExists(f"pool {pool_id!r} exists with a different description "
                                 f"(first difference: {diff})", field=diff)
-        entry = PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer))
-        self._pools[pool_id] = entry
-        return entry, True
+        return PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer)), True
+
+    def add(self, entry: PoolEntry) -> None:
+        """Registers a pool from :meth:`prepare_register`, giving it the next incarnation."""
+        assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
+        entry.incarnation = incarnation_id(self.instance_id, self._created)
+        self._created += 1
+        self._pools[entry.pool_id] = entry
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
         """The pool, or NotFound naming ``field``."""

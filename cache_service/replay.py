@@ -7,6 +7,8 @@ replay tool"). Block ids, hit lengths and free counts equal vLLM 0.33's for the 
 config and trace, which is how this project is checked against vLLM's own manager
 (shared/tools/vllm-oracle) and how other implementations can check themselves
 against this one. A failed operation prints an "error" field and the replay goes on.
+Every change goes through ``Pool.apply_batch`` (a batch of one op), the entry point the
+service uses too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.core.ops import (
+    AddRequest,
+    Allocate,
+    AppendTokens,
+    Free,
+    Lookup,
+    NewStep,
+    Op,
+    Preempt,
+)
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
@@ -144,13 +156,17 @@ class Replayer:
             raise InvalidArgument("missing 'req'", field="req")
         return op["req"]
 
+    def _one(self, op: Op, *, begin_step: bool = False) -> Any:
+        """Every change goes through the pool's one entry point, as the service's do."""
+        return self.pool.apply_batch([op], begin_step=begin_step)[0]
+
     def _add(self, op: dict[str, Any]) -> dict[str, Any]:
-        info = self.pool.add_request(self._req(op), op.get("tokens", []),
-                                     cache_salt=op.get("cache_salt"))
+        info = self._one(AddRequest(self._req(op), op.get("tokens", []),
+                                    cache_salt=op.get("cache_salt")))
         return {"num_tokens": info.num_tokens, "num_block_hashes": info.num_block_hashes}
 
     def _lookup(self, op: dict[str, Any]) -> dict[str, Any]:
-        res = self.pool.lookup(self._req(op))
+        res = self._one(Lookup(self._req(op)))
         out: dict[str, Any] = {"hit_tokens": res.hit_tokens, "block_ids": res.block_ids}
         if res.shared_prefix_boundary:
             out["shared_prefix_boundary"] = res.shared_prefix_boundary
@@ -160,17 +176,12 @@ class Replayer:
         rid = self._req(op)
         if "num_new_tokens" not in op:
             raise InvalidArgument("missing 'num_new_tokens'", field="num_new_tokens")
-        for flag in ("full_sequence_must_fit", "use_lookup", "delay_cache_blocks"):
-            if flag in op and not isinstance(op[flag], bool):
-                raise InvalidArgument(f"{flag} must be true or false", field=flag)
-        self.pool.request_info(rid)  # unknown request: fail before stepping
-        if self.auto_step:
-            self.pool.new_step()
-        res = self.pool.allocate(
+        # An invalid allocate (e.g. an unknown request) fails before the step begins.
+        res = self._one(Allocate(
             rid, op["num_new_tokens"], num_lookahead_tokens=op.get("num_lookahead_tokens", 0),
             full_sequence_must_fit=op.get("full_sequence_must_fit", False),
             use_lookup=op.get("use_lookup", True),
-            delay_cache_blocks=op.get("delay_cache_blocks", False))
+            delay_cache_blocks=op.get("delay_cache_blocks", False)), begin_step=self.auto_step)
         if not res.ok:
             return {"ok": False, "new_block_ids": None}
         return {"ok": True, "hit_tokens_used": res.hit_tokens_used,
@@ -178,18 +189,18 @@ class Replayer:
                 "new_block_ids": res.new_block_ids, "block_ids": res.block_ids}
 
     def _append(self, op: dict[str, Any]) -> dict[str, Any]:
-        info = self.pool.append_tokens(self._req(op), op.get("tokens", []))
+        info = self._one(AppendTokens(self._req(op), op.get("tokens", [])))
         return {"num_tokens": info.num_tokens, "num_block_hashes": info.num_block_hashes}
 
     def _free(self, op: dict[str, Any]) -> dict[str, Any]:
-        return {"num_free_blocks": self.pool.free(self._req(op))}
+        return {"num_free_blocks": self._one(Free(self._req(op)))}
 
     def _preempt(self, op: dict[str, Any]) -> dict[str, Any]:
-        return {"num_free_blocks": self.pool.preempt(self._req(op))}
+        return {"num_free_blocks": self._one(Preempt(self._req(op)))}
 
     def _step(self, op: dict[str, Any]) -> dict[str, Any]:
         self.auto_step = False
-        self.pool.new_step()
+        self._one(NewStep())
         return {}
 
     def _usage(self, op: dict[str, Any]) -> dict[str, Any]:

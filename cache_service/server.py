@@ -29,9 +29,13 @@ from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
 from kvcache_common.logs import configure_logging, lifecycle
 from kvcache_common.metrics_http import serve_metrics
+from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
+from cache_service.snapshot import SnapshotCorruption
+from cache_service.state import ServiceState, WalRecord
+from cache_service.wal import WalCorruption
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
 
@@ -55,19 +59,66 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
+def _new_state(settings: Settings, instance_id: str) -> ServiceState:
+    registry_class = PoolRegistry
+    if settings.etcd_endpoints:  # cluster mode: pool lookups check ownership (fencing)
+        from cache_service.cluster.registry import ClusterRegistry
+        registry_class = ClusterRegistry
+    return ServiceState(registry_class(settings.event_buffer, instance_id=instance_id),
+                        lease_ttl_seconds=settings.lease_ttl_seconds,
+                        max_ops_per_step=settings.max_ops_per_step)
+
+
+def _replay(state: ServiceState, payload: bytes) -> None:
+    state.apply(WalRecord.FromString(payload))
+
+
+def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
+    """The service state: empty and in memory without ``--data-dir`` (says so in one log
+    line), else recovered from the directory, which then logs every accepted record."""
+    if settings.data_dir is None:
+        lifecycle().info("in_memory", detail="no --data-dir: pools, requests and sessions "
+                         "live in memory only and a restart loses them (pools come back "
+                         "with new incarnations)")
+        # Every start is a new instance: its pools get new incarnations.
+        return _new_state(settings, new_instance_id()), None
+    data_dir, state = open_data_dir(
+        settings.data_dir, new_state=lambda instance_id: _new_state(settings, instance_id),
+        apply=_replay, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
+        snapshot_every=settings.snapshot_every)
+    # Settings are not state: this run's flags win over the ones the snapshot was taken with.
+    state.lease_ttl_seconds = settings.lease_ttl_seconds
+    state.max_ops_per_step = settings.max_ops_per_step
+    state.durability = data_dir
+    rec = data_dir.recovery
+    lifecycle().info("recovered", data_dir=str(settings.data_dir), fsync=settings.fsync,
+                     pools=len(state.registry), sessions=len(state.sessions),
+                     snapshot_index=rec.snapshot_index, records_replayed=rec.records_replayed,
+                     torn_bytes_dropped=rec.torn_bytes_dropped,
+                     snapshot_seconds=round(rec.snapshot_seconds, 3),
+                     replay_seconds=round(rec.replay_seconds, 3),
+                     replay_ops_per_second=round(rec.replay_rate))
+    return state, data_dir
+
+
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
+    try:
+        state, data_dir = open_state(settings)
+    except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
+        log.error("data_dir_unusable", error=str(exc))
+        return 1
+    registry = state.registry
     node = None
     if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
         from cache_service.cluster.node import ClusterNode
-        node = ClusterNode(settings)
-    registry = node.registry if node is not None else PoolRegistry(settings.event_buffer)
-    prom_registry, rpc_metrics = new_registry(registry.stats)
+        node = ClusterNode(settings, state)
+    prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     token = settings.auth_token.get_secret_value() if settings.auth_token else None
     interceptor = CallInterceptor(rpc_metrics, token)
     server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
-    servicer = CacheServicer(registry, max_ops_per_step=settings.max_ops_per_step)
+    servicer = CacheServicer(state)
     pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -105,11 +156,14 @@ async def serve(settings: Settings) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=token is not None,
+             lease_ttl_seconds=settings.lease_ttl_seconds,
              member=node.membership.member_id if node and node.membership else None)
 
     await stop.wait()
+    reaper.cancel()  # no lease expires while draining: clients cannot renew then
     lifecycle().info("draining", grace_seconds=settings.drain_seconds)
     # NOT_SERVING first (and for good: later set() calls are ignored), so that load
     # balancers stop routing here while in-flight calls finish.
@@ -130,6 +184,9 @@ async def serve(settings: Settings) -> int:
     await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
     if metrics_server is not None:
         metrics_server.close()
+    if data_dir is not None:
+        # A final snapshot: the next start loads it instead of replaying the log.
+        data_dir.close(state)
     lifecycle().info("stopped")
     return 0
 

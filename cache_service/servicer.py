@@ -1,45 +1,37 @@
-"""``kvcache.v1.CacheService`` on top of the pool registry.
+"""``kvcache.v1.CacheService`` on top of :class:`~cache_service.state.ServiceState`.
 
-Every handler runs on the server's one event loop and calls the allocator synchronously
-(no awaits between reading and writing allocator state), so calls never interleave inside
-a pool. Step batches are validated whole before any op is applied: field checks, plus a
-simulation of which request ids exist as the batch's adds / frees take effect. A batch
-that passes is applied op by op. A ``decode`` op (many requests' decode step in packed
-arrays) is the hot path of big batches: one validation pass, then ``Pool.decode``.
+Every handler runs on the server's one event loop and calls the state synchronously (no
+awaits between reading and writing it), so calls never interleave inside a pool. A
+mutating call becomes one ``WalRecord`` applied by ``ServiceState.apply``, the only code
+that changes state (it validates the whole call first: a rejected call changes nothing).
+Reads go to the state directly. Sessions: every call naming a session renews its lease
+(:mod:`cache_service.leases`); the lease reaper expires the others.
 """
 
 from __future__ import annotations
 
+import asyncio
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import Message
 
 from cache_service import convert
-from cache_service.status import ResourceExhausted, Unavailable, qualify, to_status
+from cache_service.core.batch import check_request_id
+from cache_service.core.errors import FailedPrecondition, InvalidArgument, KVCacheError
+from cache_service.event_feed import SequenceOutOfRange
+from cache_service.leases import LeaseKeeper, LeaseReaper
+from cache_service.registry import PoolEntry
+from cache_service.state import ServiceState, WalRecord
+from cache_service.status import Unavailable, to_status
+from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from cache_service.core.errors import (
-    DuplicateRequest,
-    FailedPrecondition,
-    InvalidArgument,
-    KVCacheError,
-    UnknownRequest,
-)
-from cache_service.core.pool import DecodeOutcome
-from cache_service.event_feed import SequenceOutOfRange
-from cache_service.registry import PoolEntry, PoolRegistry, check_pool_id
-
-MAX_REQUEST_ID_LEN = 256
-HASH_LEN = 32  # sha256 digests
-TOKEN_LIMIT = 2**31  # the core's bound on token ids when the pool has no vocab_size
 
 _log = structlog.get_logger("cache_service.servicer")
-
-_ADD, _LOOKUP, _ALLOCATE, _APPEND, _FREE, _PREEMPT, _NEW_STEP, _DECODE = (
-    "add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step",
-    "decode")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -47,267 +39,64 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort_with_status(to_status(exc))
 
 
-def _check_tokens(tokens: Any, limit: int, field: str) -> None:
-    """Token ids must lie in [0, limit) (limit = vocab_size, else 2**31 as in the core)."""
-    if not tokens:
-        raise InvalidArgument("at least one token id is required", field=field)
-    if min(tokens) < 0 or max(tokens) >= limit:
-        bad = next(i for i, t in enumerate(tokens) if not 0 <= t < limit)
-        raise InvalidArgument(f"token id {tokens[bad]} out of range [0, {limit})",
-                              field=f"{field}[{bad}]")
-
-
-def _check_request_id(rid: str, field: str) -> None:
-    if not rid or len(rid) > MAX_REQUEST_ID_LEN:
-        raise InvalidArgument(f"request_id must be 1-{MAX_REQUEST_ID_LEN} characters",
-                              field=field)
-
-
-def check_lora(lora_name: str, lora_path: str) -> None:
-    """A LoRA path is hashed with its name: it needs one (as the core checks)."""
-    if lora_path and not lora_name:
-        raise InvalidArgument("lora_path needs lora_name", field="lora_path")
-
-
-def check_block_hashes(entry: PoolEntry, hashes: Any, num_tokens: int, field: str) -> None:
-    """Client-computed hashes: sha256_cbor pools only, one 32-byte hash per full block."""
-    if not hashes:
-        return
-    opts = entry.pool.options
-    if opts.hash_algo != "sha256_cbor":
-        raise InvalidArgument("client block hashes need a pool with hash_algo "
-                              "HASH_ALGO_SHA256_CBOR (the cross-language recipe)", field=field)
-    if not opts.enable_caching:
-        raise InvalidArgument("the pool has prefix caching off; send no block hashes",
-                              field=field)
-    expected = num_tokens // entry.pool.hash_block_size
-    if len(hashes) != expected:
-        raise InvalidArgument(f"expected {expected} hashes (one per full "
-                              f"{entry.pool.hash_block_size}-token block), got {len(hashes)}",
-                              field=field)
-    for i, h in enumerate(hashes):
-        if len(h) != HASH_LEN:
-            raise InvalidArgument(f"a block hash is {HASH_LEN} bytes, got {len(h)}",
-                                  field=f"{field}[{i}]")
-
-
-class StepValidator:
-    """Checks a whole batch against the pool without changing it.
-
-    The pool validates each call before it mutates, but a batch must be all or nothing, so
-    this mirrors the pool's checks over a simulation of the batch: which request ids exist
-    as adds and frees take effect, each request's token count as appends arrive, and
-    whether it may have computed tokens. Two protocol rules keep the simulation exact:
-    ``allocate.num_new_tokens`` must be >= 1 (a prefix hit never covers the last prompt
-    token, so a real step always has one), and a ``lookup`` may not follow an ``allocate``
-    of the same request in one batch (its outcome decides whether the lookup is legal).
-    """
-
-    def __init__(self, entry: PoolEntry) -> None:
-        self.entry = entry
-        self.pool = entry.pool
-        self.max_model_len = self.pool.options.max_model_len
-        vocab = self.pool.options.vocab_size
-        self.token_limit = vocab if vocab is not None else TOKEN_LIMIT
-        # request id -> [exists, num_tokens, may_have_computed_tokens]
-        self.state: dict[str, list] = {}
-
-    def _state(self, rid: str) -> list:
-        st = self.state.get(rid)
-        if st is None:
-            try:
-                info = self.pool.request_info(rid)
-                st = [True, info.num_tokens, info.num_computed_tokens > 0]
-            except UnknownRequest:
-                st = [False, 0, False]
-            self.state[rid] = st
-        return st
-
-    def _require(self, rid: str) -> list:
-        st = self._state(rid)
-        if not st[0]:
-            _check_request_id(rid, "request_id")
-            raise UnknownRequest(f"unknown request {rid!r}", field="request_id")
-        return st
-
-    def _append(self, st: list, rid: str, tokens: Any, field: str) -> None:
-        _check_tokens(tokens, self.token_limit, field)
-        st[1] += len(tokens)
-        if st[1] > self.max_model_len:
-            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
-                                  f"max_model_len {self.max_model_len}", field=field)
-
-    def validate(self, ops: Any) -> list[tuple[str, Any]]:
-        """``(kind, op message)`` of every op, for the apply loop to reuse (a decode op's
-        is ``(request ids, token ids)`` as lists); raises the first op's error, its field
-        qualified as ``ops[i].<kind>.<field>``."""
-        check = self.check
-        plan = []
-        append = plan.append
-        for i, op in enumerate(ops):
-            kind = op.WhichOneof("op")
-            try:
-                m = getattr(op, kind) if kind else None
-                if kind == _DECODE:
-                    # Each read of a repeated string field builds new str objects, whose
-                    # hashes every dict lookup would compute again: convert once.
-                    m = (list(m.request_ids), list(m.token_ids))
-                check(kind, m)
-            except KVCacheError as exc:
-                raise qualify(exc, f"ops[{i}].{kind}" if kind else f"ops[{i}]") from None
-            append((kind, m))
-        return plan
-
-    def check(self, kind: str | None, m: Any) -> None:
-        """One op (``m`` is its set submessage); errors name fields relative to the op
-        (``num_new_tokens``)."""
-        if kind == _DECODE:
-            self._check_decode(*m)
-        elif kind == _ALLOCATE:  # the hot path of decode steps: kept lean
-            rid = m.request_id
-            st = self.state.get(rid)
-            if st is None or not st[0]:
-                st = self._require(rid)
-            tokens = m.append_token_ids
-            if tokens:
-                self._append(st, rid, tokens, "append_token_ids")
-            n = m.num_new_tokens
-            if n < 1 or n > self.max_model_len:
-                raise InvalidArgument(f"must be in [1, max_model_len={self.max_model_len}], "
-                                      f"got {n}", field="num_new_tokens")
-            la = m.num_lookahead_tokens
-            if la and (la < 0 or la > self.max_model_len):
-                raise InvalidArgument(f"must be in [0, max_model_len={self.max_model_len}], "
-                                      f"got {la}", field="num_lookahead_tokens")
-            st[2] = True
-        elif kind == _APPEND:
-            self._append(self._require(m.request_id), m.request_id, m.token_ids, "token_ids")
-        elif kind == _ADD:
-            _check_request_id(m.request_id, "request_id")
-            st = self._state(m.request_id)
-            if st[0]:
-                raise DuplicateRequest(f"request {m.request_id!r} already exists",
-                                       field="request_id")
-            _check_tokens(m.token_ids, self.token_limit, "token_ids")
-            if len(m.token_ids) > self.max_model_len:
-                raise InvalidArgument(f"{len(m.token_ids)} tokens exceed max_model_len="
-                                      f"{self.max_model_len}", field="token_ids")
-            check_block_hashes(self.entry, m.block_hashes, len(m.token_ids), "block_hashes")
-            check_lora(m.lora_name, m.lora_path)
-            st[:] = [True, len(m.token_ids), False]
-        elif kind == _LOOKUP:
-            st = self._require(m.request_id)
-            if st[2]:
-                raise FailedPrecondition(
-                    f"request {m.request_id!r} has (or may have, after an allocate "
-                    "earlier in this batch) computed tokens; only requests with nothing "
-                    "computed can look up", field="request_id")
-        elif kind == _PREEMPT:
-            self._require(m.request_id)[2] = False
-        elif kind == _FREE:
-            self._require(m.request_id)[:] = [False, 0, False]
-        elif kind is None:
-            raise InvalidArgument("an op must set one of add_request, lookup, allocate, "
-                                  "append_tokens, free, preempt, new_step, decode", field="")
-
-    def _check_decode(self, rids: Any, tokens: Any) -> None:
-        """A DecodeOp: per request, an allocate of 1 token with 1 appended (the checks
-        that cannot fail for those counts are skipped). The pool is asked only about
-        requests no earlier op of the batch touched; each ends up in the simulation with
-        one more token and (possibly) computed tokens."""
-        self.pool.check_decode_args(rids, tokens)
-        state = self.state
-        limit = self.max_model_len
-        if state.keys().isdisjoint(rids):
-            # The usual case (no earlier op of the batch touched these requests): ask the
-            # pool once. Any error is left to the loop below, which names the field.
-            try:
-                counts = self.pool.token_counts(rids)
-            except UnknownRequest:
-                counts = None
-            if counts is not None and max(counts) < limit:
-                state.update(zip(rids, [[True, c + 1, True] for c in counts]))
-                return
-        num_tokens = self.pool.num_tokens
-        has_request = self.pool.has_request
-        for i, rid in enumerate(rids):
-            st = state.get(rid)
-            if st is None:
-                if not has_request(rid):
-                    _check_request_id(rid, f"request_ids[{i}]")
-                    raise UnknownRequest(f"unknown request {rid!r}", field=f"request_ids[{i}]")
-                st = state[rid] = [True, num_tokens(rid) + 1, True]
-            elif not st[0]:
-                raise UnknownRequest(f"unknown request {rid!r}", field=f"request_ids[{i}]")
-            else:
-                st[1] += 1
-                st[2] = True
-            if st[1] > limit:
-                raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
-                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
-
-
-def write_decode(out: pb.DecodeResult, result: DecodeOutcome) -> None:
-    """Fills a DecodeResult's packed arrays (the layout documented in the proto)."""
-    out.ok.extend(result.ok)
-    grown = result.new_block_ids
-    if grown:
-        out.grown.extend(grown)
-        counts = out.new_block_counts
-        ids = out.new_block_ids
-        for tables in grown.values():
-            for table in tables:
-                counts.append(len(table))
-                ids.extend(table)
-
-
-class BlockTableCache:
-    """Whole block tables of one pool's requests, kept serialized while unchanged.
-
-    Copying ~70 Python ints into protobuf fields costs ~3 us per request and step, the
-    largest service cost of a big decode Step; but a decode step changes a request's table
-    only when it crosses a block boundary. So each request's last ``block_ids`` fragment is
-    kept as bytes and merged in again while the table is equal.
-    """
-
-    def __init__(self) -> None:
-        self._entries: dict[str, tuple[list[list[int]], bytes]] = {}
-
-    def write(self, out: pb.AllocateResult, request_id: str, tables: list[list[int]]) -> None:
-        """Appends ``tables`` to ``out.block_ids``."""
-        entry = self._entries.get(request_id)
-        if entry is None or entry[0] != tables:
-            fragment = pb.AllocateResult()
-            for ids in tables:
-                fragment.block_ids.add().block_ids.extend(ids)
-            # Keep our own copy: the comparison must not see later changes to ``tables``.
-            entry = ([list(ids) for ids in tables], fragment.SerializeToString())
-            self._entries[request_id] = entry
-        out.MergeFromString(entry[1])
-
-    def forget(self, request_id: str) -> None:
-        self._entries.pop(request_id, None)
+def check_incarnation(entry: PoolEntry, request: pb.SubscribeEventsRequest) -> None:
+    """A resume must name the incarnation it resumes, if it names one: sequence numbers of
+    two incarnations overlap, and splicing them would corrupt the subscriber's index."""
+    if request.HasField("incarnation") and request.incarnation != entry.incarnation:
+        raise FailedPrecondition(
+            f"pool {entry.pool_id!r} is incarnation {entry.incarnation}, not "
+            f"{request.incarnation}: its state was not preserved (deleted and registered "
+            "again, or a restart without --data-dir), so events of the old incarnation are "
+            "gone; resynchronise and subscribe without from_sequence", field="incarnation")
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """The gRPC handlers. ``draining`` (set on SIGTERM) turns new stream messages away."""
 
-    def __init__(self, registry: PoolRegistry, *, max_ops_per_step: int = 65536) -> None:
-        self.registry = registry
-        self.max_ops_per_step = max_ops_per_step
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        self.registry = state.registry
         self.draining = False
-        self._tables: dict[str, BlockTableCache] = {}  # by pool id
         #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
         #: their etcd keys, fans PeekPrefix out. None when standalone.
         self.cluster: Any = None
+        self.leases = LeaseKeeper(state.lease_ttl_seconds)
+        for sid, session in state.sessions.items():  # recovered sessions: fresh leases
+            if not session.expiring:
+                self.leases.start(sid)
+        self.reaper = LeaseReaper(state, self.leases, self.submit)
 
     # -- helpers -----------------------------------------------------------------------
+
+    def submit(self, record: WalRecord) -> Message:
+        """Applies one record (the one way the servicer changes state)."""
+        return self.state.apply(record)
+
+    async def _mutate(self, context: grpc.aio.ServicerContext, kind: str,
+                      request: Message, session_id: str = "") -> Any:
+        """Renews the caller's lease, applies the call as the record
+        ``WalRecord(<kind>=request)``, waits until it is durable (when the durability
+        policy asks for it) and answers the response."""
+        if session_id:
+            self.leases.renew(session_id)
+        try:
+            response = self.state.apply_call(kind, request)
+        except (KVCacheError, SequenceOutOfRange) as exc:
+            await _abort(context, exc)
+        if self.state.durability.needs_sync:
+            await self.state.durability.sync()
+        return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
+
+    def step(self, request: pb.StepRequest) -> pb.StepResponse:
+        """One Step as the handlers apply it, without gRPC (raises a core error and
+        changes nothing if the batch is rejected)."""
+        return self.state.apply_call("step", request)  # type: ignore[return-value]
 
     # -- pools -------------------------------------------------------------------------
 
@@ -318,14 +107,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 await self.cluster.place(request)
             except KVCacheError as exc:
                 await _abort(context, exc)
-
-        def run() -> pb.RegisterPoolResponse:
-            check_pool_id(request.pool_id)
-            desc = convert.description_from_proto(request)
-            entry, created = self.registry.register(request.pool_id, desc)
-            return pb.RegisterPoolResponse(config=convert.pool_config_to_proto(entry),
-                                           created=created)
-        return await self._unary(context, run)
+        return await self._mutate(context, "register_pool", request, request.session_id)
 
     async def GetPool(self, request: pb.GetPoolRequest,
                       context: grpc.aio.ServicerContext) -> pb.GetPoolResponse:
@@ -344,123 +126,55 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 await self.cluster.delete(request.pool_id)
             except KVCacheError as exc:
                 await _abort(context, exc)
-
-        def run() -> pb.DeletePoolResponse:
-            dropped = self.registry.delete(request.pool_id)
-            self._tables.pop(request.pool_id, None)
-            return pb.DeletePoolResponse(num_requests_dropped=dropped)
-        return await self._unary(context, run)
+        return await self._mutate(context, "delete_pool", request, request.session_id)
 
     # -- steps -------------------------------------------------------------------------
 
-    def step(self, request: pb.StepRequest) -> pb.StepResponse:
-        """Validates then applies one batch (raises a core error and changes nothing if
-        any op is invalid)."""
-        entry = self.registry.get(request.pool_id)
-        ops = request.ops
-        if len(ops) > self.max_ops_per_step:
-            raise ResourceExhausted(f"{len(ops)} ops exceed the limit of "
-                                    f"{self.max_ops_per_step} per Step", field="ops")
-        plan = StepValidator(entry).validate(ops)
-        pool = entry.pool
-        if request.begin_step:
-            pool.new_step()
-        # Results are filled in place (add() + field writes): building submessages with
-        # constructors copies them and costs ~2x on a 256-request decode step.
-        response = pb.StepResponse()
-        add_result = response.results.add
-        table_cache = self._tables.get(request.pool_id)
-        if table_cache is None:
-            table_cache = self._tables[request.pool_id] = BlockTableCache()
-        for i, (kind, m) in enumerate(plan):
-            try:
-                if kind == _DECODE:
-                    write_decode(add_result().decode, pool.decode(*m))
-                elif kind == _ALLOCATE:
-                    rid = m.request_id
-                    if m.append_token_ids:
-                        pool.append_tokens(rid, m.append_token_ids)
-                    whole_table = not m.skip_block_table
-                    if (m.num_lookahead_tokens or m.full_sequence_must_fit or m.skip_lookup
-                            or m.delay_cache_blocks):
-                        r = pool.allocate(rid, m.num_new_tokens,
-                                          num_lookahead_tokens=m.num_lookahead_tokens,
-                                          full_sequence_must_fit=m.full_sequence_must_fit,
-                                          use_lookup=not m.skip_lookup,
-                                          delay_cache_blocks=m.delay_cache_blocks,
-                                          include_tables=whole_table)
-                    else:  # the common case, with fewer keyword arguments to pass
-                        r = pool.allocate(rid, m.num_new_tokens,
-                                          include_tables=whole_table)
-                    out = add_result().allocate
-                    out.num_computed_tokens = r.num_computed_tokens
-                    if r.ok:
-                        out.ok = True
-                        out.hit_tokens_used = r.hit_tokens_used
-                        new_ids = r.new_block_ids
-                        if any(new_ids):  # most decode steps allocate nothing: send no tables
-                            tables = out.new_block_ids
-                            for ids in new_ids:
-                                tables.add().block_ids.extend(ids)
-                    if whole_table:
-                        table_cache.write(out, rid, r.block_ids)
-                elif kind == _APPEND:
-                    info = pool.append_tokens(m.request_id, m.token_ids)
-                    out = add_result().append_tokens
-                    out.num_tokens = info.num_tokens
-                    out.num_block_hashes = info.num_block_hashes
-                elif kind == _ADD:
-                    info = pool.add_request(
-                        m.request_id, m.token_ids, cache_salt=m.cache_salt or None,
-                        lora_name=m.lora_name or None, lora_path=m.lora_path or None,
-                        block_hashes=list(m.block_hashes) if m.block_hashes else None)
-                    out = add_result().add_request
-                    out.num_tokens = info.num_tokens
-                    out.num_block_hashes = info.num_block_hashes
-                elif kind == _LOOKUP:
-                    lk = pool.lookup(m.request_id)
-                    out = add_result().lookup
-                    out.hit_tokens = lk.hit_tokens
-                    out.shared_prefix_boundary = lk.shared_prefix_boundary
-                    tables = out.block_ids
-                    for ids in lk.block_ids:
-                        tables.add().block_ids.extend(ids)
-                elif kind == _FREE:
-                    add_result().free.num_free_blocks = pool.free(m.request_id)
-                    table_cache.forget(m.request_id)
-                elif kind == _PREEMPT:
-                    add_result().preempt.num_free_blocks = pool.preempt(m.request_id)
-                else:
-                    pool.new_step()
-                    add_result().new_step.SetInParent()
-            except KVCacheError as exc:
-                # The validator let through an op the core rejects, so the ops before it
-                # stay applied. Still the client's error, but a gap in StepValidator: log it.
-                entry.flush_events()
-                _log.error("step_partially_applied", pool_id=request.pool_id, op_index=i,
-                           error=str(exc), field=exc.field)
-                raise qualify(exc, f"ops[{i}].{kind}") from None
-        entry.flush_events()
-        response.num_free_blocks = pool.num_free_blocks
-        return response
-
     async def Step(self, request: pb.StepRequest,
                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        try:
-            return self.step(request)
-        except KVCacheError as exc:
-            await _abort(context, exc)
+        return await self._mutate(context, "step", request, request.session_id)
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
+        # A broken stream ends nothing but itself: the session (and its lease) lives on,
+        # and the client may resend its last message on a new stream (same sequence).
         async for request in request_iterator:
-            try:
-                if self.draining:
-                    raise Unavailable("server is draining; reconnect to another instance")
-                response = self.step(request)
-            except KVCacheError as exc:
-                await _abort(context, exc)
-            yield response
+            if self.draining:
+                await _abort(context, Unavailable(
+                    "server is draining; reconnect to another instance"))
+            yield await self._mutate(context, "step", request, request.session_id)
+
+    # -- sessions ----------------------------------------------------------------------
+
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context: grpc.aio.ServicerContext) -> pb.OpenSessionResponse:
+        if len(request.client_name) > 256:
+            await _abort(context, InvalidArgument("client_name is longer than 256 characters",
+                                                  field="client_name"))
+        # The id is chosen here, outside apply, and carried by the record (apply stays
+        # deterministic). 128 random bits: unguessable by other clients.
+        sid = secrets.token_hex(16)
+        response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
+            session_id=sid, client_name=request.client_name))
+        self.leases.start(sid)
+        _log.info("session_opened", session_id=sid, client=request.client_name)
+        return response
+
+    async def KeepAlive(self, request: pb.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> pb.KeepAliveResponse:
+        def run() -> pb.KeepAliveResponse:
+            self.state.live_session(request.session_id)
+            self.leases.renew(request.session_id)
+            return pb.KeepAliveResponse(lease_ttl_seconds=self.leases.ttl)
+        return await self._unary(context, run)
+
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:
+        response = await self._mutate(context, "close_session", request)
+        self.leases.end(request.session_id)
+        _log.info("session_closed", session_id=request.session_id,
+                  requests_freed=response.num_requests_freed)
+        return response
 
     # -- queries -----------------------------------------------------------------------
 
@@ -473,7 +187,6 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if has_tokens == has_hashes:
                 raise InvalidArgument("give token_ids or block_hashes (exactly one)",
                                       field="token_ids")
-            check_lora(request.lora_name, request.lora_path)
             entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
                        for i, pid in enumerate(request.pool_ids)]
             extra = dict(cache_salt=request.cache_salt or None,
@@ -482,14 +195,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             hits = []
             for i, entry in enumerate(entries):
                 if has_tokens:
-                    vocab = entry.pool.options.vocab_size
-                    _check_tokens(request.token_ids, vocab or TOKEN_LIMIT, "token_ids")
                     n = entry.pool.peek_prefix(request.token_ids, **extra)
                 else:
-                    for j, h in enumerate(request.block_hashes):
-                        if len(h) != HASH_LEN:
-                            raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
-                                                  field=f"block_hashes[{j}]")
+                    # The protocol's rule: client hashes use the cross-language recipe.
                     if entry.pool.options.hash_algo != "sha256_cbor":
                         raise InvalidArgument(
                             f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
@@ -509,7 +217,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
         def run() -> pb.GetRequestResponse:
             pool = self.registry.get(request.pool_id).pool
-            _check_request_id(request.request_id, "request_id")
+            check_request_id(request.request_id)
             info = pool.request_info(request.request_id)
             return pb.GetRequestResponse(
                 block_ids=convert.tables(pool.block_ids(request.request_id)),
@@ -529,12 +237,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,
                                context: grpc.aio.ServicerContext
                                ) -> pb.ResetPrefixCacheResponse:
-        def run() -> pb.ResetPrefixCacheResponse:
-            entry = self.registry.get(request.pool_id)
-            ok = entry.pool.reset_prefix_cache()
-            entry.flush_events()
-            return pb.ResetPrefixCacheResponse(reset=ok)
-        return await self._unary(context, run)
+        return await self._mutate(context, "reset_prefix_cache", request, request.session_id)
 
     # -- events ------------------------------------------------------------------------
 
@@ -543,10 +246,12 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                               ) -> AsyncIterator[pb.SubscribeEventsResponse]:
         try:
             entry = self.registry.get(request.pool_id)
+            check_incarnation(entry, request)
             start = request.from_sequence if request.HasField("from_sequence") else None
             subscription = entry.feed.subscribe(start)
+            incarnation = entry.incarnation
             async for batch in subscription:
                 yield pb.SubscribeEventsResponse(
-                    events=[convert.event_to_proto(seq, e) for seq, e in batch])
+                    events=[convert.event_to_proto(seq, e, incarnation) for seq, e in batch])
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)

@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
     max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step")
+    lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
+                                     "with no call (nor KeepAlive) for this long expires "
+                                     "and its requests are freed")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")
@@ -65,6 +68,20 @@ class Settings(BaseSettings):
     etcd_lease_ttl: int = Field(5, ge=2, le=300, description="cluster mode: seconds the etcd "
                            "lease outlives this replica's last keep-alive; the failover "
                            "detection time")
+    data_dir: Path | None = Field(None, description="directory for the write-ahead log and "
+                                  "snapshots: every accepted mutation is logged before it "
+                                  "is answered and a restart restores the state; unset = "
+                                  "in-memory (a restart loses every pool)")
+    fsync: Literal["always", "batch", "never"] = Field(
+        "batch", description="with --data-dir: when the log is flushed to disk. always = "
+        "before each answer (nothing answered is lost, even on power loss); batch = every "
+        "--fsync-interval-ms (an OS crash loses at most that window); never = when the OS "
+        "decides. A killed process loses nothing answered in any mode")
+    fsync_interval_ms: int = Field(50, ge=1, le=10000, description="with --fsync batch: "
+                                   "the longest time a written record waits for fdatasync")
+    snapshot_every: int = Field(20000, ge=1, description="with --data-dir: a background "
+                                "snapshot after this many logged mutations (bounds the log "
+                                "replayed at restart)")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="log level; 'debug' logs every call")
 

@@ -1,7 +1,8 @@
 """The executor's connection to the cache service (through ``cache_service.client``):
 register the pool, send the engine's batched Steps over one bidirectional StepStream
 (reopened after any failure), time the calls, and turn "pool unknown" (the service
-restarted) into :class:`PoolLost` so the engine re-registers.
+restarted) or "session unknown" (our lease expired, e.g. after a long pause: the service
+freed our requests) into :class:`PoolLost` so the engine re-registers and re-admits.
 """
 
 from __future__ import annotations
@@ -11,12 +12,16 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import grpc
+import structlog
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.client import CacheClient, CacheError, PoolInfo, PoolStats, StepResult, StepStream
+from cache_service.client._session import IN_DOUBT
 from cache_service.client import layers
 from cache_service.core.specs import KVCacheSpec
 from executor.batch import GroupLayout
+
+log = structlog.get_logger("executor.cache_link")
 
 
 class PoolLost(Exception):
@@ -58,23 +63,30 @@ def group_layouts(info: PoolInfo) -> list[GroupLayout]:
 class CacheLink:
     """A blocking connection for one pool, used by one thread (the engine's).
 
-    Steps go over one StepStream (about 0.4 ms cheaper per call than a unary Step here) when
-    ``use_stream``, else as unary Step calls. The stream is opened on the first step and
-    dropped after any error (an invalid batch ends it; so does a restart of the service):
-    the next step opens a new one. Unlike unary calls a stream step has no deadline and is
-    not retried on UNAVAILABLE: that reaches the engine at once as :class:`CacheUnavailable`.
+    The client holds a session (kept alive in the background): every request the engine
+    adds belongs to it, so if this executor dies the service frees them when the lease
+    runs out. Steps go over one StepStream (about 0.4 ms cheaper per call than a unary
+    Step here) when ``use_stream``, else as unary Step calls. Every stream step has a
+    deadline (``timeout_s``): when it passes, or the stream breaks, the client drops the
+    stream, reconnects and resends the step under the same sequence number (the service
+    applies it once), logging ``step_stream_retry`` and counting ``stream_retries``. An
+    invalid batch ends the stream; the next step opens a new one.
     """
 
     def __init__(self, target: str, plan: PoolPlan, *, timeout_s: float = 10.0,
-                 use_stream: bool = True) -> None:
+                 use_stream: bool = True, in_doubt_retry_s: float = 30.0) -> None:
         self.target = target
         self.plan = plan
-        self.client = CacheClient(target, default_timeout=timeout_s, max_retries=2)
+        self.timeout_s = timeout_s
+        self.client = CacheClient(target, default_timeout=timeout_s, max_retries=2,
+                                  client_name=f"executor:{plan.pool_id}")
         self.use_stream = use_stream
         self._stream: StepStream | None = None
         self.info: PoolInfo | None = None
         self.call_seconds = 0.0
         self.calls = 0
+        self.stream_retries = 0
+        self.in_doubt_retry_s = in_doubt_retry_s
 
     def close(self) -> None:
         self._drop_stream()
@@ -85,16 +97,42 @@ class CacheLink:
         if stream is not None:
             stream.close()
 
+    def _retried(self, reason: str, attempt: int) -> None:
+        self.stream_retries += 1
+        log.warning("step_stream_retry", reason=reason, attempt=attempt,
+                    session_id=self.client.session_id, step_timeout_s=self.timeout_s)
+
     def _send(self, ops: Sequence[pb.Op], begin_step: bool) -> StepResult:
         if not self.use_stream:
             return self.client.step(self.plan.pool_id, ops, begin_step=begin_step)
         if self._stream is None:
-            self._stream = self.client.step_stream()
+            self._stream = self.client.step_stream(step_timeout=self.timeout_s,
+                                                   on_retry=self._retried)
         try:
             return self._stream.step(self.plan.pool_id, ops, begin_step=begin_step)
         except BaseException:
             self._drop_stream()  # ended by the error, or out of step with our requests
             raise
+
+    def _send_until_settled(self, ops: Sequence[pb.Op], begin_step: bool,
+                            deadline: float) -> StepResult:
+        """Sends a Step; while its outcome is in doubt (the service is unreachable: it may
+        have applied and logged the Step, e.g. a --data-dir service restarting), resends
+        the SAME Step (same session sequence number) until the service answers or
+        ``deadline`` passes. The engine would re-plan after a failure, and a different
+        Step under the number of one the service already applied is refused, or, resent
+        under the next number, applied on top of it."""
+        attempt = 0
+        while True:
+            try:
+                return self._send(ops, begin_step)
+            except CacheError as exc:
+                if exc.code not in IN_DOUBT or time.perf_counter() >= deadline:
+                    raise
+                attempt += 1
+                log.warning("cache_step_in_doubt", code=exc.code.name, attempt=attempt,
+                            error=exc.message)
+                time.sleep(min(1.0, 0.1 * attempt))
 
     def register(self) -> PoolInfo:
         """RegisterPool (idempotent for the same description)."""
@@ -113,10 +151,11 @@ class CacheLink:
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
         start = time.perf_counter()
         try:
-            return self._send(ops, begin_step)
+            return self._send_until_settled(ops, begin_step, start + self.in_doubt_retry_s)
         except CacheError as exc:
             if exc.code == grpc.StatusCode.NOT_FOUND and (
-                    exc.field == "pool_id" or (not exc.field and "pool" in exc.message.lower())):
+                    exc.field in ("pool_id", "session_id")
+                    or (not exc.field and "pool" in exc.message.lower())):
                 raise PoolLost(exc.message) from None
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CacheUnavailable(exc.message) from None

@@ -276,7 +276,9 @@ class EngineCollector:
                 ("generated_tokens", m.generated_tokens, "tokens sampled"),
                 ("preemptions", m.preemptions, "requests preempted"),
                 ("finished_requests", m.finished, "requests finished"),
-                ("reregistrations", m.reregistrations, "pool re-registrations")):
+                ("reregistrations", m.reregistrations, "pool re-registrations"),
+                ("cache_stream_retries", engine.link.stream_retries,
+                 "StepStream steps resent after a deadline or a broken stream")):
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
             c.add_metric([], float(value))
             yield c

@@ -19,9 +19,18 @@ when the step has nothing else), answered by a :class:`DecodeResult`. Results ar
 dataclasses or views, not protos.
 Errors raise :class:`CacheError` (status code, message, offending field). Every call has a
 deadline (``timeout``, default ``default_timeout``); calls are retried only on UNAVAILABLE
-(server draining or not reachable yet), with bounded exponential backoff — a Step that
-failed with UNAVAILABLE was not applied by this server. :class:`CacheClient` is the same
-API, blocking.
+(server draining, not reachable yet, or the connection lost), with bounded exponential
+backoff. A call that failed with UNAVAILABLE may still have been applied (the connection
+can break after the server applied it and before its answer arrived), so mutating calls
+are made exactly once with a session: by default the first mutating call opens one (a
+background keepalive renews its lease) and every mutating call carries the session id and
+a sequence number; a retry resends the same number, and the server answers a retry of an
+applied call with the stored response instead of applying it again. The session owns the
+requests the client adds: if the client dies, the server frees them when the lease runs
+out; ``close()`` ends the session and frees those not freed yet. ``session=False`` makes a
+client without a session (nothing it adds expires; retries are then not deduplicated).
+StepStream steps have a deadline too and are resent on a new stream under the same
+number. :class:`CacheClient` is the same API, blocking.
 """
 
 from cache_service.client._async import AsyncCacheClient, AsyncStepStream

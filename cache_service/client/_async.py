@@ -14,7 +14,8 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
-from cache_service.client._routing import MAX_REDIRECTS, Routes
+from cache_service.client._routing import MAX_REDIRECTS, Moved, Routes, reroute
+from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -34,13 +35,18 @@ from cache_service.client._results import (
 
 class AsyncCacheClient:
     """grpc.aio client. ``target`` is ``host:port`` (cluster mode: several, comma-separated;
-    calls on a pool follow the replicas' redirects to its owner); ``token`` adds a bearer
-    token; ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``."""
+    calls on a pool follow the replicas' redirects to its owner, with one session per
+    replica); ``token`` adds a bearer token;
+    ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``. With
+    ``session`` (the default) the first mutating call opens a session that a background
+    task keeps alive; mutating calls of one client take turns (one sequence number at a
+    time)."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, default_timeout: float = 10.0,
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
-                 ssl_target_name_override: str | None = None) -> None:
+                 ssl_target_name_override: str | None = None, session: bool = True,
+                 client_name: str = "") -> None:
         options = list(CHANNEL_OPTIONS)
         if ssl_target_name_override:
             options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
@@ -53,12 +59,19 @@ class AsyncCacheClient:
             self._channels.append(channel)
             return pb_grpc.CacheServiceStub(channel)
 
+        #: Replicas and learned pool owners (cluster mode: several, comma-separated).
         self._routes = Routes(target, open_stub)
         self._stub = self._routes.stub(self._routes.seeds[0])
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
         self._backoff = (backoff_base, backoff_max)
+        self._use_session = session
+        self._client_name = client_name
+        #: One session per replica (sessions live in a replica's state), by address.
+        self._sessions: dict[str, SessionStamp] = {}
+        self._lock = asyncio.Lock()  # one mutating call at a time (sequence numbers)
+        self._keepalives: dict[str, asyncio.Task] = {}
 
     async def __aenter__(self) -> "AsyncCacheClient":
         return self
@@ -67,35 +80,132 @@ class AsyncCacheClient:
         await self.close()
 
     async def close(self) -> None:
+        """Ends the session (the server frees the requests it added and did not free)
+        and closes the channel."""
+        for task in self._keepalives.values():
+            task.cancel()
+        sessions, self._sessions = self._sessions, {}
+        for address, session in sessions.items():
+            try:
+                await self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
+                    session_id=session.session_id), timeout=2.0, metadata=self._metadata)
+            except grpc.aio.AioRpcError:
+                pass  # unreachable or already expired: the lease frees them anyway
         for channel in self._channels:
             await channel.close()
 
-    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        """``method`` of the pool's replica; follows redirects, retries UNAVAILABLE."""
+    @property
+    def session_id(self) -> str | None:
+        """The id of the session open on the first seed replica (None before the first
+        mutating call, or without sessions)."""
+        session = self._sessions.get(self._routes.address())
+        return session.session_id if session else None
+
+    async def _call(self, method: str, request: Any, timeout: float | None,
+                    pin: str | None = None) -> Any:
+        """``method`` on the pool's replica (or on ``pin``, for a call stamped with that
+        replica's session: raises :class:`Moved` when it must go elsewhere); follows
+        redirects, retries UNAVAILABLE with backoff."""
         routes = self._routes
         pool_id = getattr(request, "pool_id", "")
         attempt = hops = 0
         while True:
-            address = routes.address(pool_id)
+            address = pin or routes.address(pool_id)
             try:
                 return await getattr(routes.stub(address), method)(
                     request, timeout=timeout or self.default_timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    if hops < MAX_REDIRECTS and routes.follow(pool_id, exc.trailing_metadata()):
+                    moved = reroute(routes, pool_id, address, exc.trailing_metadata())
+                    if moved is not None and pin is not None:
+                        raise Moved(CacheError.from_rpc(exc), moved) from None
+                    if moved and hops < MAX_REDIRECTS:
                         hops += 1
                         continue
-                    routes.failed(pool_id, address)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
                     raise CacheError.from_rpc(exc) from None
-                base, cap = self._backoff
-                await asyncio.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+                await self._sleep_backoff(attempt)
                 attempt += 1
+
+    async def _sleep_backoff(self, attempt: int) -> None:
+        base, cap = self._backoff
+        await asyncio.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+
+    async def _ensure_session(self, address: str) -> SessionStamp | None:
+        """The session open on ``address``, opened on first use (call with the lock
+        held)."""
+        session = self._sessions.get(address)
+        if session is None and self._use_session:
+            resp = await self._call("OpenSession",
+                                    pb.OpenSessionRequest(client_name=self._client_name), None,
+                                    pin=address)
+            session = self._sessions[address] = SessionStamp(resp.session_id,
+                                                             resp.lease_ttl_seconds)
+            old = self._keepalives.get(address)
+            if old is not None:
+                old.cancel()
+            self._keepalives[address] = asyncio.create_task(self._keep_alive(session, address))
+        return session
+
+    async def _keep_alive(self, session: SessionStamp, address: str) -> None:
+        interval = keepalive_interval(session.lease_ttl_seconds)
+        request = pb.KeepAliveRequest(session_id=session.session_id)
+        stub = self._routes.stub(address)
+        while self._sessions.get(address) is session:
+            await asyncio.sleep(interval)
+            try:
+                await stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return  # expired: the next mutating call learns it and opens a new one
+
+    async def _sequenced(self, send: Any, request: Any) -> Any:
+        """Sends a mutating request stamped with the session of the replica it goes to;
+        ``await send(request, address)`` does the transport retries with the same stamp
+        and raises :class:`Moved` when the request must go to another replica (restamped
+        there)."""
+        pool_id = getattr(request, "pool_id", "")
+        async with self._lock:
+            attempt = moves = 0
+            while True:
+                address = self._routes.address(pool_id)
+                try:
+                    session = await self._ensure_session(address)
+                    if session is not None:
+                        session.stamp(request)
+                    response = await send(request, address)
+                except Moved as moved:
+                    session = self._sessions.get(address)
+                    if session is not None:
+                        session.failed(moved.error)
+                    moves += 1
+                    if moves > MAX_REDIRECTS + self._retries:
+                        raise moved.error from None
+                    if not moved.redirect:  # a replica gave up: wait before the next one
+                        await self._sleep_backoff(attempt)
+                        attempt += 1
+                    continue
+                except CacheError as err:
+                    session = self._sessions.get(address)
+                    if session is None:
+                        raise
+                    if session.failed(err):
+                        continue
+                    if session_lost(err):
+                        del self._sessions[address]
+                    raise
+                if session is not None:
+                    session.accepted()
+                return response
+
+    async def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
+        return await self._sequenced(
+            lambda r, a: self._call(method, r, timeout, pin=a), request)
 
     async def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                             timeout: float | None = None, **kwargs: Any) -> PoolInfo:
         """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
-        resp = await self._call("RegisterPool",
+        resp = await self._mutate("RegisterPool",
                                 register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
@@ -109,40 +219,41 @@ class AsyncCacheClient:
 
     async def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
         """Drops the pool; answers the number of requests it still had."""
-        resp = await self._call("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
+        resp = await self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
                                 timeout)
         return resp.num_requests_dropped
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
                    timeout: float | None = None) -> StepResult:
         """Apply a batch of ops in order (all or nothing on invalid input)."""
-        resp = await self._call("Step", pb.StepRequest(
+        resp = await self._mutate("Step", pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
         return step_result(resp)
 
     async def step_batch(self, batch: StepBuilder, *,
                          timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
-        return step_result(await self._call("Step", batch.request, timeout))
+        return step_result(await self._mutate("Step", batch.request, timeout))
 
     async def step_raw(self, request: pb.StepRequest, *,
                        timeout: float | None = None) -> pb.StepResponse:
         """Step with protocol messages (no conversion), for hot loops."""
-        return await self._call("Step", request, timeout)
+        return await self._mutate("Step", request, timeout)
 
     async def decode(self, pool_id: str, request_ids: Sequence[str],
                      token_ids: Sequence[int], *, begin_step: bool = False,
                      timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
-        resp = await self._call("Step", decode_request(
+        resp = await self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
         return DecodeResult(resp.results[0].decode)
 
-    def step_stream(self) -> "AsyncStepStream":
+    def step_stream(self, *, step_timeout: float | None = None,
+                    on_retry: Any = None) -> "AsyncStepStream":
         """A bidirectional Step stream: ``async with client.step_stream() as s:
-        r = await s.step(pool_id, ops)``."""
-        return AsyncStepStream(self._routes, lambda address: self._routes.stub(
-            address).StepStream(metadata=self._metadata))
+        r = await s.step(pool_id, ops)``; ``step_timeout`` (default ``default_timeout``)
+        is each step's deadline (see :class:`AsyncStepStream`)."""
+        return AsyncStepStream(self, step_timeout or self.default_timeout, on_retry)
 
     async def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
@@ -166,18 +277,23 @@ class AsyncCacheClient:
         return stats_from(r.stats)
 
     async def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        r = await self._call("ResetPrefixCache",
+        r = await self._mutate("ResetPrefixCache",
                              pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
         return r.reset
 
-    async def subscribe_events(self, pool_id: str, from_sequence: int | None = None
+    async def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
+                               incarnation: int | None = None,
                                ) -> AsyncIterator[Event]:
         """KV events of a pool (from ``from_sequence`` if given, else live only) until the
-        pool is deleted or the server stops. No deadline; raises :class:`CacheError`."""
+        pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
+        FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
+        deadline; raises :class:`CacheError`."""
         req = pb.SubscribeEventsRequest(pool_id=pool_id)
         if from_sequence is not None:
             req.from_sequence = from_sequence
-        for hop in range(MAX_REDIRECTS + 1):
+        if incarnation is not None:
+            req.incarnation = incarnation
+        for _ in range(MAX_REDIRECTS + 1):
             address = self._routes.address(pool_id)
             call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
             delivered = False
@@ -196,13 +312,20 @@ class AsyncCacheClient:
 
 
 class AsyncStepStream:
-    """A StepStream: each :meth:`step` sends one request and awaits its answer. The call is
-    opened to the pool's replica on first use; a redirect (nothing applied) reopens it on
-    the owner and resends, any other error ends it (the next step opens a new one)."""
+    """One StepStream: each :meth:`step` sends one request and awaits its answer, within
+    ``step_timeout``. When the deadline passes or the stream breaks (UNAVAILABLE), the
+    stream is dropped, a new one opened and the same request resent under the same
+    sequence number (applied once), up to the client's ``max_retries`` times;
+    ``on_retry(reason, attempt)`` is called before each resend. An error status from the
+    server (an invalid batch) ends the stream; the next step opens a new one. The stream
+    goes to the replica of the step's pool: a redirect, or that replica giving up, reopens
+    it on another one (the request restamped for its session)."""
 
-    def __init__(self, routes: Routes, open_call: Any) -> None:
-        self._routes = routes
-        self._open = open_call
+    def __init__(self, client: AsyncCacheClient, step_timeout: float,
+                 on_retry: Any = None) -> None:
+        self._client = client
+        self.step_timeout = step_timeout
+        self._on_retry = on_retry
         self._call: Any = None
         self._address = ""
 
@@ -212,35 +335,63 @@ class AsyncStepStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def _exchange(self, request: pb.StepRequest, address: str) -> pb.StepResponse:
+        """One request and its answer from ``address``, with the deadline and the
+        resends; raises :class:`Moved` when it must go to another replica."""
+        attempt = 0
+        while True:
+            if self._call is not None and self._address != address:
+                await self.close()
+            if self._call is None:
+                self._call = self._client._routes.stub(address).StepStream(
+                    metadata=self._client._metadata)
+                self._address = address
+            call = self._call
+            raw = None
+            try:
+                await asyncio.wait_for(call.write(request), self.step_timeout)
+                resp = await asyncio.wait_for(call.read(), self.step_timeout)
+                if resp is not grpc.aio.EOF:
+                    return resp
+                raw = await self._failed(call)
+                err = CacheError.from_rpc(raw)
+            except asyncio.TimeoutError:
+                err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no StepStream answer within {self.step_timeout} s")
+            except grpc.aio.AioRpcError as exc:
+                raw, err = exc, CacheError.from_rpc(exc)
+            except asyncio.InvalidStateError:  # written after the call ended
+                err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
+            await self.close()
+            if raw is not None and err.code == grpc.StatusCode.UNAVAILABLE:
+                moved = reroute(self._client._routes, request.pool_id, address,
+                                raw.trailing_metadata())
+                if moved is not None:
+                    raise Moved(err, moved)
+            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                    or attempt >= self._client._retries:
+                raise err
+            if self._on_retry is not None:
+                self._on_retry(err.code.name.lower(), attempt + 1)
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                await self._client._sleep_backoff(attempt)
+            attempt += 1
+
+    async def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Step with protocol messages (stamped with the client's session here)."""
+        return await self._client._sequenced(self._exchange, request)
+
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
                    begin_step: bool = False) -> StepResult:
-        request = pb.StepRequest(pool_id=pool_id, begin_step=begin_step, ops=step_ops)
-        hops = 0
-        while True:
-            address = self._routes.address(pool_id)
-            if self._call is None or address != self._address:
-                await self.close()
-                self._call, self._address = self._open(address), address
-            try:
-                await self._call.write(request)
-                resp = await self._call.read()
-                if resp is not grpc.aio.EOF:
-                    return step_result(resp)
-                error = await self._failed()
-            except grpc.aio.AioRpcError as exc:
-                error = exc
-            await self.close()  # the server ended the call
-            if (error.code() == grpc.StatusCode.UNAVAILABLE and hops < MAX_REDIRECTS
-                    and self._routes.follow(pool_id, error.trailing_metadata())):
-                hops += 1
-                continue
-            raise CacheError.from_rpc(error) from None
+        return step_result(await self.step_raw(pb.StepRequest(
+            pool_id=pool_id, begin_step=begin_step, ops=step_ops)))
 
-    async def _failed(self) -> Any:
-        # The server ended the stream (an invalid batch, a redirect): surface its status.
-        code = await self._call.code()
-        details = await self._call.details()
-        trailing = await self._call.trailing_metadata()
+    @staticmethod
+    async def _failed(call: Any) -> Any:
+        # The server ended the stream (an invalid batch): surface its status.
+        code = await call.code()
+        details = await call.details()
+        trailing = await call.trailing_metadata()
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
 
     async def close(self) -> None:

@@ -3,6 +3,7 @@ protobuf messages), and the functions that build them from responses."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union
@@ -188,6 +189,8 @@ class PoolInfo:
     raw: pb.PoolConfig
     #: Bytes of one block in ONE layer (``page_size_bytes`` is per block id, all layers).
     layer_page_size_bytes: int = 0
+    #: The life of the pool's state: changes only when the state was not preserved.
+    incarnation: int = 0
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,8 @@ class Event:
     spec_kind: str = ""
     sliding_window: int = 0
     lora_name: str = ""
+    #: The pool incarnation the sequence number belongs to.
+    incarnation: int = 0
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -267,7 +272,7 @@ def pool_info_from(cfg: pb.PoolConfig, created: bool = False) -> PoolInfo:
                    g.sliding_window, g.attention_chunk_size, g.page_size_bytes)
          for g in cfg.groups],
         cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg,
-        cfg.layer_page_size_bytes)
+        cfg.layer_page_size_bytes, cfg.incarnation)
 
 
 def stats_from(s: pb.PoolStats) -> PoolStats:
@@ -278,6 +283,10 @@ def stats_from(s: pb.PoolStats) -> PoolStats:
 
 
 def event_from(e: pb.KVEvent) -> Event:
+    return dataclasses.replace(_event_from(e), incarnation=e.incarnation)
+
+
+def _event_from(e: pb.KVEvent) -> Event:
     kind = e.WhichOneof("event")
     if kind == "block_stored":
         s = e.block_stored

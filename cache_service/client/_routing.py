@@ -58,3 +58,23 @@ class Routes:
             del self.owners[pool_id]
         if self.seeds[self._seed] == address:
             self._seed = (self._seed + 1) % len(self.seeds)
+
+
+class Moved(Exception):
+    """A stamped call must go to another replica (a redirect, or its replica stopped
+    answering): the caller stamps it for that replica's session and sends it again.
+    Nothing was applied when ``redirect`` is True."""
+
+    def __init__(self, error: Any, redirect: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.redirect = redirect
+
+
+def reroute(routes: Routes, pool_id: str, address: str, trailing_metadata: Any) -> bool | None:
+    """After UNAVAILABLE from ``address``: True = redirected to the owner it named, False =
+    ``address`` was given up and another replica is next, None = retry ``address``."""
+    if routes.follow(pool_id, trailing_metadata):
+        return True
+    routes.failed(pool_id, address)
+    return False if routes.address(pool_id) != address else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -16,7 +17,8 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from cache_service.client._builders import StepBuilder, decode_request, peek_request, register_request
 from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
 from cache_service.client._errors import CacheError
-from cache_service.client._routing import MAX_REDIRECTS, Routes
+from cache_service.client._routing import MAX_REDIRECTS, Moved, Routes, reroute
+from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from cache_service.client._results import (
     DecodeResult,
     Event,
@@ -35,12 +37,14 @@ from cache_service.client._results import (
 
 
 class CacheClient:
-    """The blocking twin of :class:`AsyncCacheClient` (same methods, no ``await``)."""
+    """The blocking twin of :class:`AsyncCacheClient` (same methods, no ``await``).
+    Thread-safe: mutating calls of one client take turns (one sequence number at a time)."""
 
     def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, default_timeout: float = 10.0,
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
-                 ssl_target_name_override: str | None = None) -> None:
+                 ssl_target_name_override: str | None = None, session: bool = True,
+                 client_name: str = "") -> None:
         options = list(CHANNEL_OPTIONS)
         if ssl_target_name_override:
             options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
@@ -53,12 +57,19 @@ class CacheClient:
             self._channels.append(channel)
             return pb_grpc.CacheServiceStub(channel)
 
+        #: Replicas and learned pool owners (cluster mode: several, comma-separated).
         self._routes = Routes(target, open_stub)
         self._stub = self._routes.stub(self._routes.seeds[0])
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
         self._backoff = (backoff_base, backoff_max)
+        self._use_session = session
+        self._client_name = client_name
+        #: One session per replica (sessions live in a replica's state), by address.
+        self._sessions: dict[str, SessionStamp] = {}
+        self._lock = threading.RLock()  # one mutating call at a time (sequence numbers)
+        self._keepalive_stop = threading.Event()
 
     def __enter__(self) -> "CacheClient":
         return self
@@ -67,34 +78,129 @@ class CacheClient:
         self.close()
 
     def close(self) -> None:
+        """Ends the session (the server frees the requests it added and did not free)
+        and closes the channel."""
+        self._keepalive_stop.set()
+        with self._lock:
+            sessions, self._sessions = self._sessions, {}
+            for address, session in sessions.items():
+                try:
+                    self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
+                        session_id=session.session_id), timeout=2.0, metadata=self._metadata)
+                except grpc.RpcError:
+                    pass  # unreachable or already expired: the lease frees them anyway
         for channel in self._channels:
             channel.close()
 
-    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        """``method`` of the pool's replica; follows redirects, retries UNAVAILABLE."""
+    @property
+    def session_id(self) -> str | None:
+        """The id of the session open on the first seed replica (None before the first
+        mutating call, or without sessions)."""
+        session = self._sessions.get(self._routes.address())
+        return session.session_id if session else None
+
+    def _call(self, method: str, request: Any, timeout: float | None,
+              pin: str | None = None) -> Any:
+        """``method`` on the pool's replica (or on ``pin``, for a call stamped with that
+        replica's session: raises :class:`Moved` when it must go elsewhere); follows
+        redirects, retries UNAVAILABLE with backoff."""
         routes = self._routes
         pool_id = getattr(request, "pool_id", "")
         attempt = hops = 0
         while True:
-            address = routes.address(pool_id)
+            address = pin or routes.address(pool_id)
             try:
                 return getattr(routes.stub(address), method)(
                     request, timeout=timeout or self.default_timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    if hops < MAX_REDIRECTS and routes.follow(pool_id, exc.trailing_metadata()):
+                    moved = reroute(routes, pool_id, address, exc.trailing_metadata())
+                    if moved is not None and pin is not None:
+                        raise Moved(CacheError.from_rpc(exc), moved) from None
+                    if moved and hops < MAX_REDIRECTS:
                         hops += 1
                         continue
-                    routes.failed(pool_id, address)
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
                     raise CacheError.from_rpc(exc) from None
-                base, cap = self._backoff
-                time.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+                self._sleep_backoff(attempt)
                 attempt += 1
+
+    def _sleep_backoff(self, attempt: int) -> None:
+        base, cap = self._backoff
+        time.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+
+    def _ensure_session(self, address: str) -> SessionStamp | None:
+        """The session open on ``address``, opened on first use (call with the lock
+        held)."""
+        session = self._sessions.get(address)
+        if session is None and self._use_session:
+            resp = self._call("OpenSession",
+                              pb.OpenSessionRequest(client_name=self._client_name), None,
+                              pin=address)
+            session = self._sessions[address] = SessionStamp(resp.session_id,
+                                                             resp.lease_ttl_seconds)
+            threading.Thread(target=self._keep_alive, args=(session, address),
+                             name="kvcache-keepalive", daemon=True).start()
+        return session
+
+    def _keep_alive(self, session: SessionStamp, address: str) -> None:
+        interval = keepalive_interval(session.lease_ttl_seconds)
+        request = pb.KeepAliveRequest(session_id=session.session_id)
+        stub = self._routes.stub(address)
+        while not self._keepalive_stop.wait(interval) and self._sessions.get(address) is session:
+            try:
+                stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return  # expired: the next mutating call learns it and opens a new one
+            except ValueError:
+                return  # the channel was closed
+
+    def _sequenced(self, send: Any, request: Any) -> Any:
+        """Sends a mutating request stamped with the session of the replica it goes to;
+        ``send(request, address)`` does the transport retries with the same stamp and
+        raises :class:`Moved` when the request must go to another replica (restamped
+        there)."""
+        pool_id = getattr(request, "pool_id", "")
+        with self._lock:
+            attempt = moves = 0
+            while True:
+                address = self._routes.address(pool_id)
+                try:
+                    session = self._ensure_session(address)
+                    if session is not None:
+                        session.stamp(request)
+                    response = send(request, address)
+                except Moved as moved:
+                    session = self._sessions.get(address)
+                    if session is not None:
+                        session.failed(moved.error)
+                    moves += 1
+                    if moves > MAX_REDIRECTS + self._retries:
+                        raise moved.error from None
+                    if not moved.redirect:  # a replica gave up: wait before the next one
+                        self._sleep_backoff(attempt)
+                        attempt += 1
+                    continue
+                except CacheError as err:
+                    session = self._sessions.get(address)
+                    if session is None:
+                        raise
+                    if session.failed(err):
+                        continue
+                    if session_lost(err):
+                        del self._sessions[address]
+                    raise
+                if session is not None:
+                    session.accepted()
+                return response
+
+    def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
+        return self._sequenced(lambda r, a: self._call(method, r, timeout, pin=a), request)
 
     def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                       timeout: float | None = None, **kwargs: Any) -> PoolInfo:
-        resp = self._call("RegisterPool",
+        resp = self._mutate("RegisterPool",
                           register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
@@ -107,31 +213,34 @@ class CacheClient:
                 self._call("ListPools", pb.ListPoolsRequest(), timeout).pools]
 
     def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
-        return self._call("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
+        return self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
                           timeout).num_requests_dropped
 
     def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
              timeout: float | None = None) -> StepResult:
-        return step_result(self._call("Step", pb.StepRequest(
+        return step_result(self._mutate("Step", pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout))
 
     def step_batch(self, batch: StepBuilder, *, timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
-        return step_result(self._call("Step", batch.request, timeout))
+        return step_result(self._mutate("Step", batch.request, timeout))
 
     def step_raw(self, request: pb.StepRequest, *,
                  timeout: float | None = None) -> pb.StepResponse:
-        return self._call("Step", request, timeout)
+        return self._mutate("Step", request, timeout)
 
     def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
                begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
-        resp = self._call("Step", decode_request(
+        resp = self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
         return DecodeResult(resp.results[0].decode)
 
-    def step_stream(self) -> "StepStream":
-        return StepStream(self._routes, self._metadata)
+    def step_stream(self, *, step_timeout: float | None = None,
+                    on_retry: Any = None) -> "StepStream":
+        """A bidirectional Step stream (see :class:`StepStream`); ``step_timeout``
+        (default ``default_timeout``) is each step's deadline."""
+        return StepStream(self, step_timeout or self.default_timeout, on_retry)
 
     def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                     block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
@@ -153,15 +262,18 @@ class CacheClient:
                                  pb.GetPoolStatsRequest(pool_id=pool_id), timeout).stats)
 
     def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        return self._call("ResetPrefixCache",
+        return self._mutate("ResetPrefixCache",
                           pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout).reset
 
-    def subscribe_events(self, pool_id: str, from_sequence: int | None = None
+    def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
+                         incarnation: int | None = None,
                          ) -> Iterator[Event]:
         req = pb.SubscribeEventsRequest(pool_id=pool_id)
         if from_sequence is not None:
             req.from_sequence = from_sequence
-        for hop in range(MAX_REDIRECTS + 1):
+        if incarnation is not None:
+            req.incarnation = incarnation
+        for _ in range(MAX_REDIRECTS + 1):
             address = self._routes.address(pool_id)
             call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
             delivered = False
@@ -180,25 +292,26 @@ class CacheClient:
 
 
 class StepStream:
-    """A blocking StepStream: :meth:`step` sends one request and waits for its answer. The
-    call is opened to the pool's replica on first use; a redirect (nothing applied) reopens
-    it on the owner and resends, any other error ends it (the next step opens a new one)."""
+    """A blocking StepStream: :meth:`step` sends one request and waits for its answer.
+
+    Every step has a deadline (``step_timeout``). When it passes, or the stream breaks
+    (UNAVAILABLE), the stream is dropped, a new one opened and the same request resent
+    under the same sequence number (so it is applied once), up to the client's
+    ``max_retries`` times; ``on_retry(reason, attempt)`` is called before each resend. An
+    error status from the server (an invalid batch) ends the stream; the next step opens
+    a new one. The stream goes to the replica of the step's pool: a redirect, or that
+    replica giving up, reopens it on another one (the request restamped for its session)."""
 
     _END = object()
 
-    def __init__(self, routes: Routes, metadata: tuple) -> None:
-        self._routes = routes
-        self._metadata = metadata
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._responses: Any = None
+    def __init__(self, client: CacheClient, step_timeout: float, on_retry: Any = None) -> None:
+        self._client = client
+        self.step_timeout = step_timeout
+        self._on_retry = on_retry
+        self._requests: queue.SimpleQueue | None = None
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self._call: Any = None
         self._address = ""
-
-    def _open(self, address: str) -> None:
-        self.close()
-        self._requests = queue.SimpleQueue()
-        self._responses = self._routes.stub(address).StepStream(
-            iter(self._requests.get, self._END), metadata=self._metadata)
-        self._address = address
 
     def __enter__(self) -> "StepStream":
         return self
@@ -206,27 +319,79 @@ class StepStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
-             begin_step: bool = False) -> StepResult:
-        request = pb.StepRequest(pool_id=pool_id, begin_step=begin_step, ops=step_ops)
-        hops = 0
+    def _open(self, address: str) -> None:
+        requests: queue.SimpleQueue = queue.SimpleQueue()
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+        call = self._client._routes.stub(address).StepStream(
+            iter(requests.get, self._END), metadata=self._client._metadata)
+        self._address = address
+
+        def read() -> None:  # one reader per stream: a step waits with a deadline
+            try:
+                for response in call:
+                    responses.put(response)
+                responses.put(self._END)
+            except grpc.RpcError as exc:
+                responses.put(exc)
+
+        threading.Thread(target=read, name="kvcache-step-stream", daemon=True).start()
+        self._requests, self._responses, self._call = requests, responses, call
+
+    def _drop(self) -> None:
+        if self._call is not None:
+            assert self._requests is not None
+            self._requests.put(self._END)
+            self._call.cancel()
+        self._requests = self._call = None
+
+    def _exchange(self, request: pb.StepRequest, address: str) -> pb.StepResponse:
+        """One request and its answer from ``address``, with the deadline and the
+        resends; raises :class:`Moved` when it must go to another replica."""
+        attempt = 0
         while True:
-            address = self._routes.address(pool_id)
-            if self._responses is None or address != self._address:
+            if self._call is not None and self._address != address:
+                self._drop()
+            if self._call is None:
                 self._open(address)
+            assert self._requests is not None
             self._requests.put(request)
             try:
-                return step_result(next(self._responses))
-            except grpc.RpcError as exc:
-                self.close()  # the server ended the call
-                if (exc.code() == grpc.StatusCode.UNAVAILABLE and hops < MAX_REDIRECTS
-                        and self._routes.follow(pool_id, exc.trailing_metadata())):
-                    hops += 1
-                    continue
-                raise CacheError.from_rpc(exc) from None
+                item = self._responses.get(timeout=self.step_timeout)
+            except queue.Empty:
+                item = None
+            if isinstance(item, pb.StepResponse):
+                return item
+            self._drop()
+            if isinstance(item, grpc.RpcError):
+                err = CacheError.from_rpc(item)
+                if item.code() == grpc.StatusCode.UNAVAILABLE:
+                    moved = reroute(self._client._routes, request.pool_id, address,
+                                    item.trailing_metadata())
+                    if moved is not None:
+                        raise Moved(err, moved)
+            elif item is None:
+                err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 f"no StepStream answer within {self.step_timeout} s")
+            else:  # the server closed the stream without a status (shutting down)
+                err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
+            retryable = err.code in (grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not retryable or attempt >= self._client._retries:
+                raise err
+            if self._on_retry is not None:
+                self._on_retry(err.code.name.lower(), attempt + 1)
+            if err.code == grpc.StatusCode.UNAVAILABLE:
+                self._client._sleep_backoff(attempt)
+            attempt += 1
+
+    def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:
+        """Step with protocol messages (stamped with the client's session here)."""
+        return self._client._sequenced(self._exchange, request)
+
+    def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
+             begin_step: bool = False) -> StepResult:
+        return step_result(self.step_raw(pb.StepRequest(pool_id=pool_id, begin_step=begin_step,
+                                                        ops=step_ops)))
 
     def close(self) -> None:
-        responses, self._responses = self._responses, None
-        if responses is not None:
-            self._requests.put(self._END)
-            responses.cancel()
+        self._drop()

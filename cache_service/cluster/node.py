@@ -17,9 +17,11 @@ from cache_service.cluster.etcd import Etcd
 from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
+from cache_service.cluster.registry import ClusterRegistry
 from cache_service.core.errors import InvalidArgument
-from cache_service.registry import PoolEntry, PoolRegistry, build_pool, check_pool_id
+from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
+from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
@@ -27,31 +29,6 @@ _log = structlog.get_logger("cache_service.cluster")
 
 #: Metadata on a PeekPrefix one replica sends another: answer from your own pools only.
 FORWARDED_KEY = "x-kvcache-forwarded"
-
-
-class ClusterRegistry(PoolRegistry):
-    """The pool registry of a cluster member: every lookup of a pool (so every call on
-    it, writes included) first passes :meth:`Placement.check` — the fencing check."""
-
-    placement: Placement
-
-    def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
-        self.placement.check(pool_id, field)
-        return super().get(pool_id, field=field)
-
-    def delete(self, pool_id: str) -> int:
-        dropped = super().delete(pool_id)
-        self.placement.forget(pool_id)
-        return dropped
-
-    def has(self, pool_id: str) -> bool:
-        return pool_id in self._pools
-
-    def discard(self, pool_id: str) -> None:
-        """Drops a pool this replica no longer owns (its subscribers' feeds end)."""
-        entry = self._pools.pop(pool_id, None)
-        if entry is not None:
-            entry.feed.close()
 
 
 def advertised_address(settings: Settings, port: int) -> str:
@@ -64,15 +41,17 @@ def advertised_address(settings: Settings, port: int) -> str:
 
 
 class ClusterNode:
-    """Built before the server starts (its :attr:`registry` is the server's); joins the
-    cluster with :meth:`join` once the port is known, leaves with :meth:`leave`."""
+    """Built on the server's state (whose registry is a :class:`ClusterRegistry`); joins
+    the cluster with :meth:`join` once the port is known, leaves with :meth:`leave`."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, state: ServiceState) -> None:
         assert settings.etcd_endpoints
+        assert isinstance(state.registry, ClusterRegistry), "build the state with cluster=True"
         self.settings = settings
+        self.state = state
         self.keys = KeyLayout(settings.cluster_name)
         self.etcd = Etcd(settings.etcd_endpoints, timeout=max(1.0, settings.etcd_lease_ttl / 3))
-        self.registry = ClusterRegistry(settings.event_buffer)
+        self.registry: ClusterRegistry = state.registry
         self.membership: Membership | None = None
         self.placement: Placement | None = None
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.CacheServiceStub]] = {}
@@ -85,11 +64,18 @@ class ClusterNode:
         self.membership = Membership(self.etcd, self.keys, member_id, address,
                                      self.settings.etcd_lease_ttl)
         self.placement = Placement(self.etcd, self.keys, self.membership,
-                                   self.registry.has, None, self.registry.discard)
+                                   self.registry.has, None, self._discard,
+                                   lambda: [entry.pool_id for entry in self.registry])
         self.registry.placement = self.placement
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
         await asyncio.wait_for(self.placement.start(), timeout)
+
+    def _discard(self, pool_id: str) -> None:
+        """Drops a pool this replica lost, through the one mutation path (so a write-ahead
+        log records it and a restart does not bring the stale copy back)."""
+        with self.registry.unfenced():
+            self.state.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id=pool_id)))
 
     async def leave(self) -> None:
         """Stops following etcd and revokes the lease (other replicas take the pools)."""

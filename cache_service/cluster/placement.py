@@ -72,13 +72,15 @@ class Placement:
 
     def __init__(self, etcd: Etcd, keys: KeyLayout, membership: Membership,
                  has_local: Callable[[str], bool], restore: Restore | None,
-                 discard: Callable[[str], None]) -> None:
+                 discard: Callable[[str], None],
+                 local_pools: Callable[[], list[str]] = list) -> None:
         self.etcd = etcd
         self.keys = keys
         self.membership = membership
         self._has_local = has_local
         self._restore = restore
         self._discard = discard
+        self._local_pools = local_pools
         self.members: dict[str, Member] = {}
         self.owners: dict[str, Owner] = {}
         self.registered: set[str] = set()  # pools with a pools/<id> key
@@ -228,6 +230,11 @@ class Placement:
                 owner = self.owners.get(pool_id)
                 if owner is None or (owner.member, owner.lease, owner.token) != (me, lease,
                                                                                   token):
+                    self._lose(pool_id, owner)
+            for pool_id in self._local_pools():
+                # Recovered from this replica's own log at start, but owned elsewhere now.
+                owner = self.owners.get(pool_id)
+                if pool_id not in self.owned and owner is not None and owner.member != me:
                     self._lose(pool_id, owner)
             for pool_id, owner in list(self.owners.items()):
                 if owner.member == me and owner.lease == lease and pool_id not in self.owned:

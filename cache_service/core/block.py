@@ -31,6 +31,13 @@ class KVCacheBlock:
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
 
+    def __reduce__(self) -> tuple:
+        # Pickled without the free-queue links: following them would recurse once per
+        # free block (a million-block pool overflows the stack). The queue pickles its
+        # order and relinks the blocks when it is loaded (FreeKVCacheBlockQueue.__reduce__).
+        return (_restore_block, (self.block_id, self.ref_cnt, self.block_hash, self.group_id,
+                                 self.is_null))
+
     def set_block_hash(self, block_hash: bytes, group_id: int) -> None:
         assert self.block_hash is None, f"block {self.block_id} already has a hash"
         self.block_hash = block_hash
@@ -42,3 +49,13 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         h = None if self.block_hash is None else self.block_hash[-4:].hex()
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+def _restore_block(block_id: int, ref_cnt: int, block_hash: bytes | None, group_id: int,
+                   is_null: bool) -> KVCacheBlock:
+    block = KVCacheBlock(block_id)
+    block.ref_cnt = ref_cnt
+    block.block_hash = block_hash
+    block.group_id = group_id
+    block.is_null = is_null
+    return block

@@ -175,9 +175,40 @@ class FreeKVCacheBlockQueue:
             curr = curr.next_free_block
         return out
 
+    def __reduce__(self) -> tuple:
+        """Pickles the queue as its order (the fresh range as ``None``), not as links: a
+        snapshot of the pool restores the exact eviction order without deep recursion."""
+        order: list[KVCacheBlock | None] = []
+        curr = self._head.next_free_block
+        while curr is not self._tail:
+            assert curr is not None
+            order.append(None if curr is self._marker else curr)
+            curr = curr.next_free_block
+        return (_restore_queue, (order, self._fresh_next, self._fresh_end, self._materialize,
+                                 self.num_free_blocks))
+
     def is_fresh(self, block_id: int) -> bool:
         """Whether ``block_id`` is still in the never-used fresh range."""
         return self._fresh_next <= block_id < self._fresh_end
 
     def __len__(self) -> int:
         return self.num_free_blocks
+
+
+def _restore_queue(order: list[KVCacheBlock | None], fresh_next: int, fresh_end: int,
+                   materialize: Callable[[int], KVCacheBlock] | None,
+                   num_free_blocks: int) -> FreeKVCacheBlockQueue:
+    """The queue :meth:`FreeKVCacheBlockQueue.__reduce__` pickled, relinked in order."""
+    queue = FreeKVCacheBlockQueue()
+    queue._fresh_next, queue._fresh_end = fresh_next, fresh_end
+    queue._materialize = materialize
+    prev = queue._head
+    for node in order:
+        block = queue._marker if node is None else node
+        prev.next_free_block = block
+        block.prev_free_block = prev
+        prev = block
+    prev.next_free_block = queue._tail
+    queue._tail.prev_free_block = prev
+    queue.num_free_blocks = num_free_blocks
+    return queue

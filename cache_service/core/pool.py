@@ -1,8 +1,10 @@
 """The facade the gRPC service and the replay tool use: one KV-cache pool.
 
 A :class:`Pool` is one :class:`KVCacheManager` (one coordinator, one block pool) plus a
-registry of requests by id. Every method validates its whole input before it changes
-anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
+registry of requests by id. Requests change only through :meth:`Pool.apply_batch`: a batch
+of typed ops (:mod:`ops`) validated whole by :mod:`batch` before any op is applied (the
+single-op methods are batches of one). Every method validates its whole input before it
+changes anything: bad input raises a :mod:`errors` exception and leaves the pool as it was.
 "No room" is a normal answer (``Allocation.ok == False``), never an exception.
 
 Semantics follow vLLM 0.33 (see docs/kv-cache-semantics.md). Two pool-level rules:
@@ -20,16 +22,32 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from cache_service.core.errors import (
-    DuplicateRequest,
-    FailedPrecondition,
-    InvalidArgument,
-    UnknownRequest,
+from cache_service.core.batch import (
+    BatchCheck,
+    BatchLimits,
+    check_batch,
+    check_extra_keys,
+    check_hashes,
+    check_int,
+    check_tokens,
 )
+from cache_service.core.errors import InvalidArgument, UnknownRequest
 from cache_service.core.events import KVEvent
 from cache_service.core.hashing import get_hash_fn, hash_request_tokens
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
+from cache_service.core.ops import (
+    AddRequest,
+    Allocate,
+    AppendTokens,
+    Decode,
+    Free,
+    Lookup,
+    Op,
+    OpOutcome,
+    Preempt,
+)
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
@@ -115,23 +133,34 @@ class PoolCounters:
     num_cached_blocks_per_group: list[int] = field(default_factory=list)
 
 
-def _check_int(value: object, name: str, *, minimum: int) -> int:
-    if type(value) is not int or value < minimum:  # bool is not accepted either
-        raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {value!r}",
-                              field=name)
-    return value
+class PreparedBatch:
+    """A validated batch (:meth:`Pool.prepare_batch`) waiting to be applied once."""
+
+    __slots__ = ("_pool", "_ops", "_plan", "_begin_step")
+
+    def __init__(self, pool: "Pool", ops: Sequence[Op], plan: list[Any],
+                 begin_step: bool) -> None:
+        self._pool, self._ops, self._plan, self._begin_step = pool, ops, plan, begin_step
+
+    def apply(self) -> list[OpOutcome]:
+        """Applies the batch (cannot fail); one outcome per op."""
+        pool = self._pool
+        if self._begin_step:
+            pool._manager.new_step_starts()
+        apply = pool._apply
+        return [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
 
 
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
 
     def __init__(self, config: KVCacheConfig, options: PoolOptions) -> None:
-        _check_int(options.max_model_len, "max_model_len", minimum=1)
-        _check_int(config.num_blocks, "num_blocks", minimum=1)
+        check_int(options.max_model_len, "max_model_len", minimum=1)
+        check_int(config.num_blocks, "num_blocks", minimum=1)
         if options.vocab_size is not None:
-            _check_int(options.vocab_size, "vocab_size", minimum=1)
+            check_int(options.vocab_size, "vocab_size", minimum=1)
         if options.max_in_flight_tokens is not None:
-            _check_int(options.max_in_flight_tokens, "max_in_flight_tokens", minimum=1)
+            check_int(options.max_in_flight_tokens, "max_in_flight_tokens", minimum=1)
         if not 0.0 <= options.watermark < 1.0:
             raise InvalidArgument(f"watermark must be in [0, 1), got {options.watermark!r}",
                                   field="watermark")
@@ -143,8 +172,11 @@ class Pool:
         self._sched = sched
         self._hbs = hbs
         self._hash_fn = hash_fn if options.enable_caching else None
-        self._digest_size = len(hash_fn(b""))
-        self._token_limit = options.vocab_size if options.vocab_size is not None else _TOKEN_LIMIT
+        self._limits = BatchLimits(
+            max_model_len=options.max_model_len,
+            token_limit=options.vocab_size if options.vocab_size is not None else _TOKEN_LIMIT,
+            hash_block_size=hbs, digest_size=len(hash_fn(b"")),
+            enable_caching=options.enable_caching)
         self._manager = KVCacheManager(
             config, max_model_len=options.max_model_len, scheduler_block_size=sched,
             hash_block_size=hbs, max_in_flight_tokens=options.max_in_flight_tokens,
@@ -189,69 +221,95 @@ class Pool:
         """The underlying vLLM-equivalent manager (for tests and tools)."""
         return self._manager
 
-    # -- validation helpers -------------------------------------------------------------
+    # -- helpers ---------------------------------------------------------------------------
     def _get(self, request_id: str) -> Request:
         req = self._requests.get(request_id)
         if req is None:
             raise UnknownRequest(f"unknown request {request_id!r}", field="request_id")
         return req
 
-    def _check_tokens(self, token_ids: Sequence[int], name: str = "token_ids") -> list[int]:
-        if isinstance(token_ids, (str, bytes)):
-            raise InvalidArgument(f"{name} must be a sequence of integers", field=name)
-        try:
-            tokens = list(token_ids)
-        except TypeError:
-            raise InvalidArgument(f"{name} must be a sequence of integers", field=name) from None
-        if not tokens:
-            raise InvalidArgument(f"{name} must not be empty", field=name)
-        if set(map(type, tokens)) != {int}:
-            i = next(i for i, t in enumerate(tokens) if type(t) is not int)
-            raise InvalidArgument(f"{name}[{i}] must be an integer, got {tokens[i]!r}",
-                                  field=f"{name}[{i}]")
-        limit = self._token_limit
-        if min(tokens) < 0 or max(tokens) >= limit:
-            i = next(i for i, t in enumerate(tokens) if not 0 <= t < limit)
-            raise InvalidArgument(f"{name}[{i}] = {tokens[i]} is out of range [0, {limit})",
-                                  field=f"{name}[{i}]")
-        return tokens
-
-    def _check_hashes(self, block_hashes: Sequence[bytes], num_tokens: int | None) -> list[bytes]:
-        try:
-            hashes = list(block_hashes)
-        except TypeError:
-            raise InvalidArgument("block_hashes must be a sequence of bytes",
-                                  field="block_hashes") from None
-        if num_tokens is not None and len(hashes) != num_tokens // self._hbs:
-            raise InvalidArgument(
-                f"expected {num_tokens // self._hbs} block hashes ({num_tokens} tokens, hash "
-                f"block size {self._hbs}), got {len(hashes)}", field="block_hashes")
-        size = self._digest_size
-        for i, h in enumerate(hashes):
-            if not isinstance(h, (bytes, bytearray)) or len(h) != size:
-                raise InvalidArgument(f"block_hashes[{i}] must be {size} bytes",
-                                      field=f"block_hashes[{i}]")
-        return [bytes(h) for h in hashes]
-
-    @staticmethod
-    def _check_optional_str(value: object, name: str) -> None:
-        if value is not None and not isinstance(value, str):
-            raise InvalidArgument(f"{name} must be a string or None", field=name)
-
-    def _check_extra_keys(self, cache_salt: object, lora_name: object,
-                          lora_path: object) -> None:
-        """The hash extra keys: optional strings; a LoRA path only with a LoRA name."""
-        self._check_optional_str(cache_salt, "cache_salt")
-        self._check_optional_str(lora_name, "lora_name")
-        self._check_optional_str(lora_path, "lora_path")
-        if lora_path is not None and lora_name is None:
-            raise InvalidArgument("lora_path needs lora_name", field="lora_path")
-
     def _info(self, req: Request) -> RequestInfo:
         return RequestInfo(req.request_id, len(req.all_token_ids), req.num_computed_tokens,
                            len(req.block_hashes), req.status, req.num_preemptions)
 
+    # -- the one entry point for changes ---------------------------------------------------
+    def apply_batch(self, ops: Sequence[Op], *, begin_step: bool = False) -> list[OpOutcome]:
+        """Validate the whole batch, then apply it op by op (after a new scheduler step
+        when ``begin_step``); one outcome per op (see :mod:`ops`).
+
+        All or nothing: an invalid op raises a :class:`KVCacheError` whose field is
+        ``ops[i].<kind>.<field>`` and nothing changes. Once validated, no op can fail
+        (see :mod:`batch`), so a batch is never half applied."""
+        return self.prepare_batch(ops, begin_step=begin_step).apply()
+
+    def prepare_batch(self, ops: Sequence[Op], *,
+                      begin_step: bool = False) -> "PreparedBatch":
+        """The validation half of :meth:`apply_batch` (raises as it does, changes
+        nothing). Apply the answer before anything else changes the pool: the service
+        logs a batch between its validation and its application."""
+        return PreparedBatch(self, ops, check_batch(self._checker(), ops), begin_step)
+
+    def _apply_one(self, op: Op) -> OpOutcome:
+        """One op as a batch of one, errors naming fields relative to the op."""
+        return self._apply(op, self._checker().check(op))
+
+    def _checker(self) -> BatchCheck:
+        return BatchCheck(self._requests, self._limits, self._fresh_hit)
+
+    def _fresh_hit(self, request_id: str) -> int | None:
+        pending = self._pending.get(request_id)
+        return pending[1] if pending is not None and pending[2] == self._epoch else None
+
+    def _apply(self, op: Op, prepared: Any) -> OpOutcome:
+        """Applies one validated op; ``prepared`` is what :class:`BatchCheck` answered."""
+        kind = type(op)
+        if kind is Decode:
+            return self._decode(op.request_ids, op.token_ids, prepared)
+        if kind is Allocate:
+            req = self._requests[op.request_id]
+            if prepared:
+                req.append_tokens(prepared)
+            return self._allocate(req, op.num_new_tokens, op.num_lookahead_tokens,
+                                  op.full_sequence_must_fit, op.use_lookup,
+                                  op.delay_cache_blocks, op.num_encoder_tokens,
+                                  op.include_table)
+        if kind is AppendTokens:
+            req = self._requests[op.request_id]
+            req.append_tokens(prepared)
+            return self._info(req)
+        if kind is AddRequest:
+            tokens, hashes = prepared
+            req = Request(op.request_id, tokens, hash_fn=self._hash_fn,
+                          hash_block_size=self._hbs, cache_salt=op.cache_salt,
+                          lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes)
+            self._requests[op.request_id] = req
+            return self._info(req)
+        if kind is Lookup:
+            req = self._requests[op.request_id]
+            blocks, hit, boundary = self._manager.get_computed_blocks(req)
+            self._pending[op.request_id] = (blocks, hit, self._epoch)
+            return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+        if kind is Free:
+            req = self._requests.pop(op.request_id)
+            self._epoch += 1
+            self._manager.free(req)
+            self._pending.pop(op.request_id, None)
+            return self.num_free_blocks
+        if kind is Preempt:
+            req = self._requests[op.request_id]
+            self._epoch += 1
+            self._manager.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            self._preemptions += 1
+            self._pending.pop(op.request_id, None)
+            return self.num_free_blocks
+        self._manager.new_step_starts()  # NewStep: the checker let no other kind through
+        return None
+
     # -- requests -------------------------------------------------------------------------
+    # The single-op methods below are batches of one (same checks, same outcome).
     def add_request(self, request_id: str, token_ids: Sequence[int], *,
                     cache_salt: str | None = None, lora_name: str | None = None,
                     block_hashes: Sequence[bytes] | None = None,
@@ -259,32 +317,12 @@ class Pool:
         """Register a request and hash its full blocks (or adopt the client's hashes,
         one per ``hash_block_size`` full block). A LoRA request's blocks hash
         ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgument("request_id must be a non-empty string", field="request_id")
-        if request_id in self._requests:
-            raise DuplicateRequest(f"request {request_id!r} already exists", field="request_id")
-        tokens = self._check_tokens(token_ids)
-        if len(tokens) > self._options.max_model_len:
-            raise InvalidArgument(f"prompt of {len(tokens)} tokens is longer than max_model_len "
-                                  f"{self._options.max_model_len}", field="token_ids")
-        self._check_extra_keys(cache_salt, lora_name, lora_path)
-        hashes = None if block_hashes is None else self._check_hashes(block_hashes, len(tokens))
-        req = Request(request_id, tokens, hash_fn=self._hash_fn, hash_block_size=self._hbs,
-                      cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
-                      block_hashes=hashes)
-        self._requests[request_id] = req
-        return self._info(req)
+        return self._apply_one(AddRequest(request_id, token_ids, block_hashes, cache_salt,
+                                          lora_name, lora_path))
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
         """Append decoded tokens; newly completed blocks are hashed."""
-        req = self._get(request_id)
-        tokens = self._check_tokens(token_ids)
-        if len(req.all_token_ids) + len(tokens) > self._options.max_model_len:
-            raise InvalidArgument(
-                f"request {request_id!r} would grow to {len(req.all_token_ids) + len(tokens)} "
-                f"tokens, beyond max_model_len {self._options.max_model_len}", field="token_ids")
-        req.append_tokens(tokens)
-        return self._info(req)
+        return self._apply_one(AppendTokens(request_id, token_ids))
 
     def request_info(self, request_id: str) -> RequestInfo:
         return self._info(self._get(request_id))
@@ -296,21 +334,6 @@ class Pool:
     def num_tokens(self, request_id: str) -> int:
         """Tokens the request holds (prompt + appended); UnknownRequest if unknown."""
         return len(self._get(request_id).all_token_ids)
-
-    def token_counts(self, request_ids: Sequence[str]) -> list[int]:
-        """:meth:`num_tokens` of many requests at once; UnknownRequest naming
-        ``request_ids[i]`` for the first unknown one."""
-        return [len(req.all_token_ids) for req in self._get_all(request_ids)]
-
-    def _get_all(self, request_ids: Sequence[str]) -> list[Request]:
-        requests = self._requests
-        try:
-            return [requests[rid] for rid in request_ids]
-        except (KeyError, TypeError):
-            i = next(i for i, rid in enumerate(request_ids)
-                     if not isinstance(rid, str) or rid not in requests)
-            raise UnknownRequest(f"unknown request {request_ids[i]!r}",
-                                 field=f"request_ids[{i}]") from None
 
     def block_hashes(self, request_id: str) -> list[bytes]:
         """The request's block hashes (one per full ``hash_block_size`` block)."""
@@ -327,14 +350,7 @@ class Pool:
     def lookup(self, request_id: str) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
         references; remembered for the request's next ``allocate``."""
-        req = self._get(request_id)
-        if req.num_computed_tokens:
-            raise FailedPrecondition(
-                f"lookup on request {request_id!r} with {req.num_computed_tokens} computed "
-                f"tokens; only requests with nothing computed can look up", field="request_id")
-        blocks, hit, boundary = self._manager.get_computed_blocks(req)
-        self._pending[request_id] = (blocks, hit, self._epoch)
-        return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+        return self._apply_one(Lookup(request_id))
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
@@ -343,18 +359,9 @@ class Pool:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            raise UnknownRequest(f"unknown request {request_id!r}", field="request_id")
-        if type(num_new_tokens) is not int or num_new_tokens < 0:
-            _check_int(num_new_tokens, "num_new_tokens", minimum=0)
-        if num_lookahead_tokens:
-            _check_int(num_lookahead_tokens, "num_lookahead_tokens", minimum=0)
-        if num_encoder_tokens:
-            _check_int(num_encoder_tokens, "num_encoder_tokens", minimum=0)
-        return self._allocate(req, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit,
-                              use_lookup, delay_cache_blocks, num_encoder_tokens,
-                              include_tables)
+        return self._apply_one(Allocate(
+            request_id, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit,
+            use_lookup, delay_cache_blocks, include_tables, (), num_encoder_tokens))
 
     def _allocate(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                   full_sequence_must_fit: bool = False, use_lookup: bool = True,
@@ -371,9 +378,8 @@ class Pool:
                 blocks, hit, _ = manager.get_computed_blocks(req)
         else:
             blocks, hit = None, 0
-        if num_new_tokens == 0 and hit == 0:
-            raise InvalidArgument("num_new_tokens must be > 0 when there is no prefix hit to "
-                                  "adopt", field="num_new_tokens")
+        # The batch check admits 0 new tokens only with a fresh hit to adopt.
+        assert num_new_tokens or hit, "allocate of 0 tokens without a hit passed the checks"
         if pending is not None or request_id in self._pending:
             del self._pending[request_id]
         self._epoch += 1
@@ -402,10 +408,16 @@ class Pool:
         events), without building per-request result objects.
 
         Validated whole before anything changes: one token per request, distinct
-        registered ids, token ids in range, no request beyond ``max_model_len``. The usual
-        request is RUNNING (computed tokens > 0, hence no pending lookup), so it goes
-        straight to the manager; any other takes the general allocation path."""
-        reqs = self._check_decode(request_ids, token_ids)
+        registered ids, token ids in range, no request beyond ``max_model_len``."""
+        return self._apply_one(Decode(request_ids, token_ids))
+
+    def _decode(self, request_ids: Sequence[str], token_ids: Sequence[int],
+                reqs: list[Request] | None) -> DecodeOutcome:
+        """:meth:`decode` of a validated op. The usual request is RUNNING (computed tokens
+        > 0, hence no pending lookup), so it goes straight to the manager; any other takes
+        the general allocation path."""
+        if reqs is None:
+            reqs = [self._requests[rid] for rid in request_ids]
         self._epoch += 1  # as the first allocate of the equivalent op list would
         allocate_slots = self._manager.allocate_slots
         running = RequestStatus.RUNNING
@@ -429,66 +441,14 @@ class Pool:
                     grown[i] = r.new_block_ids
         return DecodeOutcome(ok, grown)
 
-    def check_decode_args(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> None:
-        """The checks of :meth:`decode` that need no request state: at least one request,
-        distinct string ids, one token id in range per request."""
-        if isinstance(request_ids, str) or not len(request_ids):
-            raise InvalidArgument("request_ids must be a non-empty sequence of ids",
-                                  field="request_ids")
-        n = len(request_ids)
-        if len(token_ids) != n:
-            raise InvalidArgument(f"expected one token per request ({n}), got "
-                                  f"{len(token_ids)}", field="token_ids")
-        self._check_tokens(token_ids)
-        try:
-            distinct = len(set(request_ids)) == n
-        except TypeError:  # an unhashable id
-            distinct = False
-        if not distinct:
-            seen: set[str] = set()
-            for i, rid in enumerate(request_ids):
-                if not isinstance(rid, str):
-                    raise InvalidArgument(f"request_ids[{i}] must be a string, got {rid!r}",
-                                          field=f"request_ids[{i}]")
-                if rid in seen:
-                    raise InvalidArgument(f"request {rid!r} is listed twice",
-                                          field=f"request_ids[{i}]")
-                seen.add(rid)
-
-    def _check_decode(self, request_ids: Sequence[str],
-                      token_ids: Sequence[int]) -> list[Request]:
-        """The requests of a :meth:`decode` batch, or the first error (nothing changed)."""
-        self.check_decode_args(request_ids, token_ids)
-        reqs = self._get_all(request_ids)
-        limit = self._options.max_model_len
-        for i, req in enumerate(reqs):
-            if len(req.all_token_ids) >= limit:
-                raise InvalidArgument(f"request {req.request_id!r} would grow beyond "
-                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
-        return reqs
-
     # -- release ----------------------------------------------------------------------------
     def free(self, request_id: str) -> int:
         """Free the request's blocks (tail first) and forget it; returns free blocks."""
-        req = self._get(request_id)
-        self._epoch += 1
-        self._manager.free(req)
-        del self._requests[request_id]
-        self._pending.pop(request_id, None)
-        return self.num_free_blocks
+        return self._apply_one(Free(request_id))
 
     def preempt(self, request_id: str) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
-        req = self._get(request_id)
-        self._epoch += 1
-        self._manager.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self._preemptions += 1
-        self._pending.pop(request_id, None)
-        return self.num_free_blocks
-
+        return self._apply_one(Preempt(request_id))
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
@@ -502,10 +462,10 @@ class Pool:
         ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
-        self._check_extra_keys(cache_salt, lora_name, lora_path)
-        tokens = None if token_ids is None else self._check_tokens(token_ids)
-        hashes = None if block_hashes is None else self._check_hashes(
-            block_hashes, None if tokens is None else len(tokens))
+        check_extra_keys(cache_salt, lora_name, lora_path)
+        tokens = None if token_ids is None else check_tokens(token_ids, self._limits.token_limit)
+        hashes = None if block_hashes is None else check_hashes(
+            block_hashes, None if tokens is None else len(tokens), self._limits)
         if self._hash_fn is None:
             return 0
         if hashes is None:

@@ -7,6 +7,7 @@ no hashes are computed (as in vLLM, whose requests then get no block hasher).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from cache_service.core.hashing import HashFn, hash_request_tokens
@@ -55,6 +56,13 @@ class Request:
                 self.block_hashes = list(block_hashes)
             self._update_block_hashes()
 
+    def __reduce__(self) -> tuple:
+        # Token ids travel as one packed array: a snapshot holds millions of them, and
+        # unpickling them one int object at a time dominated the restart time.
+        state = {name: getattr(self, name) for name in self.__slots__}
+        state["all_token_ids"] = _pack(self.all_token_ids)
+        return (_restore_request, (state,))
+
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
@@ -85,3 +93,18 @@ class Request:
             self._hash_fn, self.all_token_ids, bs,
             parent=hashes[-1] if hashes else None, start_block=start,
             lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt))
+
+
+def _restore_request(state: dict) -> Request:
+    req = Request.__new__(Request)
+    state["all_token_ids"] = state["all_token_ids"].tolist()
+    for name, value in state.items():
+        setattr(req, name, value)
+    return req
+
+
+def _pack(token_ids: list[int]) -> array:
+    try:
+        return array("i", token_ids)  # the pool's token ids lie in [0, 2**31)
+    except OverflowError:
+        return array("q", token_ids)

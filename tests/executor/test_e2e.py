@@ -296,3 +296,36 @@ def test_demo_runs_locally_and_against_a_target(cache_service, tmp_path) -> None
     assert done.returncode == 0, done.stdout + done.stderr
     (only,) = json.loads(out.read_text())["runs"]
     assert only["requests"] == 6 and only["output_tokens"] == 24
+
+
+def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) -> None:
+    """A cache service with --data-dir killed (SIGKILL) and restarted on its directory while
+    several generations are in flight: the executor keeps its pool and session (no
+    re-registration, no recompute), resends its in-flight Step under the same sequence
+    number, and every output equals the uninterrupted run's."""
+    port = _free_port()
+    flags = ("--port", str(port), "--data-dir", str(tmp_path / "cache"))
+    cs = start_cache_service(*flags)
+    proc = start_executor(cs.target, "--preset", "gemma3-like")
+    try:
+        prompts = shared_prefix_workload(3, prefix_len=48, seed=11)
+        with ExecutorClient(proc.target) as ex:
+            reference = [ex.generate(p, 120).token_ids for p in prompts]
+            streams = [ex.stub.Generate(generate_request(p, 120), timeout=120) for p in prompts]
+            firsts = [next(s) for s in streams]  # all three in flight
+            cs.proc.kill()
+            cs.stop()
+            cs = start_cache_service(*flags)
+            rests = [list(s) for s in streams]
+        for first, rest, ref in zip(firsts, rests, reference):
+            assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == ref
+            assert rest[-1].stats.num_preemptions == 0  # nothing was recomputed
+        events = {r.get("event") for r in proc.records}
+        assert "pool_lost" not in events, proc.output()
+        assert events & {"cache_step_in_doubt", "step_stream_retry"}, proc.output()
+        recovered = cs.wait_for(lambda r: r.get("event") == "recovered")
+        assert recovered["records_replayed"] > 0 and recovered["pools"] == 1
+    finally:
+        proc.stop()
+        cs.stop()
+    assert proc.returncode == 0

@@ -3,9 +3,14 @@ session's real cache service (which ops each step sends, "no room" in a decode o
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 import uuid
 
 import pytest
+import structlog
 from hypothesis import given, strategies as st
 
 from cache_service.client import AllocateResult, CacheError, DecodeResult, ops
@@ -166,5 +171,42 @@ def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> N
         result = link.step([ops.decode(["a"], [4])], begin_step=True)
         assert result.results[0].ok == [True]
         assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
+    finally:
+        link.close()
+
+
+def test_a_hung_cache_service_costs_a_stream_retry_not_a_hang(cache_service,
+                                                              small_model) -> None:
+    """A stream step past its deadline (the service stopped with SIGSTOP): the link drops
+    the stream, reconnects and resends the step under the same sequence number once the
+    service answers again; it is applied once, logged and counted."""
+    cfg = small_model.config
+    plan = PoolPlan(pool_id=f"hung-{uuid.uuid4().hex[:8]}", specs=model_layer_specs(cfg),
+                    max_model_len=cfg.max_model_len, num_blocks=64, vocab_size=cfg.vocab_size)
+    link = CacheLink(cache_service.target, plan, timeout_s=1.0)
+    pid = cache_service.proc.pid
+
+    def resume_after_the_first_deadline() -> None:
+        deadline = time.monotonic() + 30
+        while link.stream_retries == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGCONT)
+
+    try:
+        link.register()
+        link.step([ops.add("a", [1, 2, 3]), ops.allocate("a", 3)], begin_step=True)
+        resumer = threading.Thread(target=resume_after_the_first_deadline)
+        with structlog.testing.capture_logs() as logs:
+            os.kill(pid, signal.SIGSTOP)
+            resumer.start()
+            try:
+                result = link.step([ops.decode(["a"], [4])], begin_step=True)
+            finally:
+                resumer.join()
+                os.kill(pid, signal.SIGCONT)
+        assert result.results[0].ok == [True] and link.stream_retries == 1
+        assert link.client.get_request(plan.pool_id, "a").num_tokens == 4  # applied once
+        retries = [e for e in logs if e["event"] == "step_stream_retry"]
+        assert [(e["reason"], e["attempt"]) for e in retries] == [("deadline_exceeded", 1)]
     finally:
         link.close()

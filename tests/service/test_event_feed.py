@@ -78,3 +78,19 @@ def test_future_sequences_are_out_of_range() -> None:
     with pytest.raises(SequenceOutOfRange):
         feed.read(4, limit=10)
     assert feed.read(3, limit=10) == []
+
+
+def test_a_pickled_feed_keeps_its_sequence_and_buffer_and_reopens() -> None:
+    import pickle
+
+    async def scenario() -> None:
+        feed: EventFeed[str] = EventFeed(3)
+        feed.publish(["a", "b", "c", "d"])
+        feed.close()  # a server closes its feeds at shutdown, then snapshots
+        restored: EventFeed[str] = pickle.loads(pickle.dumps(feed))
+        assert (restored.oldest, restored.next_sequence) == (2, 5)
+        assert restored.read(2, 10) == [(2, "b"), (3, "c"), (4, "d")]
+        restored.publish(["e"])
+        assert restored.read(5, 10) == [(5, "e")] and not restored.closed
+
+    asyncio.run(scenario())

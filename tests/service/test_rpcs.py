@@ -135,9 +135,10 @@ def test_steps_drain_the_pool_events_without_subscribers() -> None:
     feed even when nobody subscribes, so memory stays bounded however long a pool runs."""
     from cache_service.registry import PoolRegistry
     from cache_service.servicer import CacheServicer
+    from cache_service.state import ServiceState
 
     registry = PoolRegistry(event_buffer=EVENT_BUFFER)
-    servicer = CacheServicer(registry)
+    servicer = CacheServicer(ServiceState(registry))
     entry, _ = registry.register("p", convert.description_from_proto(register_request(
         "p", full_layers(block_size=4), num_blocks=64, max_model_len=64)))
     queued = entry.pool.manager.pool  # the core's event queue lives in the block pool
@@ -373,6 +374,32 @@ def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) ->
     with pytest.raises(CacheError) as err:
         list(_take(client.subscribe_events(info.pool_id, 1), 1))
     assert err.value.code == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_incarnation_changes_only_with_a_new_pool_state(client: CacheClient,
+                                                        new_pool) -> None:
+    """Every event carries its pool incarnation; resuming with a stale one is refused
+    (naming the field) instead of splicing two histories with overlapping sequences."""
+    info = new_pool()
+    assert info.incarnation != 0
+    assert client.get_pool(info.pool_id).incarnation == info.incarnation
+    assert client.register_pool(info.pool_id, full_layers(), max_model_len=1024,
+                                num_blocks=256).incarnation == info.incarnation  # same state
+    client.step(info.pool_id, [ops.add("a", list(range(33))), ops.allocate("a", 33)])
+    first = list(_take(client.subscribe_events(info.pool_id, 1, info.incarnation), 1))
+    assert first[0].incarnation == info.incarnation
+
+    client.delete_pool(info.pool_id)
+    again = client.register_pool(info.pool_id, full_layers(), max_model_len=1024,
+                                 num_blocks=256)
+    assert again.incarnation not in (0, info.incarnation)
+    client.step(info.pool_id, [ops.add("a", list(range(33))), ops.allocate("a", 33)])
+    with pytest.raises(CacheError) as err:
+        list(_take(client.subscribe_events(info.pool_id, 1, info.incarnation), 1))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.field == "incarnation" and str(info.incarnation) in str(err.value)
+    fresh = list(_take(client.subscribe_events(info.pool_id, 1, again.incarnation), 1))
+    assert (fresh[0].sequence, fresh[0].incarnation) == (1, again.incarnation)
 
 
 def _take(iterator, n: int):

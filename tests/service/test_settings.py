@@ -26,7 +26,9 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("argv", [["--port", "-1"], ["--metrics-port", "-2"],
                                   ["--event-buffer", "0"], ["--tls-cert", "c.pem"],
-                                  ["--log-level", "loud"]])
+                                  ["--log-level", "loud"], ["--fsync", "sometimes"],
+                                  ["--fsync-interval-ms", "0"], ["--snapshot-every", "0"],
+                                  ["--etcd-lease-ttl", "1"], ["--cluster-name", "a/b"]])
 def test_bad_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv)
@@ -48,3 +50,13 @@ def test_every_field_has_a_flag_an_env_var_and_a_description(
         assert "--" + name.replace("_", "-") in help_text
         assert "KVCACHE_" + name.upper() in help_text
     assert "{debug,info,warning,error}" in help_text  # choices are listed
+
+
+def test_durability_settings(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    s = parse_settings([])
+    assert (s.data_dir, s.fsync) == (None, "batch")  # in-memory unless a directory is given
+    monkeypatch.setenv("KVCACHE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("KVCACHE_FSYNC", "never")
+    s = parse_settings([])
+    assert (s.data_dir, s.fsync) == (tmp_path, "never")
+    assert parse_settings(["--fsync", "always"]).fsync == "always"

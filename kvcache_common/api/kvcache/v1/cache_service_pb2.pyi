@@ -105,18 +105,22 @@ class PoolOptions(_message.Message):
     def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
-    __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options")
+    __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options", "session_id", "sequence")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     available_memory_bytes: int
     num_blocks: int
     options: PoolOptions
-    def __init__(self, pool_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., available_memory_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ...) -> None: ...
+    session_id: str
+    sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., available_memory_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
     __slots__ = ("index", "layer_names", "kind", "block_size", "sliding_window", "attention_chunk_size", "page_size_bytes", "mamba_cache_mode")
@@ -139,7 +143,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes")
+    __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes", "incarnation")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +153,7 @@ class PoolConfig(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     LAYER_PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
@@ -158,7 +163,8 @@ class PoolConfig(_message.Message):
     options: PoolOptions
     layers: _containers.RepeatedCompositeFieldContainer[LayerSpec]
     layer_page_size_bytes: int
-    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("config", "created")
@@ -191,10 +197,14 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolConfig, _Mapping]]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
-    __slots__ = ("pool_id",)
+    __slots__ = ("pool_id", "session_id", "sequence")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class DeletePoolResponse(_message.Message):
     __slots__ = ("num_requests_dropped",)
@@ -297,14 +307,18 @@ class Op(_message.Message):
     def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool_id", "begin_step", "ops")
+    __slots__ = ("pool_id", "begin_step", "ops", "session_id", "sequence")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     BEGIN_STEP_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     begin_step: bool
     ops: _containers.RepeatedCompositeFieldContainer[Op]
-    def __init__(self, pool_id: _Optional[str] = ..., begin_step: _Optional[bool] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ...) -> None: ...
+    session_id: str
+    sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., begin_step: _Optional[bool] = ..., ops: _Optional[_Iterable[_Union[Op, _Mapping]]] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class BlockTable(_message.Message):
     __slots__ = ("block_ids",)
@@ -511,10 +525,14 @@ class GetPoolStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
-    __slots__ = ("pool_id",)
+    __slots__ = ("pool_id", "session_id", "sequence")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
-    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    sequence: int
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class ResetPrefixCacheResponse(_message.Message):
     __slots__ = ("reset",)
@@ -523,12 +541,14 @@ class ResetPrefixCacheResponse(_message.Message):
     def __init__(self, reset: _Optional[bool] = ...) -> None: ...
 
 class SubscribeEventsRequest(_message.Message):
-    __slots__ = ("pool_id", "from_sequence")
+    __slots__ = ("pool_id", "from_sequence", "incarnation")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     from_sequence: int
-    def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium")
@@ -567,19 +587,59 @@ class AllBlocksCleared(_message.Message):
     def __init__(self) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "block_stored", "block_removed", "all_blocks_cleared")
+    __slots__ = ("sequence", "incarnation", "block_stored", "block_removed", "all_blocks_cleared")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
     ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     sequence: int
+    incarnation: int
     block_stored: BlockStored
     block_removed: BlockRemoved
     all_blocks_cleared: AllBlocksCleared
-    def __init__(self, sequence: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., incarnation: _Optional[int] = ..., block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class SubscribeEventsResponse(_message.Message):
     __slots__ = ("events",)
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name",)
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "lease_ttl_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    lease_ttl_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class KeepAliveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class KeepAliveResponse(_message.Message):
+    __slots__ = ("lease_ttl_seconds",)
+    LEASE_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_seconds: float
+    def __init__(self, lease_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("num_requests_freed",)
+    NUM_REQUESTS_FREED_FIELD_NUMBER: _ClassVar[int]
+    num_requests_freed: int
+    def __init__(self, num_requests_freed: _Optional[int] = ...) -> None: ...

@@ -90,6 +90,21 @@ class CacheServiceStub:
                 request_serializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/kvcache.v1.CacheService/OpenSession',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvcache.v1.CacheService/KeepAlive',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvcache.v1.CacheService/CloseSession',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -187,7 +202,36 @@ class CacheServiceServicer:
         buffered event fails with OUT_OF_RANGE (the subscriber missed events and must
         resynchronise, e.g. from a fresh ResetPrefixCache or by dropping its index), and so
         does one beyond the next sequence to be assigned. Sequences are per pool
-        incarnation: a deleted and re-registered pool starts again at 1.
+        incarnation (KVEvent.incarnation): a deleted and re-registered pool, or a pool of a
+        restarted server without --data-dir, starts again at 1 under a new incarnation; a
+        server restarted on its data directory continues the sequence. Resume with
+        incarnation set to detect the difference.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """Opens a session: a lease that owns the requests added under it. A session lives while
+        its client calls: every call naming it (and KeepAlive) renews the lease for the
+        server's lease TTL (--lease-ttl-seconds). When the lease expires, the service frees
+        every request the session added and still holds, exactly as FreeOps would (cached
+        blocks stay cached, events are emitted). Pools belong to no session. See
+        docs/protocol.md, "Sessions and sequence numbers".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renews a session's lease (NOT_FOUND naming session_id once it expired or closed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Ends a session now, freeing its remaining requests as an expiry would.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,6 +294,21 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.OpenSessionRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -550,6 +609,87 @@ class CacheService:
             '/kvcache.v1.CacheService/SubscribeEvents',
             kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.SerializeToString,
             kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/OpenSession',
+            kvcache_dot_v1_dot_cache__service__pb2.OpenSessionRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/KeepAlive',
+            kvcache_dot_v1_dot_cache__service__pb2.KeepAliveRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/CloseSession',
+            kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

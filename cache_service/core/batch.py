@@ -1,0 +1,349 @@
+"""Validation of a whole batch of ops against a pool, before any of them is applied.
+
+A batch is all or nothing: :meth:`Pool.apply_batch` asks :class:`BatchCheck` first and
+applies only a batch that passed. The check simulates what the batch does to the state
+the checks depend on (which request ids exist as adds and frees take effect, each
+request's token count as appends arrive, whether it may have computed tokens), so that no
+op can fail once application has started. Two rules keep the simulation exact:
+
+* ``allocate.num_new_tokens`` is >= 1, except 0 to adopt a prefix hit that is known
+  without running the batch: the request's pending lookup, still fresh, with no
+  block-changing op (allocate, decode, free, preempt) earlier in the batch;
+* a ``lookup`` may not follow an ``allocate`` of the same request in one batch (the
+  allocate's outcome would decide whether the lookup is legal).
+
+Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` prefixes
+``ops[i].<kind>``. Every value is type-checked: replay traces deliver arbitrary JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cache_service.core.errors import (
+    DuplicateRequest,
+    FailedPrecondition,
+    InvalidArgument,
+    KVCacheError,
+    UnknownRequest,
+)
+from cache_service.core.ops import (
+    AddRequest,
+    Allocate,
+    AppendTokens,
+    Decode,
+    Free,
+    Lookup,
+    NewStep,
+    Preempt,
+)
+from cache_service.core.request import Request
+
+MAX_REQUEST_ID_LEN = 256  # keeps hostile ids from bloating every table and event
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLimits:
+    """The pool settings the checks need. ``token_limit``: token ids lie in [0, it)."""
+
+    max_model_len: int
+    token_limit: int
+    hash_block_size: int
+    digest_size: int
+    enable_caching: bool
+
+
+def check_int(value: object, name: str, *, minimum: int, maximum: int | None = None) -> int:
+    """``value`` if it is an int (not a bool) in [minimum, maximum]."""
+    if type(value) is not int or value < minimum or (maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise InvalidArgument(f"{name} must be an integer {bound}, got {value!r}", field=name)
+    return value
+
+
+def check_tokens(token_ids: Any, limit: int, name: str = "token_ids") -> list[int]:
+    """A non-empty list of int token ids in [0, limit)."""
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidArgument(f"{name} must be a sequence of integers", field=name)
+    try:
+        tokens = list(token_ids)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be a sequence of integers", field=name) from None
+    if not tokens:
+        raise InvalidArgument(f"{name} must not be empty", field=name)
+    if set(map(type, tokens)) != {int}:
+        i = next(i for i, t in enumerate(tokens) if type(t) is not int)
+        raise InvalidArgument(f"{name}[{i}] must be an integer, got {tokens[i]!r}",
+                              field=f"{name}[{i}]")
+    if min(tokens) < 0 or max(tokens) >= limit:
+        i = next(i for i, t in enumerate(tokens) if not 0 <= t < limit)
+        raise InvalidArgument(f"{name}[{i}] = {tokens[i]} is out of range [0, {limit})",
+                              field=f"{name}[{i}]")
+    return tokens
+
+
+def check_extra_keys(cache_salt: object, lora_name: object, lora_path: object) -> None:
+    """The hash extra keys: optional strings; a LoRA path only with a LoRA name."""
+    for value, name in ((cache_salt, "cache_salt"), (lora_name, "lora_name"),
+                        (lora_path, "lora_path")):
+        if value is not None and not isinstance(value, str):
+            raise InvalidArgument(f"{name} must be a string or None", field=name)
+    if lora_path is not None and lora_name is None:
+        raise InvalidArgument("lora_path needs lora_name", field="lora_path")
+
+
+def check_hashes(block_hashes: Any, num_tokens: int | None, limits: BatchLimits) -> list[bytes]:
+    """Client block hashes: ``digest_size`` bytes each, one per full hash block."""
+    try:
+        hashes = list(block_hashes)
+    except TypeError:
+        raise InvalidArgument("block_hashes must be a sequence of bytes",
+                              field="block_hashes") from None
+    hbs = limits.hash_block_size
+    if num_tokens is not None and len(hashes) != num_tokens // hbs:
+        raise InvalidArgument(
+            f"expected {num_tokens // hbs} block hashes ({num_tokens} tokens, hash "
+            f"block size {hbs}), got {len(hashes)}", field="block_hashes")
+    size = limits.digest_size
+    for i, h in enumerate(hashes):
+        if not isinstance(h, (bytes, bytearray)) or len(h) != size:
+            raise InvalidArgument(f"block_hashes[{i}] must be {size} bytes",
+                                  field=f"block_hashes[{i}]")
+    return [bytes(h) for h in hashes]
+
+
+def check_request_id(rid: object, name: str = "request_id") -> str:
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID_LEN:
+        raise InvalidArgument(f"request_id must be a string of 1-{MAX_REQUEST_ID_LEN} "
+                              f"characters, got {rid!r:.80}", field=name)
+    return rid
+
+
+def check_decode_args(request_ids: Any, token_ids: Any, limit: int) -> tuple[list, list]:
+    """The checks of a decode op that need no request state: at least one request,
+    distinct string ids, one token id in range per request. Answers them as lists."""
+    if isinstance(request_ids, (str, bytes)):
+        raise InvalidArgument("request_ids must be a non-empty sequence of ids",
+                              field="request_ids")
+    try:
+        rids = list(request_ids)
+    except TypeError:
+        raise InvalidArgument("request_ids must be a sequence of ids",
+                              field="request_ids") from None
+    if not rids:
+        raise InvalidArgument("request_ids must be a non-empty sequence of ids",
+                              field="request_ids")
+    n = len(rids)
+    try:
+        num_tokens = len(token_ids)
+    except TypeError:
+        num_tokens = -1
+    if num_tokens != n:
+        raise InvalidArgument(f"expected one token per request ({n}), got "
+                              f"{num_tokens if num_tokens >= 0 else token_ids!r}",
+                              field="token_ids")
+    tokens = check_tokens(token_ids, limit)
+    try:
+        distinct = len(set(rids)) == n
+    except TypeError:  # an unhashable id
+        distinct = False
+    if not distinct:
+        seen: set[str] = set()
+        for i, rid in enumerate(rids):
+            if not isinstance(rid, str):
+                raise InvalidArgument(f"request_ids[{i}] must be a string, got {rid!r}",
+                                      field=f"request_ids[{i}]")
+            if rid in seen:
+                raise InvalidArgument(f"request {rid!r} is listed twice",
+                                      field=f"request_ids[{i}]")
+            seen.add(rid)
+    return rids, tokens
+
+
+class BatchCheck:
+    """Checks one batch against a pool's requests without changing anything.
+
+    ``pending_hit(request_id)`` answers the hit tokens of the request's pending lookup if
+    it is still fresh (no block change since), else None. ``check`` answers, per op, the
+    prepared arguments the pool applies (token lists, or a decode's request objects)."""
+
+    def __init__(self, requests: Mapping[str, Request], limits: BatchLimits,
+                 pending_hit: Callable[[str], int | None]) -> None:
+        self.requests = requests
+        self.limits = limits
+        self.pending_hit = pending_hit
+        # request id -> [exists, num_tokens, may_have_computed_tokens] as the batch goes
+        self.state: dict[str, list] = {}
+        self.blocks_moved = False  # a block-changing op came earlier in the batch
+        self.last = False  # the op being checked is the batch's last (nothing reads after)
+
+    def _state(self, rid: str) -> list:
+        st = self.state.get(rid)
+        if st is None:
+            req = self.requests.get(rid)
+            st = ([False, 0, False] if req is None
+                  else [True, len(req.all_token_ids), req.num_computed_tokens > 0])
+            self.state[rid] = st
+        return st
+
+    def _require(self, rid: object, name: str = "request_id") -> list:
+        if type(rid) is not str:
+            check_request_id(rid, name)
+        st = self._state(rid)  # type: ignore[arg-type]
+        if not st[0]:
+            raise UnknownRequest(f"unknown request {rid!r:.80}", field=name)
+        return st
+
+    def _append(self, st: list, rid: str, tokens: Any, name: str) -> list[int]:
+        tokens = check_tokens(tokens, self.limits.token_limit, name)
+        st[1] += len(tokens)
+        limit = self.limits.max_model_len
+        if st[1] > limit:
+            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
+                                  f"max_model_len {limit}", field=name)
+        return tokens
+
+    def check(self, op: Any) -> Any:
+        """One op; answers what the apply step needs (see :meth:`Pool.apply_batch`)."""
+        kind = type(op)
+        limits = self.limits
+        if kind is Decode:
+            return self._check_decode(op)
+        if kind is Allocate:  # the hot path of generic decode steps: kept lean
+            rid = op.request_id
+            st = self.state.get(rid) if type(rid) is str else None
+            if st is None or not st[0]:
+                st = self._require(rid)
+            tokens = op.append_token_ids
+            appended = self._append(st, rid, tokens, "append_token_ids") if tokens else None
+            n = op.num_new_tokens
+            maximum = limits.max_model_len
+            if type(n) is not int or not 1 <= n <= maximum:
+                if n == 0 and type(n) is int and self._adopts_hit(op):
+                    pass
+                else:
+                    raise InvalidArgument(
+                        f"num_new_tokens must be an integer in [1, max_model_len={maximum}] "
+                        "(0 only to adopt a fresh pending lookup hit), got "
+                        f"{n!r}", field="num_new_tokens")
+            if op.num_lookahead_tokens:
+                check_int(op.num_lookahead_tokens, "num_lookahead_tokens", minimum=0,
+                          maximum=maximum)
+            if op.num_encoder_tokens:
+                check_int(op.num_encoder_tokens, "num_encoder_tokens", minimum=0)
+            for flag in ("full_sequence_must_fit", "use_lookup", "delay_cache_blocks",
+                         "include_table"):
+                if type(getattr(op, flag)) is not bool:
+                    raise InvalidArgument(f"{flag} must be true or false", field=flag)
+            st[2] = True
+            self.blocks_moved = True
+            return appended
+        if kind is AppendTokens:
+            return self._append(self._require(op.request_id), op.request_id, op.token_ids,
+                                "token_ids")
+        if kind is AddRequest:
+            rid = check_request_id(op.request_id)
+            st = self._state(rid)
+            if st[0]:
+                raise DuplicateRequest(f"request {rid!r} already exists", field="request_id")
+            tokens = check_tokens(op.token_ids, limits.token_limit)
+            if len(tokens) > limits.max_model_len:
+                raise InvalidArgument(f"prompt of {len(tokens)} tokens is longer than "
+                                      f"max_model_len {limits.max_model_len}",
+                                      field="token_ids")
+            check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
+            hashes = None
+            if op.block_hashes is not None:
+                if not limits.enable_caching:
+                    raise InvalidArgument("the pool has prefix caching off; send no block "
+                                          "hashes", field="block_hashes")
+                hashes = check_hashes(op.block_hashes, len(tokens), limits)
+            st[:] = [True, len(tokens), False]
+            return tokens, hashes
+        if kind is Lookup:
+            st = self._require(op.request_id)
+            if st[2]:
+                raise FailedPrecondition(
+                    f"lookup on request {op.request_id!r}, which has (or may have, after an "
+                    "allocate earlier in this batch) computed tokens; only requests with "
+                    "nothing computed can look up", field="request_id")
+            return None
+        if kind is Preempt:
+            self._require(op.request_id)[2] = False
+            self.blocks_moved = True
+            return None
+        if kind is Free:
+            self._require(op.request_id)[:] = [False, 0, False]
+            self.blocks_moved = True
+            return None
+        if kind is NewStep:
+            return None
+        raise InvalidArgument(f"not an op: {op!r:.80}", field="")
+
+    def _adopts_hit(self, op: Allocate) -> bool:
+        """Whether an allocate of 0 new tokens adopts a prefix hit known now (see the
+        module docstring)."""
+        if not op.use_lookup or self.blocks_moved:
+            return False
+        hit = self.pending_hit(op.request_id)
+        return bool(hit)
+
+    def _check_decode(self, op: Decode) -> list[Request] | None:
+        """Per request, an allocate of 1 token with 1 appended. The pool's request
+        objects when no earlier op of the batch touched them (the usual case), else None."""
+        rids, _ = check_decode_args(op.request_ids, op.token_ids, self.limits.token_limit)
+        self.blocks_moved = True
+        state = self.state
+        limit = self.limits.max_model_len
+        requests = self.requests
+        if state.keys().isdisjoint(rids):
+            # The usual case: nothing earlier in the batch touched these requests. Any
+            # error is left to the loop below, which names the field.
+            try:
+                reqs = [requests[rid] for rid in rids]
+            except KeyError:
+                reqs = None
+            if reqs is not None and max(map(len, [r.all_token_ids for r in reqs])) < limit:
+                if not self.last:  # the simulation only matters to later ops
+                    state.update(zip(rids, [[True, len(r.all_token_ids) + 1, True]
+                                            for r in reqs]))
+                return reqs
+        for i, rid in enumerate(rids):
+            name = f"request_ids[{i}]"
+            st = state.get(rid)
+            if st is None:
+                check_request_id(rid, name)
+                st = self._state(rid)
+            if not st[0]:
+                raise UnknownRequest(f"unknown request {rid!r}", field=name)
+            st[1] += 1
+            st[2] = True
+            if st[1] > limit:
+                raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
+                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
+        return None
+
+
+def check_batch(check: BatchCheck, ops: Sequence[Any]) -> list[Any]:
+    """:meth:`BatchCheck.check` of every op; the first error's field is prefixed with
+    ``ops[i].<kind>``."""
+    out = []
+    append = out.append
+    c = check.check
+    last = len(ops) - 1
+    for i, op in enumerate(ops):
+        check.last = i == last
+        try:
+            append(c(op))
+        except KVCacheError as exc:
+            raise _qualify(exc, i, op) from None
+    return out
+
+
+def _qualify(exc: KVCacheError, i: int, op: Any) -> KVCacheError:
+    kind = getattr(op, "KIND", None)
+    prefix = f"ops[{i}].{kind}" if kind else f"ops[{i}]"
+    exc.field = f"{prefix}.{exc.field}" if exc.field else prefix
+    return exc

@@ -1,0 +1,103 @@
+"""Typed operations of one batch (:meth:`Pool.apply_batch`) and their outcomes.
+
+One class per kind of scheduler operation. ``KIND`` is the op's name in error paths
+(``ops[3].allocate.num_new_tokens``) and equals the protocol's oneof field name, so that
+the service reports the same paths the client sent. Values are checked by the pool when
+the batch is applied (any Python value may arrive here from a replay trace), never by
+the constructors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """Register a request (state WAITING) and hash its full blocks, or adopt the
+    client's ``block_hashes`` (one per full ``hash_block_size`` block)."""
+
+    KIND: ClassVar[str] = "add_request"
+    request_id: str
+    token_ids: Sequence[int]
+    block_hashes: Sequence[bytes] | None = None
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+@dataclass(slots=True)
+class Lookup:
+    """The longest usable prefix hit of a request with nothing computed."""
+
+    KIND: ClassVar[str] = "lookup"
+    request_id: str
+
+
+@dataclass(slots=True)
+class Allocate:
+    """Slots for ``num_new_tokens`` more tokens, after appending ``append_token_ids``.
+    ``include_table=False`` leaves the outcome's whole table None."""
+
+    KIND: ClassVar[str] = "allocate"
+    request_id: str
+    num_new_tokens: int
+    num_lookahead_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    use_lookup: bool = True
+    delay_cache_blocks: bool = False
+    include_table: bool = True
+    append_token_ids: Sequence[int] = ()
+    num_encoder_tokens: int = 0  # cross-attention input (not in the protocol)
+
+
+@dataclass(slots=True)
+class AppendTokens:
+    """Append decoded tokens (newly completed blocks are hashed)."""
+
+    KIND: ClassVar[str] = "append_tokens"
+    request_id: str
+    token_ids: Sequence[int]
+
+
+@dataclass(slots=True)
+class Free:
+    """Free a request's blocks (they stay cached) and forget it."""
+
+    KIND: ClassVar[str] = "free"
+    request_id: str
+
+
+@dataclass(slots=True)
+class Preempt:
+    """Free a request's blocks but keep it (computed tokens back to 0, PREEMPTED)."""
+
+    KIND: ClassVar[str] = "preempt"
+    request_id: str
+
+
+@dataclass(slots=True)
+class NewStep:
+    """A scheduler step begins."""
+
+    KIND: ClassVar[str] = "new_step"
+
+
+@dataclass(slots=True)
+class Decode:
+    """The decode step of many requests: for each ``i``, append ``token_ids[i]`` to
+    ``request_ids[i]`` and allocate one slot (an :class:`Allocate` of 1 token without
+    table), answered compactly by a ``DecodeOutcome``."""
+
+    KIND: ClassVar[str] = "decode"
+    request_ids: Sequence[str]
+    token_ids: Sequence[int]
+
+
+Op = Union[AddRequest, Lookup, Allocate, AppendTokens, Free, Preempt, NewStep, Decode]
+#: One outcome per op: RequestInfo (add, append), PrefixHit (lookup), Allocation
+#: (allocate), int = free blocks after the op (free, preempt), None (new_step),
+#: DecodeOutcome (decode).
+OpOutcome = Any

@@ -1,0 +1,201 @@
+"""Where accepted mutations go before they are answered: nowhere (in-memory) or a data
+directory (write-ahead log + snapshots), and how a data directory is recovered at start.
+
+Data directory layout::
+
+    LOCK                     flock'ed by the running server (one server per directory)
+    instance                 this directory's instance id (pool incarnations derive from it)
+    snapshot-<index>.snap    the newest snapshot (state through WAL record <index>)
+    wal-<index>.log          log segments (records from <index> on)
+
+Recovery (:func:`open_data_dir`): load the newest snapshot (or build an empty state), then
+replay every logged record after it, in order, through the same ``apply`` function the
+live server uses. ``apply`` is deterministic (no clock, no randomness: lease expiries and
+generated ids are records themselves), so the replayed state equals the state the server
+had after its last logged record: block tables, free-queue order, prefix-cache map, stats,
+event sequence numbers, sessions. A record that apply rejects was rejected identically when
+it was live (same state, same input), so replay skips it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import gc
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from google.protobuf.message import Message
+
+from cache_service.core.errors import KVCacheError
+from cache_service.snapshot import Snapshotter, load_latest
+from cache_service.wal import FsyncPolicy, WriteAheadLog, scan
+
+S = TypeVar("S")
+
+_log = structlog.get_logger("cache_service.durability")
+
+
+class DataDirError(Exception):
+    """The data directory cannot be used (locked by another server, not a directory)."""
+
+
+@dataclass
+class Recovery:
+    """What :func:`open_data_dir` restored (logged at start, reported by benches)."""
+
+    snapshot_index: int  # 0 = no snapshot
+    records_replayed: int
+    records_rejected: int
+    torn_bytes_dropped: int
+    snapshot_seconds: float
+    replay_seconds: float
+
+    @property
+    def replay_rate(self) -> float:
+        """Replayed records per second."""
+        return self.records_replayed / self.replay_seconds if self.replay_seconds else 0.0
+
+
+class DataDir(Generic[S]):
+    """A data directory in use, as the state's durability hook: ``append`` logs each
+    accepted record before the state changes and the caller answers; ``sync`` (awaited
+    before the answer when ``needs_sync``) makes ``--fsync always`` durable with one
+    fdatasync per group of concurrent calls. Created by :func:`open_data_dir`."""
+
+    def __init__(self, directory: Path, lock_fd: int, instance_id: str, wal: WriteAheadLog,
+                 snapshotter: Snapshotter, recovery: Recovery) -> None:
+        self.directory = directory
+        self.instance_id = instance_id
+        self.wal = wal
+        self.snapshotter = snapshotter
+        self.recovery = recovery
+        self.needs_sync = wal.fsync == "always"
+        self.keeps_records = True
+        self._lock_fd = lock_fd
+        self._synced = wal.last_index
+        self._syncing: asyncio.Future[int] | None = None
+
+    def append(self, record: Message) -> None:
+        """Logs one accepted record. Called between validation and mutation, so the state
+        is exactly the one after the previous record: the moment to fork a snapshot
+        (through the previous record) when one is due."""
+        if self.snapshotter.due():
+            self.snapshotter.start()
+        self.wal.append(record.SerializeToString())
+
+    async def sync(self) -> None:
+        """Returns once every record appended so far is on stable storage. Concurrent
+        callers share one fdatasync (group commit), run off the event loop."""
+        target = self.wal.last_index
+        while self._synced < target:
+            if self._syncing is None:
+                self._syncing = asyncio.get_running_loop().run_in_executor(
+                    None, self._sync_now)
+                self._syncing.add_done_callback(self._synced_through)
+            await asyncio.shield(self._syncing)
+
+    def _sync_now(self) -> int:
+        through = self.wal.last_index  # appends happen on the loop; what is written now
+        self.wal.sync()
+        return through
+
+    def _synced_through(self, future: asyncio.Future[int]) -> None:
+        self._syncing = None
+        if not future.cancelled() and future.exception() is None:
+            self._synced = max(self._synced, future.result())
+
+    def close(self, state: Any = None) -> None:
+        """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
+        next start replays nothing."""
+        self.snapshotter.wait()
+        if state is not None and self.wal.last_index > self.snapshotter.last_index:
+            self.snapshotter.take_now(state)
+        self.wal.close()
+        os.close(self._lock_fd)
+
+
+def _lock(directory: Path) -> int:
+    fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DataDirError(f"data directory {directory} is in use by another server "
+                           "(its LOCK file is held)") from None
+    return fd
+
+
+def _instance_id(directory: Path) -> str:
+    """The directory's instance id, created once (atomically) when it is first used."""
+    path = directory / "instance"
+    if path.exists():
+        return path.read_text().strip()
+    new_id = secrets.token_hex(8)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(new_id + "\n")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return new_id
+
+
+def new_instance_id() -> str:
+    """An instance id for a server without a data directory (a fresh one each start)."""
+    return secrets.token_hex(8)
+
+
+def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
+                  apply: Callable[[S, bytes], Any], fsync: FsyncPolicy = "batch",
+                  fsync_interval: float = 0.05, snapshot_every: int = 20000,
+                  ) -> tuple[DataDir[S], S]:
+    """Locks ``directory`` (created if missing), restores its state (snapshot + log
+    replay through ``apply``) and opens its log for appends. ``new_state(instance_id)``
+    builds the empty state of a fresh directory. Raises :class:`DataDirError`,
+    :class:`~cache_service.wal.WalCorruption` or
+    :class:`~cache_service.snapshot.SnapshotCorruption`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        raise DataDirError(f"data directory {directory} is not a directory")
+    lock_fd = _lock(directory)
+    try:
+        instance_id = _instance_id(directory)
+        started = time.perf_counter()
+        loaded = load_latest(directory)
+        if loaded is None:
+            state, snapshot_index = new_state(instance_id), 0
+        else:
+            state, snapshot_index = loaded
+        loaded_at = time.perf_counter()
+        result = scan(directory, snapshot_index)
+        rejected = 0
+        for _, payload in result.records:
+            try:
+                apply(state, payload)
+            except KVCacheError:
+                rejected += 1
+        # The recovered state lives as long as the server: keep the cyclic collector from
+        # traversing it again and again (a full collection over a million-block pool
+        # stalls the loop for a noticeable time).
+        gc.freeze()
+        replayed_at = time.perf_counter()
+        recovery = Recovery(snapshot_index, len(result.records), rejected,
+                            result.truncated_bytes, loaded_at - started,
+                            replayed_at - loaded_at)
+        wal = WriteAheadLog(directory, result.last_index + 1, fsync=fsync,
+                            sync_interval=fsync_interval)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    snapshotter = Snapshotter(directory, wal, lambda: state, every=snapshot_every)
+    # The snapshot child pickles ``state``; it must not hold this object (open files,
+    # threads): ServiceState leaves its durability hook out of its pickled form.
+    snapshotter.last_index = snapshot_index
+    return DataDir(directory, lock_fd, instance_id, wal, snapshotter, recovery), state

@@ -1,0 +1,305 @@
+"""The write-ahead log: every accepted mutation, framed and checksummed, in segment files.
+
+Layout of a data directory's log: segment files ``wal-<first index, 20 digits>.log``, each
+starting with an 8-byte magic (format version), then records back to back::
+
+    u32 payload length | u32 crc32(length, index, payload) | u64 index | payload
+
+Indexes are 1, 2, 3, ... across segments without gaps; a segment's name says its first
+index, so a reader can check that nothing is missing between files. The payload is opaque
+here (the service stores serialized ``WalRecord`` messages).
+
+Reading (:func:`scan`) tells a crash from corruption:
+
+* a *torn tail* -- the last record of the last segment incomplete, or failing its
+  checksum with nothing but its own bytes (or zeros) after it -- is what a crash in the
+  middle of a write leaves. It is dropped and the file truncated to the last good record,
+  as the client was never answered for it (answers go out only after the append);
+* anything else that does not parse (a bad record followed by more data, a bad record in
+  an earlier segment, a gap in the indexes) is corruption: :class:`WalCorruption` names the
+  file and byte offset, and the service refuses to start rather than run on a state that
+  differs from the one its clients saw.
+
+Durability of an append (``fsync`` policy, the same trade-off as Redis' appendfsync):
+
+* ``always``: ``fdatasync`` after every record, before the caller answers. Loses nothing
+  that was answered, even on power loss.
+* ``batch``: the record is written (``write(2)``) before the answer; a background thread
+  runs ``fdatasync`` every ``sync_interval`` seconds when something was written. A process
+  crash (SIGKILL, OOM) loses nothing answered (the kernel holds the bytes); an OS crash or
+  power loss loses at most the answers of the last interval plus one fdatasync.
+* ``never``: written before the answer, synced when the OS decides (Linux: within ~30 s
+  by default). A process crash loses nothing; an OS crash may lose that much.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+FsyncPolicy = Literal["always", "batch", "never"]
+
+MAGIC = b"KVCWAL1\n"
+_HEADER = struct.Struct("<IIQ")  # payload length, crc32, index
+HEADER_SIZE = _HEADER.size
+MAX_RECORD_BYTES = 1 << 30  # a longer length field can only be garbage
+_PREFIX, _SUFFIX = "wal-", ".log"
+
+
+class WalCorruption(Exception):
+    """The log cannot be read back as written. ``path`` and ``offset`` locate the bad
+    bytes; the service must not start on it."""
+
+    def __init__(self, path: Path, offset: int, reason: str) -> None:
+        super().__init__(f"write-ahead log {path} is corrupt at byte offset {offset}: "
+                         f"{reason}; refusing to start on a state that may differ from the "
+                         "one clients were answered with (restore the file or move the data "
+                         "directory away to start empty)")
+        self.path = path
+        self.offset = offset
+
+
+def segment_name(first_index: int) -> str:
+    return f"{_PREFIX}{first_index:020d}{_SUFFIX}"
+
+
+def list_segments(directory: Path) -> list[tuple[int, Path]]:
+    """``(first index, path)`` of every segment file, in index order."""
+    out = []
+    for p in directory.iterdir():
+        name = p.name
+        if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
+            digits = name[len(_PREFIX):-len(_SUFFIX)]
+            if digits.isdigit():
+                out.append((int(digits), p))
+    return sorted(out)
+
+
+def _crc(length: int, index: int, payload: bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(struct.pack("<IQ", length, index)))
+
+
+def frame(index: int, payload: bytes) -> bytes:
+    """One record's bytes as stored."""
+    n = len(payload)
+    return _HEADER.pack(n, _crc(n, index, payload), index) + payload
+
+
+@dataclass
+class ScanResult:
+    """What :func:`scan` found: the records after ``after`` and where the log ends."""
+
+    records: list[tuple[int, bytes]]
+    last_index: int  # the last good index in the log (``after`` if none is later)
+    truncated_bytes: int  # torn-tail bytes dropped from the last segment
+
+
+def _read_segment(path: Path, expect_first: int, *, last: bool,
+                  ) -> tuple[list[tuple[int, bytes]], int, int | None]:
+    """Records of one segment, the index after its last, and (last segment only) the
+    offset to truncate a torn tail at (None = intact)."""
+    data = path.read_bytes()
+    if len(data) < len(MAGIC):
+        if last and MAGIC.startswith(data):
+            return [], expect_first, 0  # created, crashed before the magic was written
+        raise WalCorruption(path, 0, "file too short for the segment header")
+    if data[:len(MAGIC)] != MAGIC:
+        raise WalCorruption(path, 0, f"bad magic {data[:len(MAGIC)]!r} (not a segment of "
+                            "this format version)")
+    records = []
+    pos = len(MAGIC)
+    index = expect_first
+    end = len(data)
+    unpack = _HEADER.unpack_from
+    while pos < end:
+        reason = None
+        if end - pos < HEADER_SIZE:
+            reason = "incomplete record header"
+            stop = end
+        else:
+            length, crc, idx = unpack(data, pos)
+            stop = pos + HEADER_SIZE + length
+            if length > MAX_RECORD_BYTES:
+                reason = f"record length {length} is implausible"
+                stop = end
+            elif stop > end:
+                reason = f"record of {length} bytes runs past the end of the file"
+                stop = end
+            else:
+                payload = data[pos + HEADER_SIZE:stop]
+                if _crc(length, idx, payload) != crc:
+                    reason = "checksum mismatch"
+                elif idx != index:
+                    reason = f"record index {idx} where {index} was expected"
+        if reason is not None:
+            # A torn write leaves only its own partial bytes (or zero-filled blocks) after
+            # the last good record; anything else after a bad record is corruption.
+            if last and (stop >= end or not data[stop:].strip(b"\0")):
+                return records, index, pos
+            raise WalCorruption(path, pos, reason)
+        records.append((index, payload))
+        index += 1
+        pos = stop
+    return records, index, None
+
+
+def scan(directory: Path, after: int = 0, *, repair: bool = True) -> ScanResult:
+    """Reads every segment, returns the records with index > ``after``; drops (and with
+    ``repair`` truncates) a torn tail; raises :class:`WalCorruption` on anything else.
+    Segments entirely at or before ``after`` must have been deleted or be intact."""
+    segments = list_segments(directory)
+    records: list[tuple[int, bytes]] = []
+    truncated = 0
+    last_index = after
+    expect: int | None = None
+    for n, (first, path) in enumerate(segments):
+        if expect is not None and first != expect:
+            raise WalCorruption(path, 0, f"segment starts at index {first} but the previous "
+                                f"one ended before {expect} (a segment is missing)")
+        is_last = n == len(segments) - 1
+        recs, nxt, torn_at = _read_segment(path, first, last=is_last)
+        if torn_at is not None:
+            truncated = path.stat().st_size - torn_at
+            if repair:
+                with open(path, "r+b") as f:
+                    f.truncate(max(torn_at, len(MAGIC)))
+                    if torn_at < len(MAGIC):
+                        f.seek(0)
+                        f.write(MAGIC)
+                    f.flush()
+                    os.fsync(f.fileno())
+        if expect is None and first > after + 1 and (recs or not is_last):
+            raise WalCorruption(path, 0, f"the log starts at index {first} but the snapshot "
+                                f"ends at {after} (records {after + 1}..{first - 1} are "
+                                "missing)")
+        records.extend(r for r in recs if r[0] > after)
+        if recs:
+            last_index = max(last_index, recs[-1][0])
+        expect = nxt
+    return ScanResult(records, last_index, truncated)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WriteAheadLog:
+    """Appends records to the newest segment of ``directory`` (open it after :func:`scan`
+    so a torn tail is gone). Not thread-safe for appends: the server's event loop owns it;
+    only the ``batch`` sync thread runs beside it."""
+
+    def __init__(self, directory: Path, next_index: int, *, fsync: FsyncPolicy = "batch",
+                 sync_interval: float = 0.05) -> None:
+        if fsync not in ("always", "batch", "never"):
+            raise ValueError(f"fsync must be always, batch or never, got {fsync!r}")
+        self.directory = directory
+        self.fsync = fsync
+        self.next_index = next_index
+        self._lock = threading.Lock()  # guards _fd against rotation during a batch sync
+        self._dirty = False
+        self._closed = threading.Event()
+        segments = list_segments(directory)
+        if segments and segments[-1][0] == next_index \
+                and segments[-1][1].stat().st_size == len(MAGIC):
+            self._first, self._path = segments[-1]  # left empty by the previous run
+            self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
+        else:
+            # Each run appends to a segment of its own, named after its first index, so
+            # the names alone prove that no record is missing between files.
+            self._fd = self._create(next_index)
+        self._thread = None
+        if fsync == "batch":
+            self._thread = threading.Thread(target=self._sync_loop, args=(sync_interval,),
+                                            name="wal-sync", daemon=True)
+            self._thread.start()
+
+    @property
+    def last_index(self) -> int:
+        return self.next_index - 1
+
+    def _create(self, first_index: int) -> int:
+        self._first = first_index
+        self._path = self.directory / segment_name(first_index)
+        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, MAGIC)
+        os.fsync(fd)
+        _fsync_dir(self.directory)
+        return fd
+
+    def append(self, payload: bytes) -> int:
+        """Writes one record (and syncs it under ``always``); returns its index."""
+        index = self.next_index
+        data = frame(index, payload)
+        written = os.write(self._fd, data)
+        if written != len(data):  # a regular file writes whole, short of ENOSPC
+            raise OSError(f"short write to {self._path}: {written} of {len(data)} bytes")
+        self.next_index = index + 1
+        if self.fsync == "always":
+            os.fdatasync(self._fd)
+        else:
+            self._dirty = True
+        return index
+
+    def rotate(self) -> int:
+        """Starts a new segment at the next index; returns the last index of the old ones
+        (what a snapshot taken now covers)."""
+        with self._lock:
+            if self.fsync != "never":
+                os.fdatasync(self._fd)
+            if self._first != self.next_index:  # else the current segment is still empty
+                os.close(self._fd)
+                self._fd = self._create(self.next_index)
+            self._dirty = False
+        return self.next_index - 1
+
+    def drop_through(self, index: int) -> int:
+        """Deletes segments whose records all have index <= ``index`` (a snapshot covers
+        them); answers how many. The current segment always stays."""
+        segments = list_segments(self.directory)
+        removed = 0
+        for (first, path), (nxt_first, _) in zip(segments, segments[1:]):
+            if nxt_first - 1 <= index and path != self._path:
+                path.unlink()
+                removed += 1
+        if removed:
+            _fsync_dir(self.directory)
+        return removed
+
+    def sync(self) -> None:
+        """Flushes everything appended so far to stable storage."""
+        with self._lock:
+            os.fdatasync(self._fd)
+            self._dirty = False
+
+    def _sync_loop(self, interval: float) -> None:
+        while not self._closed.wait(interval):
+            if self._dirty:
+                with self._lock:
+                    if self._closed.is_set():
+                        return
+                    self._dirty = False
+                    os.fdatasync(self._fd)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self.fsync != "never":
+                os.fdatasync(self._fd)
+            os.close(self._fd)
+
+
+def iter_payloads(result: ScanResult) -> Iterator[bytes]:
+    """The payloads of a scan, in index order."""
+    return (payload for _, payload in result.records)

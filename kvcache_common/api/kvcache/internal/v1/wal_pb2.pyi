@@ -1,0 +1,49 @@
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as _cache_service_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WalRecord(_message.Message):
+    __slots__ = ("register_pool", "delete_pool", "step", "reset_prefix_cache", "open_session", "close_session", "expire_session")
+    REGISTER_POOL_FIELD_NUMBER: _ClassVar[int]
+    DELETE_POOL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    register_pool: _cache_service_pb2.RegisterPoolRequest
+    delete_pool: _cache_service_pb2.DeletePoolRequest
+    step: _cache_service_pb2.StepRequest
+    reset_prefix_cache: _cache_service_pb2.ResetPrefixCacheRequest
+    open_session: OpenSession
+    close_session: _cache_service_pb2.CloseSessionRequest
+    expire_session: ExpireSession
+    def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ...) -> None: ...
+
+class OpenSession(_message.Message):
+    __slots__ = ("session_id", "client_name")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ...) -> None: ...
+
+class ExpireSession(_message.Message):
+    __slots__ = ("session_id", "max_requests")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    max_requests: int
+    def __init__(self, session_id: _Optional[str] = ..., max_requests: _Optional[int] = ...) -> None: ...
+
+class ExpireSessionResult(_message.Message):
+    __slots__ = ("num_requests_freed", "num_requests_left")
+    NUM_REQUESTS_FREED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    num_requests_freed: int
+    num_requests_left: int
+    def __init__(self, num_requests_freed: _Optional[int] = ..., num_requests_left: _Optional[int] = ...) -> None: ...

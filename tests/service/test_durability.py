@@ -1,0 +1,208 @@
+"""Durable restart with real processes: a server with --data-dir is SIGKILLed in the
+middle of a multi-client load and restarted on the same directory and port.
+
+What must hold: every Step a client saw acknowledged is in the restored state and nothing
+is half applied; the clients keep their sessions and simply continue (each resends its
+in-flight Step under the same sequence number, which the restored session answers from
+its stored response if the Step was logged, or applies now if it was not), so at the end
+every client's own record of its requests equals the server's exactly. A second kill with
+the load quiesced checks that block tables and pool stats come back identical.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cache_service.client import CacheClient, CacheError, StepBuilder
+from cache_service.client._session import IN_DOUBT
+from cache_service.wal import HEADER_SIZE, MAGIC
+from kvcache_common.launch import ServerProcess, start_cache_service
+from tests.service.conftest import hybrid_layers
+
+NUM_CLIENTS = 4
+NUM_BLOCKS = 2048
+
+
+def _start(data_dir: Path, *flags: str) -> ServerProcess:
+    return start_cache_service("--data-dir", str(data_dir), *flags)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Seen:
+    """One request as its client last saw it acknowledged."""
+
+    num_tokens: int
+    num_computed_tokens: int
+    block_ids: list[list[int]]
+
+
+def _as_seen(r) -> Seen:
+    return Seen(r.num_tokens, r.num_computed_tokens, r.block_ids)
+
+
+@dataclass
+class LoadClient:
+    """A client thread's workload: adds requests, decodes them one token per Step, frees
+    the oldest now and then. ``seen``: the acknowledged state of its live requests, read
+    back after each Step (only this client changes them). A call that fails "in doubt"
+    (server gone) is resent until the server is back."""
+
+    name: str
+    client: CacheClient
+    seen: dict[str, Seen] = field(default_factory=dict)
+    freed: set[str] = field(default_factory=set)
+    acked: int = 0
+    in_doubt: int = 0  # calls that failed in doubt and were resent
+    next_id: int = 0
+    error: Exception | None = None
+
+    def _retry(self, call, stop: threading.Event):
+        while True:
+            try:
+                return call()
+            except CacheError as exc:
+                if exc.code not in IN_DOUBT or stop.is_set():
+                    raise
+                self.in_doubt += 1
+
+    def run(self, stop: threading.Event, progress: threading.Semaphore, seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while not stop.is_set():
+                batch = StepBuilder("p")
+                delta: dict[str, int] = {}  # request id -> tokens added (-1 = freed)
+                if len(self.seen) < 3 or rng.random() < 0.2:
+                    rid = f"{self.name}-{self.next_id}"
+                    self.next_id += 1
+                    prompt = [rng.randrange(500) for _ in range(rng.randrange(8, 70))]
+                    batch.add(rid, prompt).allocate(rid, len(prompt))
+                    delta[rid] = len(prompt)
+                live = sorted(self.seen)
+                if len(live) > 5:
+                    batch.free(live[0])
+                    delta[live[0]] = -1
+                    live = live[1:]
+                if live:
+                    batch.decode(live, [rng.randrange(500) for _ in live])
+                    delta.update((rid, 1) for rid in live)
+                self._retry(lambda: self.client.step_batch(batch), stop)
+                for rid, d in delta.items():
+                    if d < 0:
+                        del self.seen[rid]
+                        self.freed.add(rid)
+                    else:
+                        self.seen[rid] = _as_seen(self._retry(
+                            lambda: self.client.get_request("p", rid), stop))
+                self.acked += 1
+                progress.release()
+        except CacheError as exc:
+            self.error = exc
+
+
+def _run_load(clients: list[LoadClient], stop: threading.Event,
+              progress: threading.Semaphore, seed: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=c.run, args=(stop, progress, seed + i))
+               for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait_progress(progress: threading.Semaphore, n: int) -> None:
+    for _ in range(n):
+        assert progress.acquire(timeout=60), "the load made no progress"
+
+
+def _state_of(client: CacheClient, request_ids: list[str]) -> tuple:
+    return client.stats("p"), {rid: client.get_request("p", rid) for rid in request_ids}
+
+
+def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    port = str(_free_port())
+    flags = ("--port", port, "--fsync", "batch", "--snapshot-every", "150")
+    server = _start(data_dir, *flags)
+    clients: list[LoadClient] = []
+    try:
+        with CacheClient(server.target) as admin:
+            info = admin.register_pool("p", hybrid_layers(), max_model_len=4096,
+                                       num_blocks=NUM_BLOCKS)
+        clients = [LoadClient(f"c{i}", CacheClient(server.target, default_timeout=10))
+                   for i in range(NUM_CLIENTS)]
+        stop = threading.Event()
+        progress = threading.Semaphore(0)
+        threads = _run_load(clients, stop, progress, seed=1)
+        _wait_progress(progress, 400)
+        server.signal(signal.SIGKILL)  # mid-load: every client has a Step in flight
+        server.stop()
+        assert server.returncode == -signal.SIGKILL
+
+        server = _start(data_dir, *flags)
+        recovered = server.wait_for(lambda r: r.get("event") == "recovered")
+        assert recovered["snapshot_index"] > 0  # a background snapshot was taken
+        assert recovered["records_replayed"] > 0  # and the log tail after it replayed
+        _wait_progress(progress, 200)  # the same clients, sessions and numbers continue
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not any(c.error for c in clients), [c.error for c in clients]
+        assert sum(c.in_doubt for c in clients) > 0  # the kill did hit calls in flight
+
+        with CacheClient(server.target) as admin:
+            assert admin.get_pool("p").incarnation == info.incarnation
+            for c in clients:  # exactly what each client saw acknowledged, nothing more
+                for rid, seen in c.seen.items():
+                    assert _as_seen(admin.get_request("p", rid)) == seen, (c.name, rid)
+                for rid in c.freed:
+                    with pytest.raises(CacheError, match="unknown request"):
+                        admin.get_request("p", rid)
+            live = sorted(rid for c in clients for rid in c.seen)
+            before = _state_of(admin, live)
+            assert before[0].num_requests == len(live)
+        server.signal(signal.SIGKILL)  # quiesced: the restored state must be identical
+        server.stop()
+
+        server = _start(data_dir, *flags)
+        with CacheClient(server.target) as admin:
+            assert _state_of(admin, live) == before
+            assert admin.get_pool("p").incarnation == info.incarnation
+    finally:
+        for c in clients:
+            c.client.close()
+        server.stop()
+    assert server.returncode == 0, server.output()
+
+
+def test_a_corrupt_log_stops_the_start_naming_file_and_offset(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    with _start(data_dir) as server, CacheClient(server.target) as client:
+        client.register_pool("p", hybrid_layers(), max_model_len=1024, num_blocks=256)
+        for i in range(3):
+            client.step_batch(StepBuilder("p").add(f"r{i}", list(range(40))))
+        server.signal(signal.SIGKILL)  # no snapshot at exit: the log holds everything
+    path = sorted(data_dir.glob("wal-*.log"))[-1]
+    data = bytearray(path.read_bytes())
+    data[len(MAGIC) + HEADER_SIZE + 1] ^= 0xFF  # inside the first record, records follow
+    path.write_bytes(bytes(data))
+    with pytest.raises(RuntimeError) as exc:
+        _start(data_dir)
+    assert str(path) in str(exc.value) and f"byte offset {len(MAGIC)}" in str(exc.value)
+
+
+def test_without_a_data_dir_the_server_says_it_is_in_memory() -> None:
+    with start_cache_service() as server:
+        record = server.wait_for(lambda r: r.get("event") == "in_memory")
+        assert "--data-dir" in record["detail"]

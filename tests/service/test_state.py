@@ -1,0 +1,140 @@
+"""``ServiceState.apply``, the one mutation entry point: deterministic (the same records give
+the same answers and state), logs only accepted records (before changing anything), and
+expires a session's requests exactly as frees would."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_service.client import ops, register_request
+from cache_service.core.errors import KVCacheError, NotFound, UnknownRequest
+from cache_service.registry import PoolRegistry
+from cache_service.state import Durability, ServiceState, WalRecord
+from kvcache_common.api.kvcache.internal.v1 import wal_pb2
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+
+from .conftest import full_layers
+
+
+class Recorder(Durability):
+    """Keeps every appended record; fails the next append when ``fail`` is set."""
+
+    keeps_records = True
+
+    def __init__(self) -> None:
+        self.records: list[WalRecord] = []
+        self.fail = False
+
+    def append(self, record: WalRecord) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        self.records.append(record)
+
+
+def step(seq: int, *step_ops: pb.Op, sid: str = "s1", pool: str = "p") -> WalRecord:
+    return WalRecord(step=pb.StepRequest(pool_id=pool, session_id=sid, sequence=seq,
+                                         begin_step=True, ops=step_ops))
+
+
+def records() -> list[WalRecord]:
+    """A history: a pool, two sessions and a foreign client, retries, bad calls, an
+    expiry in chunks, a close."""
+    out = [WalRecord(register_pool=register_request("p", full_layers(block_size=4),
+                                                    num_blocks=128, max_model_len=256))]
+    for sid in ("s1", "s2"):
+        out.append(WalRecord(open_session=wal_pb2.OpenSession(session_id=sid)))
+    out += [
+        step(1, *[op for i in range(5) for op in (ops.add(f"a{i}", list(range(i, i + 9))),
+                                                  ops.allocate(f"a{i}", 9))]),
+        step(1, *[op for i in range(5) for op in (ops.add(f"a{i}", list(range(i, i + 9))),
+                                                  ops.allocate(f"a{i}", 9))]),  # retry
+        step(1, ops.add("b", [1, 2, 3]), ops.allocate("b", 3), sid="s2"),
+        step(0, ops.add("f", [5, 6]), ops.allocate("f", 2), sid=""),  # no session
+        step(2, ops.decode(["a0", "a1", "f"], [1, 2, 3])),
+        step(3, ops.allocate("ghost", 1)),  # rejected: nothing logged, number kept
+        step(3, ops.free("a0"), ops.free("b")),  # frees another session's request too
+        WalRecord(expire_session=wal_pb2.ExpireSession(session_id="s1", max_requests=2)),
+        step(4, ops.new_step()),  # the session is expiring: refused
+        WalRecord(expire_session=wal_pb2.ExpireSession(session_id="s1", max_requests=2)),
+        WalRecord(close_session=pb.CloseSessionRequest(session_id="s2")),
+    ]
+    return out
+
+
+def run(history: list[WalRecord]) -> tuple[ServiceState, Recorder, list]:
+    recorder = Recorder()
+    state = ServiceState(PoolRegistry(), durability=recorder)
+    answers = []
+    for record in history:
+        try:
+            answers.append(state.apply(record))
+        except KVCacheError as exc:
+            answers.append((type(exc).__name__, exc.field))
+    return state, recorder, answers
+
+
+def observe(state: ServiceState) -> tuple:
+    entry = state.registry.get("p")
+    pool = entry.pool
+    free = [b.block_id for b in pool.manager.pool.free_block_queue.get_all_free_blocks()]
+    return (pool.stats(), free, {rid: pool.block_ids(rid) for rid in pool.request_ids()},
+            entry.feed.next_sequence,
+            {sid: (s.last_sequence, s.expiring, list(s.requests))
+             for sid, s in state.sessions.items()})
+
+
+def test_the_same_records_give_the_same_answers_and_state() -> None:
+    first, log, answers = run(records())
+    second, _, again = run(records())
+    assert answers == again and observe(first) == observe(second)
+    # Replaying only what was logged gives the same state as well.
+    third, _, _ = run(log.records)
+    assert observe(third) == observe(first)
+
+
+def test_only_accepted_records_are_logged_and_sessions_expire_like_frees() -> None:
+    state, log, answers = run(records())
+    kinds = [r.WhichOneof("mutation") for r in log.records]
+    # The retry (answered from the stored response), the rejected step and the step on
+    # the expiring session are not logged.
+    assert kinds == ["register_pool", "open_session", "open_session", "step", "step", "step",
+                     "step", "step", "expire_session", "expire_session", "close_session"]
+    assert answers[4] is answers[3]  # the retry: the stored answer itself
+    assert answers[8] == ("UnknownRequest", "ops[0].allocate.request_id")
+    assert answers[11] == ("NotFound", "session_id")
+    assert answers[10].num_requests_freed == 2 and answers[10].num_requests_left == 2
+    assert answers[12].num_requests_left == 0 and answers[13].num_requests_freed == 0
+    assert set(state.sessions) == set() and state.counters.expired == 1
+    assert state.counters.requests_expired == 4 and state.counters.retries_answered == 1
+    pool = state.registry.get("p").pool
+    assert pool.request_ids() == ["f"]  # the foreign request never expires
+    # Expiry freed exactly like FreeOps: the same pool as freeing them by hand.
+    by_hand, _, _ = run(records()[:10] + [step(4, ops.free("a1"), ops.free("a2"),
+                                               ops.free("a3"), ops.free("a4"))])
+    assert observe(state)[:4] == observe(by_hand)[:4]
+
+
+def test_a_failed_append_changes_nothing() -> None:
+    state, log, _ = run(records()[:4])
+    before = observe(state)
+    log.fail = True
+    with pytest.raises(OSError):
+        state.apply(step(2, ops.free("a1")))
+    assert observe(state) == before
+    log.fail = False
+    assert state.apply(step(2, ops.free("a1"))).results[0].free.num_free_blocks > 0
+
+
+def test_records_name_their_problems() -> None:
+    state = ServiceState(PoolRegistry())
+    with pytest.raises(NotFound) as exc:
+        state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(session_id="x",
+                                                                   max_requests=1)))
+    assert exc.value.field == "session_id"
+    with pytest.raises(KVCacheError) as exc:
+        state.apply(WalRecord())
+    assert exc.value.field == "mutation"
+    with pytest.raises(NotFound) as exc:
+        state.apply(step(1, ops.new_step(), pool="nope", sid=""))
+    assert exc.value.field == "pool_id"
+    assert not isinstance(exc.value, UnknownRequest)
