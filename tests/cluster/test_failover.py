@@ -140,3 +140,36 @@ def test_etcd_restart_keeps_every_pool_where_it_was(three: Cluster):
     for replica in three.replicas:
         assert not any(r.get("event") in ("lease_lost", "ownership_lost")
                        for r in replica.records), replica.output()
+
+
+def test_an_owner_restarted_on_its_data_dir_gets_its_pools_back_with_their_state(
+        cluster: Cluster, tmp_path):
+    """With --data-dir and a stable --member-id (a StatefulSet pod and its volume), a killed
+    owner that comes back before its old lease expires wins its pools back by rendezvous
+    and serves them from its write-ahead log: same incarnation, every acknowledged Step."""
+    ttl = "5"  # room for the restart before the old lease expires
+
+    def start(member: str):
+        return cluster.start_replica("--data-dir", str(tmp_path / member), "--member-id",
+                                     member, "--etcd-lease-ttl", ttl)
+
+    for member in ("m0", "m1", "m2"):
+        start(member)
+    with CacheClient(all_targets(cluster), max_retries=60, backoff_max=0.2) as client:
+        register(client, "durable")
+        before = client.get_pool("durable")
+        owner = cluster.by_target(owner_of(cluster, "durable"))
+        member = owner.ready_record["member"]
+        for i in range(20):
+            client.step("durable", [ops.add(f"r{i}", list(range(1, 20)))])
+        owner.signal(signal.SIGKILL)
+        owner.proc.wait(10)
+        restarted = start(member)
+        restarted.wait_for(lambda r: r.get("event") == "pool_owned"
+                           and r.get("pool_id") == "durable", 30)
+        after = client.get_pool("durable")
+        assert after.incarnation == before.incarnation
+        for i in range(20):  # every acknowledged Step is there
+            assert client.get_request("durable", f"r{i}").num_tokens == 19
+        client.step("durable", [ops.append("r0", [5])])
+    assert owner_of(cluster, "durable") == restarted.target
