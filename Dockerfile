@@ -56,7 +56,10 @@ COPY --from=deps /opt/venv/ /opt/venv/
 COPY --from=wheel /dist/ /tmp/dist/
 RUN pip install -q --no-index --no-deps --no-cache-dir --root-user-action=ignore \
       --disable-pip-version-check /tmp/dist/*.whl && rm -rf /tmp/dist \
- && pip check
+ && pip check \
+ && mkdir /data && chown kvcache:kvcache /data
+# /data: where compose mounts the data-dir volume (KVCACHE_DATA_DIR=/data there). Owned by
+# the server's user, so a new named volume mounted on it starts writable by that user.
 USER kvcache
 # Inside a container the server must listen on every interface (its own default is loopback);
 # publish the ports on 127.0.0.1 on the host instead (see docker-compose.yml).

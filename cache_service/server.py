@@ -97,7 +97,8 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
                      torn_bytes_dropped=rec.torn_bytes_dropped,
                      snapshot_seconds=round(rec.snapshot_seconds, 3),
                      replay_seconds=round(rec.replay_seconds, 3),
-                     replay_ops_per_second=round(rec.replay_rate))
+                     cpu_seconds=round(rec.cpu_seconds, 3),
+                     replay_records_per_second=round(rec.replay_rate))
     return state, data_dir
 
 

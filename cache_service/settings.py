@@ -79,7 +79,7 @@ class Settings(BaseSettings):
         "decides. A killed process loses nothing answered in any mode")
     fsync_interval_ms: int = Field(50, ge=1, le=10000, description="with --fsync batch: "
                                    "the longest time a written record waits for fdatasync")
-    snapshot_every: int = Field(20000, ge=1, description="with --data-dir: a background "
+    snapshot_every: int = Field(5000, ge=1, description="with --data-dir: a background "
                                 "snapshot after this many logged mutations (bounds the log "
                                 "replayed at restart)")
     log_level: Literal["debug", "info", "warning", "error"] = Field(

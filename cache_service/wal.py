@@ -34,6 +34,7 @@ Durability of an append (``fsync`` policy, the same trade-off as Redis' appendfs
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 import threading
@@ -267,7 +268,7 @@ class WriteAheadLog:
         them); answers how many. The current segment always stays."""
         segments = list_segments(self.directory)
         removed = 0
-        for (first, path), (nxt_first, _) in zip(segments, segments[1:]):
+        for (_, path), (nxt_first, _) in itertools.pairwise(segments):
             if nxt_first - 1 <= index and path != self._path:
                 path.unlink()
                 removed += 1

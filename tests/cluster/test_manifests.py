@@ -37,6 +37,10 @@ def test_compose_replicas_are_distinct_members_of_one_cluster():
         assert env["KVCACHE_ADVERTISE_ADDRESS"] == f"{name}:{env['KVCACHE_PORT']}"
         assert COMPOSE[name]["depends_on"] == {"etcd": {"condition": "service_healthy"}}
     assert len({env["KVCACHE_CLUSTER_NAME"] for env in envs}) == 1
+    # Each replica logs to its own volume (a restarted member recovers its own pools).
+    volumes = [COMPOSE[name]["volumes"] for name in REPLICAS]
+    assert all(v == [f"{name}-data:{env['KVCACHE_DATA_DIR']}"]
+               for name, v, env in zip(REPLICAS, volumes, envs))
 
 
 def test_compose_executors_know_every_replica_and_own_distinct_pools():

@@ -114,3 +114,32 @@ def test_lazy_queue_equals_eager_queue(script: list[tuple[str, int]]) -> None:
         assert out_e == out_l
         assert eq.num_free_blocks == lq.num_free_blocks == len(model)
     assert table_ids(eq.get_all_free_blocks()) == table_ids(lq.get_all_free_blocks()) == model
+
+
+class _Materialize:
+    """A picklable materialize function (the block pool's bound method in the service)."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        self.blocks = blocks
+
+    def __call__(self, block_id: int) -> KVCacheBlock:
+        return self.blocks[block_id]
+
+
+def test_pickles_as_its_order_without_deep_recursion() -> None:
+    """Snapshots pickle the queue: 50,000 linked blocks must not recurse per link, and the
+    restored queue keeps the exact order (fresh range included) with blocks shared with
+    whatever else the pickle holds."""
+    import pickle
+
+    blocks = [KVCacheBlock(i) for i in range(60_000)]
+    queue = FreeKVCacheBlockQueue(blocks[10:50_010][::-1], fresh=range(50_010, 60_000),
+                                  materialize=_Materialize(blocks))
+    queue.remove(blocks[500])
+    taken = blocks[3]
+    restored, restored_taken = pickle.loads(pickle.dumps((queue, blocks[20])))
+    assert len(restored) == len(queue)
+    order = [b.block_id for b in queue.get_all_free_blocks()]
+    assert [b.block_id for b in restored.get_all_free_blocks()] == order
+    assert restored_taken is next(b for b in restored.get_all_free_blocks() if b.block_id == 20)
+    assert taken.prev_free_block is None  # the original is untouched

@@ -9,12 +9,15 @@ import os
 import re
 import shutil
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+
+from executor.client import ExecutorClient, generate_request
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.docker
@@ -126,6 +129,39 @@ def test_stack_runs_the_demo_and_comes_down_clean(project, docker_client):
 
     project.run("down", "--volumes", "--remove-orphans", "--timeout", "20")
     assert project.leftovers(docker_client) == []
+
+
+def _wait_healthy(project: Project, docker_client, service: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        (container,) = project.containers(docker_client, service)
+        container.reload()
+        if container.attrs["State"].get("Health", {}).get("Status") == "healthy":
+            return
+        assert time.monotonic() < deadline, f"{service} not healthy: {container.attrs['State']}"
+        time.sleep(0.5)  # polling the engine's health status, bounded by the deadline
+
+
+def test_restarting_the_cache_service_loses_no_request(project, docker_client):
+    """`docker compose restart cache-service` mid-generation: the service drains, writes a
+    snapshot to its data-dir volume and comes back with every pool, request and session;
+    the executor resends its in-flight Step and its output equals an uninterrupted run."""
+    project.run("up", "--no-build", "-d", "executor")  # and cache-service, healthy first
+    _wait_healthy(project, docker_client, "executor")
+    host_port = project.run("port", "executor", "50061").stdout.strip()
+    prompt = [(7 * i) % 50 + 1 for i in range(40)]
+    with ExecutorClient(host_port) as ex:
+        reference = ex.generate(prompt, 48, timeout=300).token_ids
+        stream = ex.stub.Generate(generate_request(prompt, 48), timeout=300)
+        first = next(stream)  # in flight
+        project.run("restart", "cache-service", timeout=120)
+        rest = list(stream)
+    assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == reference
+    assert rest[-1].stats.num_preemptions == 0  # nothing recomputed
+    cache_logs = project.run("logs", "--no-color", "cache-service").stdout
+    assert '"event": "recovered"' in cache_logs and '"pools": 1' in cache_logs, cache_logs[-3000:]
+    executor_logs = project.run("logs", "--no-color", "executor").stdout
+    assert "pool_lost" not in executor_logs, executor_logs[-3000:]
 
 
 def test_gpu_profile_reserves_one_nvidia_gpu(project, docker_client):

@@ -98,14 +98,14 @@ class LoadClient:
                 if live:
                     batch.decode(live, [rng.randrange(500) for _ in live])
                     delta.update((rid, 1) for rid in live)
-                self._retry(lambda: self.client.step_batch(batch), stop)
+                self._retry(lambda b=batch: self.client.step_batch(b), stop)
                 for rid, d in delta.items():
                     if d < 0:
                         del self.seen[rid]
                         self.freed.add(rid)
                     else:
                         self.seen[rid] = _as_seen(self._retry(
-                            lambda: self.client.get_request("p", rid), stop))
+                            lambda r=rid: self.client.get_request("p", r), stop))
                 self.acked += 1
                 progress.release()
         except CacheError as exc:
