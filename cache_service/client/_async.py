@@ -176,7 +176,7 @@ class AsyncCacheClient:
                     response = await send(request, address)
                 except Moved as moved:
                     session = self._sessions.get(address)
-                    if session is not None:
+                    if session is not None and not moved.redirect:  # a redirect: not applied
                         session.failed(moved.error)
                     moves += 1
                     if moves > MAX_REDIRECTS + self._retries:

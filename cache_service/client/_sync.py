@@ -173,7 +173,7 @@ class CacheClient:
                     response = send(request, address)
                 except Moved as moved:
                     session = self._sessions.get(address)
-                    if session is not None:
+                    if session is not None and not moved.redirect:  # a redirect: not applied
                         session.failed(moved.error)
                     moves += 1
                     if moves > MAX_REDIRECTS + self._retries:
