@@ -71,8 +71,12 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 
 
 def _new_state(settings: Settings, instance_id: str) -> ServiceState:
-    return ServiceState(PoolRegistry(settings.event_buffer, instance_id=instance_id,
-                                     max_total_blocks=settings.max_total_blocks),
+    registry_class = PoolRegistry
+    if settings.etcd_endpoints:  # cluster mode: pool lookups check ownership (fencing)
+        from cache_service.cluster.registry import ClusterRegistry
+        registry_class = ClusterRegistry
+    return ServiceState(registry_class(settings.event_buffer, instance_id=instance_id,
+                                       max_total_blocks=settings.max_total_blocks),
                         lease_ttl_seconds=settings.lease_ttl_seconds,
                         max_ops_per_step=settings.max_ops_per_step,
                         max_tokens_per_step=settings.max_tokens_per_step)
@@ -126,6 +130,10 @@ async def serve(settings: Settings) -> int:
         log.error("data_dir_unusable", error=str(exc))
         return 1
     registry = state.registry
+    node = None
+    if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
+        from cache_service.cluster.node import ClusterNode
+        node = ClusterNode(settings, state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     try:
         tenants = settings.tenant_table()
@@ -152,6 +160,14 @@ async def serve(settings: Settings) -> int:
         log.error("bind_failed", address=address)
         return 1
     await server.start()
+    if node is not None:
+        try:  # a member before SERVING: readiness implies the replica can own pools
+            await node.join(port)
+        except (TimeoutError, ConnectionError) as exc:
+            log.error("etcd_unreachable", endpoints=settings.etcd_endpoints, error=str(exc))
+            await server.stop(0)
+            return 1
+        servicer.cluster = node
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -169,7 +185,8 @@ async def serve(settings: Settings) -> int:
     lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
              tls=settings.tls_cert is not None, auth=tenants is not None,
              tenants=len(tenants.tenants) if tenants is not None else 1,
-             lease_ttl_seconds=settings.lease_ttl_seconds)
+             lease_ttl_seconds=settings.lease_ttl_seconds,
+             member=node.membership.member_id if node and node.membership else None)
 
     await stop.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
@@ -185,6 +202,9 @@ async def serve(settings: Settings) -> int:
     registry.close()
     started = loop.time()
     await interceptor.wait_idle(settings.drain_seconds)
+    if node is not None:
+        # After the drain, so that no write races the successor's takeover.
+        await node.leave()
     # Calls that raced the drain flag are answered UNAVAILABLE within the remaining grace
     # (at least 1 s, so that a starved loop still answers them); health watchers and
     # anything still running at its end are cancelled.

@@ -93,6 +93,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.max_peek_tokens = max_peek_tokens
         self.gate = PoolGate()
         self.draining = False
+        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
+        #: their etcd keys, fans PeekPrefix out. None when standalone.
+        self.cluster: Any = None
         self.leases = LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
@@ -150,8 +153,16 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         def own() -> None:
             check_pool_id(request.pool_id)
             request.pool_id = _inner(ns, request.pool_id)
+        before: Callable[[], object] | None = own
+        if self.cluster is not None:
+            try:  # places a new pool; a redirect unless this replica owns it
+                own()
+                await self.cluster.place(request)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+            before = None  # mapped already
         answer = await self._mutate(context, "register_pool", request, request.session_id,
-                                    before=own)
+                                    before=before)
         response = pb.RegisterPoolResponse()
         response.CopyFrom(answer)  # the state may keep its answer (session retries)
         response.config.pool_id = ns.outer(response.config.pool_id)
@@ -183,8 +194,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
+        mapped = self.cluster is not None
+        if self.cluster is not None:
+            try:  # its etcd keys go first: nobody takes a deleted pool over
+                await self.cluster.delete(self._own(request).pool_id)
+            except KVCacheError as exc:
+                await _abort(context, exc)
         response = await self._mutate(context, "delete_pool", request, request.session_id,
-                                      before=lambda: self._own(request))
+                                      before=None if mapped else lambda: self._own(request))
         thaw_heap()
         return response
 
@@ -250,29 +267,40 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
         ns = Namespace(calls.tenant.get())
         try:
-            entries = self._peek_entries(ns, request)
-            cache_salt = request.cache_salt or None
-            lora_name = request.lora_name or None
-            lora_path = request.lora_path or None
-            hits = []
-            for entry in entries:
-                if request.token_ids:
-                    work = entry.pool.peek_prefix_in_slices(
-                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS,
-                        cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
-                else:
-                    work = entry.pool.peek_prefix_in_slices(
-                        block_hashes=list(request.block_hashes), cache_salt=cache_salt,
-                        lora_name=lora_name, lora_path=lora_path)
-                # Hashing a long prompt is cut into slices; the cache is read in one.
-                n = await self.gate.read(work, entry.pool_id)
-                hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
+            self._check_peek(request)
+            if self.cluster is not None:
+                # Pools owned by other replicas are asked there (with the caller's
+                # credentials, within this call's deadline); the rest answered here.
+                return await self.cluster.peek_prefix(request, ns, context, self._peek_here)
+            return await self._peek_here(ns, request)
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
+            raise  # not reached: _abort raises the status
+
+    async def _peek_here(self, ns: Namespace, request: pb.PeekPrefixRequest
+                         ) -> pb.PeekPrefixResponse:
+        """PeekPrefix over pools of this replica (the caller's ids, mapped by ``ns``)."""
+        entries = self._peek_entries(ns, request)
+        cache_salt = request.cache_salt or None
+        lora_name = request.lora_name or None
+        lora_path = request.lora_path or None
+        hits = []
+        for entry in entries:
+            if request.token_ids:
+                work = entry.pool.peek_prefix_in_slices(
+                    request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS,
+                    cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
+            else:
+                work = entry.pool.peek_prefix_in_slices(
+                    block_hashes=list(request.block_hashes), cache_salt=cache_salt,
+                    lora_name=lora_name, lora_path=lora_path)
+            # Hashing a long prompt is cut into slices; the cache is read in one.
+            n = await self.gate.read(work, entry.pool_id)
+            hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
         return pb.PeekPrefixResponse(hits=hits)
 
-    def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
-        """The pools of a PeekPrefix, after the checks that bound its cost."""
+    def _check_peek(self, request: pb.PeekPrefixRequest) -> None:
+        """The checks of a whole PeekPrefix that bound its cost (before any fan-out)."""
         if not request.pool_ids:
             raise InvalidArgument("at least one pool id is required", field="pool_ids")
         has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
@@ -292,6 +320,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 f"{size} {field.replace('_', ' ')} x {len(request.pool_ids)} pools exceed the "
                 f"limit of {self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)",
                 field=field)
+
+    def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
+        """The pools of a PeekPrefix (checked by :meth:`_check_peek`) on this replica."""
+        has_hashes = bool(request.block_hashes)
         entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
                    for i, pid in enumerate(request.pool_ids)]
         if has_hashes:
