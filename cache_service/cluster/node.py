@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from cache_service import convert
+from cache_service.calls import REQUEST_ID_KEY, request_id_metadata
 from cache_service.cluster.etcd import Etcd
 from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
@@ -93,9 +94,10 @@ class ClusterNode:
     # -- servicer hooks -----------------------------------------------------------------
 
     async def place(self, request: pb.RegisterPoolRequest) -> None:
-        """RegisterPool: validates the registration (nothing is written for a bad one),
-        then places it; returns if this replica owns it, else raises PoolMoved."""
-        check_pool_id(request.pool_id)
+        """RegisterPool (its pool id already the internal one: ``tenant/pool`` for a
+        tenant's): validates the registration (nothing is written for a bad one), then
+        places it; returns if this replica owns it, else raises PoolMoved."""
+        check_pool_id(request.pool_id, qualified=True)
         assert self.placement is not None
         if not self.registry.has(request.pool_id):
             build_pool(convert.description_from_proto(request))
@@ -152,20 +154,23 @@ class ClusterNode:
             msg.pool_ids.extend(pool_ids)
             return msg
 
-        calls = [self._peer(address).PeekPrefix(sub(pids), timeout=timeout,
+        asked = [self._peer(address).PeekPrefix(sub(pids), timeout=timeout,
                                                 metadata=tuple(forward))
                  for address, pids in remote.items()]
         hits: dict[str, int] = {}
         try:
             if here:
                 hits.update((h.pool_id, h.hit_tokens) for h in (await local(ns, sub(here))).hits)
-            for answer in await asyncio.gather(*calls):
+            for answer in await asyncio.gather(*asked):
                 hits.update((h.pool_id, h.hit_tokens) for h in answer.hits)
         except grpc.aio.AioRpcError as exc:
-            await context.abort(exc.code(), exc.details() or "",
-                                exc.trailing_metadata() or None)
+            # The owner's answer, passed on (its status details name the field), under this
+            # call's request id.
+            trailers = tuple((key, value) for key, value in exc.trailing_metadata() or ()
+                             if key != REQUEST_ID_KEY) + request_id_metadata()
+            await context.abort(exc.code(), exc.details() or "", trailers)
         finally:
-            for call in calls:
+            for call in asked:
                 call.cancel()  # e.g. a local error: the other answers are not waited for
         return pb.PeekPrefixResponse(hits=[pb.PoolHit(pool_id=pid, hit_tokens=hits[pid])
                                            for pid in request.pool_ids])

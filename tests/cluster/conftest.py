@@ -29,6 +29,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
+from tests.tier_skip import fold_skip, skip_tier
 
 #: Short, so that failover tests take seconds: a dead owner is replaced within ~TTL.
 LEASE_TTL = 2
@@ -45,11 +46,14 @@ def _no_etcd_reason() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without etcd, mark every `cluster` test skipped (checked once per session)."""
-    cluster_items = [item for item in items if item.get_closest_marker("cluster")]
-    reason = _no_etcd_reason() if cluster_items else None
-    if reason:
-        for item in cluster_items:
-            item.add_marker(pytest.mark.skip(reason=reason))
+    skip_tier(config, items, "cluster", _no_etcd_reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Report every no-etcd skip at one location, so `-ra` folds them into ONE line."""
+    outcome = yield
+    fold_skip(item, outcome.get_result(), __file__)
 
 
 T = TypeVar("T")
@@ -127,16 +131,19 @@ def raw_stub(target: str) -> pb_grpc.CacheServiceStub:
 
 
 def find_owner(cluster: Cluster, pool_id: str, *, with_state: bool = True,
-               among: list[ServerProcess] | None = None) -> str | None:
+               among: list[ServerProcess] | None = None,
+               metadata: tuple[tuple[str, str], ...] = ()) -> str | None:
     """The target of the replica owning ``pool_id`` when every live replica (of ``among``)
     agrees: the owner answers GetPool (or NOT_FOUND when ``with_state`` is False, after a
-    takeover without shared storage) and every other replica redirects to it; else None."""
+    takeover without shared storage) and every other replica redirects to it; else None.
+    ``metadata``: the caller's (a tenant's token)."""
     answers: dict[str, str] = {}
     for replica in cluster.replicas if among is None else among:
         if replica.returncode is not None:
             continue
         try:
-            raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id=pool_id), timeout=5)
+            raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id=pool_id), timeout=5,
+                                             metadata=metadata)
             answers[replica.target] = "ok"
         except grpc.RpcError as exc:
             owner = dict(exc.trailing_metadata() or ()).get("x-kvcache-owner")
@@ -154,10 +161,12 @@ def find_owner(cluster: Cluster, pool_id: str, *, with_state: bool = True,
     return owners[0]
 
 
-def owner_of(cluster: Cluster, pool_id: str, *, with_state: bool = True) -> str:
+def owner_of(cluster: Cluster, pool_id: str, *, with_state: bool = True,
+             metadata: tuple[tuple[str, str], ...] = ()) -> str:
     """:func:`find_owner` once the replicas agree (each learns of a placement through its
     etcd watch, a few milliseconds after the fact)."""
-    return wait_until(lambda: find_owner(cluster, pool_id, with_state=with_state), 10,
+    return wait_until(lambda: find_owner(cluster, pool_id, with_state=with_state,
+                                         metadata=metadata), 10,
                       f"the replicas agreeing on the owner of {pool_id!r}")
 
 
