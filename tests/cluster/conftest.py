@@ -31,8 +31,10 @@ from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
 from tests.tier_skip import fold_skip, skip_tier
 
-#: Short, so that failover tests take seconds: a dead owner is replaced within ~TTL.
-LEASE_TTL = 2
+#: Short, so that failover tests take seconds (a dead owner is replaced within ~TTL), but not
+#: the shortest etcd grants (2 s): a replica renews every TTL/3, and on a loaded 2-core machine
+#: a renewal a second late must not cost a live replica its pools.
+LEASE_TTL = 3
 
 
 def _no_etcd_reason() -> str | None:
@@ -88,10 +90,10 @@ class Cluster:
         self.name = f"t-{uuid.uuid4().hex[:8]}"
         self.replicas: list[ServerProcess] = []
 
-    def start_replica(self, *flags: str) -> ServerProcess:
+    def start_replica(self, *flags: str, ttl: int = LEASE_TTL) -> ServerProcess:
         replica = start_cache_service(
             "--etcd-endpoints", self.etcd.endpoint, "--cluster-name", self.name,
-            "--etcd-lease-ttl", str(LEASE_TTL), "--drain-seconds", "1", *flags)
+            "--etcd-lease-ttl", str(ttl), "--drain-seconds", "1", *flags)
         self.replicas.append(replica)
         return replica
 

@@ -67,20 +67,25 @@ def test_sigkill_of_an_owner_under_load_moves_its_pool_within_the_lease_ttl(thre
         worker.join(30)
     failover = back_at[0] - lost_at[0]
     assert owner_of(three, "hot") != victim.target
-    # Detection takes at most one lease TTL; claiming and the client's retry add little.
-    assert failover < LEASE_TTL + 3.0, failover
+    # Detection takes at most one lease TTL; claiming, registering again and the client's
+    # retries take well under a second unloaded (the margin is for a loaded 2-core box).
+    assert failover < LEASE_TTL + 5.0, failover
 
 
 def test_sigterm_leaves_at_once_and_the_pool_moves_before_the_lease_would_expire(
-        three: Cluster):
-    with CacheClient(all_targets(three)) as client:
+        cluster: Cluster):
+    # A long TTL: moving within it proves the lease was revoked, not left to expire.
+    ttl = 20
+    for _ in range(3):
+        cluster.start_replica(ttl=ttl)
+    with CacheClient(all_targets(cluster)) as client:
         register(client, "calm")
-    victim = three.by_target(owner_of(three, "calm"))
+    victim = cluster.by_target(owner_of(cluster, "calm"))
     assert victim.stop() == 0
     stopped = time.monotonic()
-    new_owner = wait_until(lambda: find_owner(three, "calm", with_state=False), LEASE_TTL,
+    new_owner = wait_until(lambda: find_owner(cluster, "calm", with_state=False), ttl,
                            "the pool owned by a remaining replica")
-    assert time.monotonic() - stopped < LEASE_TTL
+    assert time.monotonic() - stopped < ttl
     assert new_owner != victim.target
     assert any(r.get("event") == "member_left" for r in victim.records)
 
