@@ -104,6 +104,8 @@ class Cluster:
         for replica in self.replicas:
             if replica.returncode is None:
                 os.kill(replica.proc.pid, signal.SIGCONT)  # a test may have stopped it
+                replica.signal(signal.SIGTERM)  # all drain at once; then wait for each
+        for replica in self.replicas:
             replica.stop()
 
 
