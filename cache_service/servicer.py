@@ -161,8 +161,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             except KVCacheError as exc:
                 await _abort(context, exc)
             before = None  # mapped already
-        answer = await self._mutate(context, "register_pool", request, request.session_id,
-                                    before=before)
+        try:
+            answer = await self._mutate(context, "register_pool", request,
+                                        request.session_id, before=before)
+        except Exception:
+            if self.cluster is not None:  # refused here: placed for nothing
+                await self.cluster.unplace(request.pool_id)
+            raise
         response = pb.RegisterPoolResponse()
         response.CopyFrom(answer)  # the state may keep its answer (session retries)
         response.config.pool_id = ns.outer(response.config.pool_id)

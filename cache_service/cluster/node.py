@@ -19,6 +19,7 @@ from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
+from cache_service.core.errors import KVCacheError
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
 from cache_service.state import ServiceState, WalRecord
@@ -102,6 +103,18 @@ class ClusterNode:
         if not self.registry.has(request.pool_id):
             build_pool(convert.description_from_proto(request))
         await self.placement.place(request)
+
+    async def unplace(self, pool_id: str) -> None:
+        """After this replica refused to register ``pool_id`` (internal id; e.g. beyond a
+        tenant's limit or the block budget): a pool placed here but not registered here
+        has its etcd keys removed, so a rejected RegisterPool leaves nothing behind."""
+        assert self.placement is not None
+        if not self.registry.has(pool_id) and pool_id in self.placement.owned:
+            try:
+                await self.placement.delete(pool_id)
+            except KVCacheError as exc:  # lost meanwhile: the new owner's business
+                _log.warning("unplace_failed", pool_id=pool_id, error=str(exc))
+            self.placement.forget(pool_id)
 
     async def delete(self, pool_id: str) -> None:
         """DeletePool of ``pool_id`` (internal id): its etcd keys are removed first, so

@@ -74,6 +74,22 @@ def test_a_bad_registration_is_rejected_and_stores_nothing(three: Cluster):
             assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_a_registration_the_owner_refuses_leaves_nothing_in_etcd(cluster: Cluster):
+    """Beyond the owner's block budget (checked only there): RESOURCE_EXHAUSTED naming the
+    field, and the placement is undone, so the pool is unknown everywhere."""
+    for _ in range(3):
+        cluster.start_replica("--max-total-blocks", "100")
+    with CacheClient(",".join(r.target for r in cluster.replicas)) as client:
+        with pytest.raises(CacheError) as info:
+            client.register_pool("huge", small_layers(), num_blocks=101, max_model_len=256)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.field == "num_blocks"
+    for replica in cluster.replicas:
+        with pytest.raises(grpc.RpcError) as missing:
+            raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id="huge"), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND, replica.target
+
+
 def test_step_streams_and_peek_prefix_span_replicas(three: Cluster):
     prompt = list(range(100, 165))  # 4 full blocks of 16 + 1 (a hit never covers the last token)
     with CacheClient(three.replicas[0].target) as client:
