@@ -233,24 +233,29 @@ def _pump(src: socket.socket, dst: socket.socket) -> None:
 
 
 def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged() -> None:
+    """The client's first attempt meets no server (the gate hangs up): the call can only
+    succeed by retrying, which gRPC's retry policy does (``cache_service/client/_channel.py``);
+    without retries the same call fails UNAVAILABLE."""
     gate = _Gate()
     outcome: list = []
 
-    def call() -> None:
-        with CacheClient(gate.target, max_retries=30, backoff_base=0.1, backoff_max=0.5) as client:
+    def call(max_retries: int) -> None:
+        with CacheClient(gate.target, max_retries=max_retries, backoff_base=0.2,
+                         backoff_max=1.0) as client:
             try:
                 outcome.append(client.list_pools())
             except CacheError as exc:
-                outcome.append(exc)
+                outcome.append(exc.code)
 
-    thread = threading.Thread(target=call)
     try:
-        thread.start()
-        # The client's first attempt meets no server: the call can only succeed by retrying.
-        assert gate.wait_refused(1, timeout=20), "the client never tried to connect"
-        assert not outcome, outcome
         with start_cache_service("--log-level", "debug") as srv:
-            gate.open_to(srv.target)
+            call(0)
+            assert outcome == [grpc.StatusCode.UNAVAILABLE] and gate.refused == 1, outcome
+            outcome.clear()
+            thread = threading.Thread(target=call, args=(4,))
+            thread.start()
+            assert gate.wait_refused(2, timeout=20), "the client never tried to connect"
+            gate.open_to(srv.target)  # the next attempt reaches the server
             thread.join(30)
             assert outcome == [[]], outcome
             record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
@@ -258,3 +263,8 @@ def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged(
         gate.close()
     assert record["rpc"] == "kvcache.v1.CacheService/ListPools"
     assert record["code"] == "OK" and len(record["request_id"]) >= 16
+
+
+def test_max_retries_beyond_grpcs_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_retries: 5 is not in 0..4"):
+        CacheClient("127.0.0.1:1", max_retries=5)
