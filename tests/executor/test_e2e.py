@@ -23,7 +23,6 @@ from kvcache_common.launch import start_cache_service
 from paged_helpers import (
     free_port,
     health_status,
-    op_result,
     run_concurrently,
     shared_prefix_workload,
 )
@@ -110,13 +109,13 @@ def _external_prefill(cc: CacheClient, ex: ExecutorClient, pool: str, rid: str, 
     with the tables it got. Returns (hit tokens, next token)."""
     looked_up = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
                         begin_step=True)
-    hit = op_result(looked_up, 1, LookupResult).hit_tokens
+    hit = looked_up.result(1, LookupResult).hit_tokens
     start, token = hit, -1
     while start < len(prompt):
         n = min(first_chunk if start == hit else len(prompt), len(prompt) - start)
         step_ops = ([ops.lookup(rid), ops.allocate(rid, n)] if start == hit
                     else [ops.allocate(rid, n)])
-        alloc = op_result(cc.step(pool, step_ops, begin_step=start != hit), -1, AllocateResult)
+        alloc = cc.step(pool, step_ops, begin_step=start != hit).result(-1, AllocateResult)
         assert alloc.ok
         out = ex.execute(epb.ExecuteRequest(sequences=[epb.ExecuteSequence(
             request_id=rid, token_ids=prompt[start:start + n], num_computed_tokens=start,
@@ -157,7 +156,7 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
                     pos = len(prompt) + len(tokens) - 1
                     step = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
                                    begin_step=True)
-                    alloc = op_result(step, -1, AllocateResult)
+                    alloc = step.result(-1, AllocateResult)
                     out = ex.execute(epb.ExecuteRequest(
                         return_logits=True, sequences=[epb.ExecuteSequence(
                             request_id=rid, token_ids=[tokens[-1]], num_computed_tokens=pos,

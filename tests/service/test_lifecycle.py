@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import AllocateResult, CacheClient, CacheError, ops
 from kvcache_common.launch import start_cache_service
 
-from .builders import full_layers, result_of
+from .builders import full_layers
 
 
 def _watch_health(target: str, seen: list[str], stop: threading.Event) -> None:
@@ -153,7 +153,7 @@ def test_tls_with_the_token_works_and_health_stays_open(secure_server) -> None:
         info = client.register_pool("tls-pool", full_layers(), num_blocks=64,
                                     max_model_len=128)
         result = client.step(info.pool_id, [ops.add("r", [1, 2, 3]), ops.allocate("r", 3)])
-        assert result_of(result, 1, AllocateResult).ok
+        assert result.result(1, AllocateResult).ok
     creds = grpc.ssl_channel_credentials(root_certificates=ca)
     with grpc.secure_channel(srv.target, creds) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
