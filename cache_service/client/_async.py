@@ -14,6 +14,7 @@ from cache_service.client._builders import (
     decode_request,
     peek_request,
     register_request,
+    subscribe_request,
 )
 from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
@@ -231,12 +232,8 @@ class AsyncCacheClient:
         pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
         FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
         deadline; raises :class:`CacheError`."""
-        req = pb.SubscribeEventsRequest(pool_id=pool_id)
-        if from_sequence is not None:
-            req.from_sequence = from_sequence
-        if incarnation is not None:
-            req.incarnation = incarnation
-        call = self._stub.SubscribeEvents(req, metadata=self._metadata)
+        call = self._stub.SubscribeEvents(subscribe_request(pool_id, from_sequence, incarnation),
+                                          metadata=self._metadata)
         try:
             async for batch in call:
                 for e in batch.events:

@@ -278,3 +278,15 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
                    begin_step: bool) -> pb.StepRequest:
     return StepBuilder(pool_id, begin_step=begin_step).decode(request_ids, token_ids).request
+
+
+def subscribe_request(pool_id: str, from_sequence: int | None,
+                      incarnation: int | None) -> pb.SubscribeEventsRequest:
+    """Live events only unless ``from_sequence`` is given; ``incarnation`` pins a resume to
+    the pool incarnation the sequence numbers belong to."""
+    req = pb.SubscribeEventsRequest(pool_id=pool_id)
+    if from_sequence is not None:
+        req.from_sequence = from_sequence
+    if incarnation is not None:
+        req.incarnation = incarnation
+    return req

@@ -17,6 +17,7 @@ from cache_service.client._builders import (
     decode_request,
     peek_request,
     register_request,
+    subscribe_request,
 )
 from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
@@ -215,12 +216,8 @@ class CacheClient:
     def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
                          incarnation: int | None = None,
                          ) -> Iterator[Event]:
-        req = pb.SubscribeEventsRequest(pool_id=pool_id)
-        if from_sequence is not None:
-            req.from_sequence = from_sequence
-        if incarnation is not None:
-            req.incarnation = incarnation
-        call = self._stub.SubscribeEvents(req, metadata=self._metadata)
+        call = self._stub.SubscribeEvents(subscribe_request(pool_id, from_sequence, incarnation),
+                                          metadata=self._metadata)
         try:
             for batch in call:
                 for e in batch.events:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import socket
 from typing import Unpack
 
 import torch
@@ -119,13 +118,6 @@ def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int,
     with ExecutorClient(target) as client, ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(client.generate, p, max_tokens, **kwargs) for p in prompts]
         return [f.result() for f in futures]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (at the time of the call)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health_status(target: str) -> str:

@@ -21,7 +21,6 @@ from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from kvcache_common.launch import start_cache_service
 
 from paged_helpers import (
-    free_port,
     health_status,
     run_concurrently,
     shared_prefix_workload,
@@ -172,9 +171,8 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
         proc.stop()
 
 
-def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
+def test_waits_for_the_cache_service_and_reregisters_after_its_restart(gate) -> None:
+    target = gate.target
     proc = start_executor(target, "--preset", "gemma3-like", wait_serving=False)
     cs = None
     try:
@@ -183,7 +181,8 @@ def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None
             with pytest.raises(grpc.RpcError) as err:
                 ex.generate([1, 2, 3], 2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            cs = start_cache_service("--port", str(port))
+            cs = start_cache_service()
+            gate.open_to(cs.target)
             wait_ready(proc.target, 30)
             prompt = shared_prefix_workload(1, prefix_len=64, seed=5)[0]
             before = ex.generate(prompt, 200)
@@ -191,7 +190,8 @@ def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None
             first = next(stream)  # in flight when the service dies
             cs.proc.kill()  # a crash: the new instance knows no pools
             cs.stop()
-            cs = start_cache_service("--port", str(port))
+            cs = start_cache_service()  # on a port of its own: new connections go there
+            gate.open_to(cs.target)
             rest = list(stream)
             after = ex.generate(prompt, 200)
         # the in-flight request was re-queued and recomputed: same tokens, nothing lost
@@ -308,15 +308,15 @@ def test_demo_runs_locally_and_against_a_target(cache_service, tmp_path) -> None
     assert only["requests"] == 6 and only["output_tokens"] == 24
 
 
-def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) -> None:
+def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path, gate) -> None:
     """A cache service with --data-dir killed (SIGKILL) and restarted on its directory while
     several generations are in flight: the executor keeps its pool and session (no
     re-registration, no recompute), resends its in-flight Step under the same sequence
     number, and every output equals the uninterrupted run's."""
-    port = free_port()
-    flags = ("--port", str(port), "--data-dir", str(tmp_path / "cache"))
+    flags = ("--data-dir", str(tmp_path / "cache"))
     cs = start_cache_service(*flags)
-    proc = start_executor(cs.target, "--preset", "gemma3-like")
+    gate.open_to(cs.target)
+    proc = start_executor(gate.target, "--preset", "gemma3-like")
     try:
         prompts = shared_prefix_workload(3, prefix_len=48, seed=11)
         with ExecutorClient(proc.target) as ex:
@@ -326,6 +326,7 @@ def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) ->
             cs.proc.kill()
             cs.stop()
             cs = start_cache_service(*flags)
+            gate.open_to(cs.target)
             rests = [list(s) for s in streams]
         for first, rest, ref in zip(firsts, rests, reference):
             assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == ref
