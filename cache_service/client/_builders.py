@@ -262,8 +262,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks
-    else:
-        req.available_memory_bytes = available_memory_bytes  # type: ignore[assignment]
+    elif available_memory_bytes is not None:  # exactly one of the two (checked above)
+        req.available_memory_bytes = available_memory_bytes
     return req
 
 
