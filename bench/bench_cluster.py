@@ -119,7 +119,7 @@ def bench_failover(etcd: EtcdServer, kills: int) -> dict:
     try:
         for k in range(kills):
             live = [r for r in replicas if r.returncode is None]
-            with CacheClient(",".join(r.target for r in live), max_retries=60,
+            with CacheClient(",".join(r.target for r in live), default_timeout=30,
                              backoff_base=0.02, backoff_max=0.1) as client:
                 pool = f"f{k}"
                 register(client, pool)
@@ -173,7 +173,7 @@ def bench_overhead(etcd: EtcdServer, steps: int, rounds: int) -> dict:
 
 
 def _client_proc(targets: str, pool: str, seconds: float, out: mp.Queue) -> None:
-    with CacheClient(targets, max_retries=10) as client:
+    with CacheClient(targets, default_timeout=30) as client:
         register(client, pool)
         rids = [f"d{i}" for i in range(8)]
         client.step(pool, [op for i in range(8) for op in (

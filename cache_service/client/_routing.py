@@ -10,9 +10,11 @@ server is the one-seed, no-redirect case of the same logic.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
+from kvcache_common.backoff import Backoff
 from kvcache_common.redirect import owner_from_metadata
 
 #: Redirects followed for one call before its UNAVAILABLE is treated like any other.
@@ -78,3 +80,57 @@ def reroute(routes: Routes, pool_id: str, address: str, trailing_metadata: Any) 
         return True
     routes.failed(pool_id, address)
     return False if routes.address(pool_id) != address else None
+
+
+class CallRoute:
+    """The budget of one call over the replicas, until ``timeout`` seconds from now.
+
+    gRPC retries UNAVAILABLE on one replica (``_channel.py``; a redirect carries a pushback
+    that stops it). Here a redirect is followed at once (up to :data:`MAX_REDIRECTS` in a
+    row), and a replica that stays unavailable is left for the next one after a backoff;
+    the call gives up when the next attempt would start past its deadline, or at once with
+    one replica and no owner to move to (gRPC already retried it there). ``pin``: the call
+    is stamped for that replica's session; it raises :class:`Moved` instead of moving.
+    """
+
+    def __init__(self, routes: Routes, pool_id: str, timeout: float, backoff: Backoff,
+                 pin: str | None = None) -> None:
+        self.routes = routes
+        self.pool_id = pool_id
+        self.deadline = time.monotonic() + timeout
+        self.backoff = backoff
+        self.pin = pin
+        self._hops = self._rounds = 0
+
+    @property
+    def address(self) -> str:
+        return self.pin or self.routes.address(self.pool_id)
+
+    def timeout(self) -> float:
+        """Seconds left for the next attempt."""
+        return max(self.deadline - time.monotonic(), 0.001)
+
+    def unavailable(self, address: str, error: Exception, trailing_metadata: Any) -> float:
+        """After UNAVAILABLE (``error``) from ``address``: seconds to wait before the next
+        attempt; raises :class:`Moved` (a pinned call) or ``error`` (giving up)."""
+        moved = reroute(self.routes, self.pool_id, address, trailing_metadata)
+        if moved is not None and self.pin is not None:
+            raise Moved(error, moved)
+        if moved is None:
+            raise error
+        return self._wait(error, redirect=moved)
+
+    def moved(self, moved: Moved) -> float:
+        """After a pinned attempt raised ``moved``: seconds to wait before restamping the
+        call for the next replica; raises its error past the deadline."""
+        return self._wait(moved.error, redirect=moved.redirect)
+
+    def _wait(self, error: Exception, *, redirect: bool) -> float:
+        if redirect and self._hops < MAX_REDIRECTS:
+            self._hops += 1
+            return 0.0
+        delay = self.backoff.delay(self._rounds)
+        if time.monotonic() + delay >= self.deadline:
+            raise error
+        self._rounds += 1
+        return delay

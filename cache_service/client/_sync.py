@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import random
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,8 +17,9 @@ from cache_service.client._builders import (
     decode_request,
     peek_request,
     register_request,
+    subscribe_request,
 )
-from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
+from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
 from cache_service.client._results import (
     DecodeResult,
@@ -35,10 +35,12 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
-from cache_service.client._routing import MAX_REDIRECTS, Moved, Routes, reroute
+from cache_service.client._retry import OnRetry, resend_delay
+from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
 from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.backoff import Backoff
 
 
 class CacheClient:
@@ -50,9 +52,8 @@ class CacheClient:
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
                  ssl_target_name_override: str | None = None, session: bool = True,
                  client_name: str = "") -> None:
-        options = list(CHANNEL_OPTIONS)
-        if ssl_target_name_override:
-            options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
+        self._backoff = Backoff(backoff_base, backoff_max)
+        options = channel_options(max_retries, self._backoff, ssl_target_name_override)
         creds = channel_credentials(tls, root_certificates)
         self._channels: list[grpc.Channel] = []
 
@@ -68,7 +69,6 @@ class CacheClient:
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
-        self._backoff = (backoff_base, backoff_max)
         self._use_session = session
         self._client_name = client_name
         #: One session per replica (sessions live in a replica's state), by address.
@@ -105,33 +105,22 @@ class CacheClient:
 
     def _call(self, method: str, request: Any, timeout: float | None,
               pin: str | None = None) -> Any:
-        """``method`` on the pool's replica (or on ``pin``, for a call stamped with that
-        replica's session: raises :class:`Moved` when it must go elsewhere); follows
-        redirects, retries UNAVAILABLE with backoff."""
-        routes = self._routes
-        pool_id = getattr(request, "pool_id", "")
-        attempt = hops = 0
+        """``method`` on the pool's replica, following redirects and moving past a replica
+        that stays unavailable until the call's timeout (see :class:`CallRoute`); ``pin``:
+        on that replica only (a call stamped with its session), raising :class:`Moved`
+        when it must go elsewhere."""
+        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
+                          timeout or self.default_timeout, self._backoff, pin)
         while True:
-            address = pin or routes.address(pool_id)
+            address = route.address
             try:
-                return getattr(routes.stub(address), method)(
-                    request, timeout=timeout or self.default_timeout, metadata=self._metadata)
+                return getattr(self._routes.stub(address), method)(
+                    request, timeout=route.timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    moved = reroute(routes, pool_id, address, exc.trailing_metadata())
-                    if moved is not None and pin is not None:
-                        raise Moved(CacheError.from_rpc(exc), moved) from None
-                    if moved and hops < MAX_REDIRECTS:
-                        hops += 1
-                        continue
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise CacheError.from_rpc(exc) from None
-                self._sleep_backoff(attempt)
-                attempt += 1
-
-    def _sleep_backoff(self, attempt: int) -> None:
-        base, cap = self._backoff
-        time.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+                error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
+            time.sleep(route.unavailable(address, error, trailers))
 
     def _ensure_session(self, address: str) -> SessionStamp | None:
         """The session open on ``address``, opened on first use (call with the lock
@@ -160,16 +149,17 @@ class CacheClient:
             except ValueError:
                 return  # the channel was closed
 
-    def _sequenced(self, send: Any, request: Any) -> Any:
+    def _sequenced(self, send: Any, request: Any, timeout: float | None = None) -> Any:
         """Sends a mutating request stamped with the session of the replica it goes to;
         ``send(request, address)`` does the transport retries with the same stamp and
-        raises :class:`Moved` when the request must go to another replica (restamped
-        there)."""
-        pool_id = getattr(request, "pool_id", "")
+        raises :class:`Moved` when the request must go to another replica: it is restamped
+        there, after a backoff unless redirected, until ``timeout`` (default
+        ``default_timeout``) has passed (see :class:`CallRoute`)."""
+        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
+                          timeout or self.default_timeout, self._backoff)
         with self._lock:
-            attempt = moves = 0
             while True:
-                address = self._routes.address(pool_id)
+                address = route.address
                 try:
                     session = self._ensure_session(address)
                     if session is not None:
@@ -179,12 +169,7 @@ class CacheClient:
                     session = self._sessions.get(address)
                     if session is not None and not moved.redirect:  # a redirect: not applied
                         session.failed(moved.error)
-                    moves += 1
-                    if moves > MAX_REDIRECTS + self._retries:
-                        raise moved.error from None
-                    if not moved.redirect:  # a replica gave up: wait before the next one
-                        self._sleep_backoff(attempt)
-                        attempt += 1
+                    time.sleep(route.moved(moved))
                     continue
                 except CacheError as err:
                     session = self._sessions.get(address)
@@ -200,7 +185,8 @@ class CacheClient:
                 return response
 
     def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
-        return self._sequenced(lambda r, a: self._call(method, r, timeout, pin=a), request)
+        return self._sequenced(lambda r, a: self._call(method, r, timeout, pin=a), request,
+                               timeout)
 
     def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                       timeout: float | None = None, **kwargs: Any) -> PoolInfo:
@@ -241,7 +227,7 @@ class CacheClient:
         return DecodeResult(resp.results[0].decode)
 
     def step_stream(self, *, step_timeout: float | None = None,
-                    on_retry: Any = None) -> StepStream:
+                    on_retry: OnRetry | None = None) -> StepStream:
         """A bidirectional Step stream (see :class:`StepStream`); ``step_timeout``
         (default ``default_timeout``) is each step's deadline."""
         return StepStream(self, step_timeout or self.default_timeout, on_retry)
@@ -272,11 +258,7 @@ class CacheClient:
     def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
                          incarnation: int | None = None,
                          ) -> Iterator[Event]:
-        req = pb.SubscribeEventsRequest(pool_id=pool_id)
-        if from_sequence is not None:
-            req.from_sequence = from_sequence
-        if incarnation is not None:
-            req.incarnation = incarnation
+        req = subscribe_request(pool_id, from_sequence, incarnation)
         for _ in range(MAX_REDIRECTS + 1):
             address = self._routes.address(pool_id)
             call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
@@ -308,7 +290,8 @@ class StepStream:
 
     _END = object()
 
-    def __init__(self, client: CacheClient, step_timeout: float, on_retry: Any = None) -> None:
+    def __init__(self, client: CacheClient, step_timeout: float,
+                 on_retry: OnRetry | None = None) -> None:
         self._client = client
         self.step_timeout = step_timeout
         self._on_retry = on_retry
@@ -378,14 +361,8 @@ class StepStream:
                                  f"no StepStream answer within {self.step_timeout} s")
             else:  # the server closed the stream without a status (shutting down)
                 err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
-            retryable = err.code in (grpc.StatusCode.UNAVAILABLE,
-                                     grpc.StatusCode.DEADLINE_EXCEEDED)
-            if not retryable or attempt >= self._client._retries:
-                raise err
-            if self._on_retry is not None:
-                self._on_retry(err.code.name.lower(), attempt + 1)
-            if err.code == grpc.StatusCode.UNAVAILABLE:
-                self._client._sleep_backoff(attempt)
+            time.sleep(resend_delay(err, attempt, self._client._retries,
+                                    self._client._backoff, self._on_retry))
             attempt += 1
 
     def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:

@@ -57,8 +57,11 @@ class PoolMoved(Unavailable):
     def __init__(self, pool_id: str, owner: Owner, field: str = "pool_id") -> None:
         super().__init__(f"pool {pool_id!r} is owned by replica {owner.member} at "
                          f"{owner.address}; retry there", field=field)
+        # A negative pushback tells a client's gRPC retry policy not to retry here: the
+        # client sends the call to the owner instead.
         self.trailing_metadata = ((OWNER_ADDRESS_KEY, owner.address),
-                                  (OWNER_MEMBER_KEY, owner.member))
+                                  (OWNER_MEMBER_KEY, owner.member),
+                                  ("grpc-retry-pushback-ms", "-1"))
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def all_targets(cluster: Cluster) -> str:
 
 
 def test_sigkill_of_an_owner_under_load_moves_its_pool_within_the_lease_ttl(three: Cluster):
-    with CacheClient(all_targets(three), max_retries=30, backoff_max=0.2) as client:
+    with CacheClient(all_targets(three), default_timeout=20, backoff_max=0.2) as client:
         register(client, "hot")
         victim = three.by_target(owner_of(three, "hot"))
         acked: list[int] = []
@@ -127,7 +127,7 @@ def test_a_replica_partitioned_from_etcd_stops_accepting_writes(cluster: Cluster
 
 
 def test_etcd_restart_keeps_every_pool_where_it_was(three: Cluster):
-    with CacheClient(all_targets(three), max_retries=40, backoff_max=0.5) as client:
+    with CacheClient(all_targets(three), default_timeout=30, backoff_max=0.5) as client:
         for i in range(4):
             register(client, f"k{i}")
             client.step(f"k{i}", [ops.add("kept", [1, 2, 3, 4])])
@@ -160,7 +160,7 @@ def test_an_owner_restarted_on_its_data_dir_gets_its_pools_back_with_their_state
 
     for member in ("m0", "m1", "m2"):
         start(member)
-    with CacheClient(all_targets(cluster), max_retries=60, backoff_max=0.2) as client:
+    with CacheClient(all_targets(cluster), default_timeout=30, backoff_max=0.2) as client:
         register(client, "durable")
         before = client.get_pool("durable")
         owner = cluster.by_target(owner_of(cluster, "durable"))
