@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from collections import Counter
 
 import grpc
@@ -9,6 +10,7 @@ import pytest
 
 from cache_service.client import AllocateResult, CacheClient, CacheError, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.launch import ServerProcess
 from tests.cluster.conftest import Cluster, owner_of, raw_stub, small_layers
 
 pytestmark = pytest.mark.cluster
@@ -60,6 +62,32 @@ def test_a_non_owner_redirects_with_the_owner_in_trailing_metadata(three: Cluste
         raw_stub(owner).GetRequest(pb.GetRequestRequest(pool_id="moved", request_id="x"),
                                    timeout=5)
     assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _started(replica: ServerProcess, method: str) -> float:
+    """``grpc_server_started_total`` of ``method`` on ``replica`` (its metrics endpoint)."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics",
+                                  timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith("grpc_server_started_total{") and f'grpc_method="{method}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_redirect_is_answered_once_not_retried_by_the_clients_grpc(cluster: Cluster):
+    """The client's gRPC retries UNAVAILABLE (4 times here); a redirect tells it not to
+    (a negative retry pushback), so the non-owner sees the call once and the client asks
+    the owner at once."""
+    for _ in range(3):
+        cluster.start_replica("--metrics-port", "0")
+    with CacheClient(cluster.replicas[0].target) as client:
+        register(client, "once")
+    owner = owner_of(cluster, "once")
+    other = next(r for r in cluster.replicas if r.target != owner)
+    before = _started(other, "GetPool")
+    with CacheClient(other.target, max_retries=4) as client:
+        assert client.get_pool("once").pool_id == "once"
+    assert _started(other, "GetPool") - before == 1
 
 
 def test_a_bad_registration_is_rejected_and_stores_nothing(three: Cluster):
