@@ -14,7 +14,9 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from cache_service.core import events as ev
 from cache_service.core import grouping
 from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.core.hashing import external_block_hash
 from cache_service.core.pool import PoolOptions
+from cache_service.core.residency import GroupResidency
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -28,7 +30,7 @@ from cache_service.core.specs import (
 from cache_service.registry import PoolDescription, PoolEntry
 from cache_service.status import qualify
 from cache_service.client._builders import layers
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES, MISS_REASONS
 
 _ATTENTION_CLASSES: dict[int, type] = {
     pb.LAYER_KIND_FULL_ATTENTION: FullAttentionSpec,
@@ -235,6 +237,32 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         groups=[pb.GroupStats(index=i, num_cached_blocks=n)
                 for i, n in enumerate(s.num_cached_blocks_per_group)],
         last_event_sequence=last_sequence)
+
+
+def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
+    """Appends ``GroupResidency`` messages to the repeated field ``out``."""
+    for g in groups:
+        m = out.add()
+        m.group_idx = g.group_idx
+        m.kind = LAYER_KINDS.value(g.kind)
+        m.tokens = g.tokens
+        m.blocks = g.blocks
+        if g.checkpoints:
+            m.checkpoint_tokens.extend(g.checkpoints)
+        if g.reason is not None:
+            m.miss_reason = MISS_REASONS.value(g.reason.value)
+            m.evicted_removals_ago = g.evicted_removals_ago
+
+
+def snapshot_to_proto(pool: Any, sequence: int) -> pb.GetPrefixSnapshotResponse:
+    """A pool's cached hashes per group (64-bit, as in the events) at ``sequence``."""
+    out = pb.GetPrefixSnapshotResponse(sequence=sequence)
+    for gid, hashes in enumerate(pool.prefix_snapshot()):
+        spec = pool.config.groups[gid].spec
+        g = out.groups.add(group_idx=gid, kind=LAYER_KINDS.value(spec.kind),
+                           block_size=spec.block_size)
+        g.block_hashes.extend([external_block_hash(h) for h in hashes])
+    return out
 
 
 def event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:

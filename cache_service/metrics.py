@@ -93,7 +93,13 @@ class PoolCollector:
             "preemptions": CounterMetricFamily("kvcache_pool_preemptions", "Preemptions.",
                                                labels=["pool"]),
         }
+        misses = CounterMetricFamily(
+            "kvcache_pool_prefix_misses", "Explained prefix lookups (PeekPrefix / Step "
+            "lookup with explain) by group and miss reason (none = no miss).",
+            labels=["pool", "group", "reason"])
         for pool_id, s in self._stats_of():
+            for (group, reason), n in sorted(s.miss_reasons.items()):
+                misses.add_metric([pool_id, str(group), reason], float(n))
             queries = s.prefix_queries + s.preempted_prefix_queries
             hits = s.prefix_hits + s.preempted_prefix_hits
             values = {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
@@ -103,6 +109,7 @@ class PoolCollector:
                                                 else getattr(s, name)))
         yield from gauges.values()
         yield from counters.values()
+        yield misses
 
 
 def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]]) -> tuple[

@@ -18,6 +18,7 @@ from typing import Any
 from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound
 from cache_service.core.grouping import get_kv_cache_config
 from cache_service.core.pool import Pool, PoolOptions
+from cache_service.core.prefix_index import PrefixIndex, namespace_of
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
 
@@ -122,6 +123,8 @@ class PoolRegistry:
     def __init__(self, event_buffer: int = 10000) -> None:
         self._pools: dict[str, PoolEntry] = {}
         self._event_buffer = event_buffer
+        #: Every pool's cached prefixes in one map (PeekPrefix answers from it).
+        self.index = PrefixIndex()
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
@@ -135,6 +138,7 @@ class PoolRegistry:
                                 f"(first difference: {diff})", field=diff)
         entry = PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer))
         self._pools[pool_id] = entry
+        self.index.attach(pool_id, entry.pool, namespace_of(entry.pool))
         return entry, True
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
@@ -148,6 +152,7 @@ class PoolRegistry:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)
         del self._pools[pool_id]
+        self.index.detach(pool_id)
         entry.feed.close()
         return len(entry.pool.request_ids())
 

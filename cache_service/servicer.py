@@ -28,6 +28,8 @@ from cache_service.core.errors import (
     UnknownRequest,
 )
 from cache_service.core.pool import DecodeOutcome
+from cache_service.core.prefix_index import Namespace
+from cache_service.core.residency import ExtraKeys
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.registry import PoolEntry, PoolRegistry, check_pool_id
 
@@ -403,13 +405,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                     out.num_tokens = info.num_tokens
                     out.num_block_hashes = info.num_block_hashes
                 elif kind == _LOOKUP:
-                    lk = pool.lookup(m.request_id)
+                    lk = pool.lookup(m.request_id, explain_misses=m.explain)
                     out = add_result().lookup
                     out.hit_tokens = lk.hit_tokens
                     out.shared_prefix_boundary = lk.shared_prefix_boundary
                     tables = out.block_ids
                     for ids in lk.block_ids:
                         tables.add().block_ids.extend(ids)
+                    if lk.groups is not None:
+                        convert.write_residency(out.groups, lk.groups)
                 elif kind == _FREE:
                     add_result().free.num_free_blocks = pool.free(m.request_id)
                     table_cache.forget(m.request_id)
@@ -451,39 +455,58 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def PeekPrefix(self, request: pb.PeekPrefixRequest,
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
-        def run() -> pb.PeekPrefixResponse:
-            if not request.pool_ids:
-                raise InvalidArgument("at least one pool id is required", field="pool_ids")
-            has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
-            if has_tokens == has_hashes:
-                raise InvalidArgument("give token_ids or block_hashes (exactly one)",
-                                      field="token_ids")
-            check_lora(request.lora_name, request.lora_path)
-            entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
-                       for i, pid in enumerate(request.pool_ids)]
-            extra = dict(cache_salt=request.cache_salt or None,
-                         lora_name=request.lora_name or None,
-                         lora_path=request.lora_path or None)
-            hits = []
+        return await self._unary(context, lambda: self.peek_prefix(request))
+
+    def peek_prefix(self, request: pb.PeekPrefixRequest) -> pb.PeekPrefixResponse:
+        """Answers from the routing index; with ``explain``, asks each pool itself."""
+        if not request.pool_ids:
+            raise InvalidArgument("at least one pool id is required", field="pool_ids")
+        tokens, hashes = request.token_ids, request.block_hashes
+        if not tokens and not hashes or (tokens and hashes and not request.explain):
+            raise InvalidArgument("give token_ids or block_hashes (exactly one; both only "
+                                  "with explain)", field="token_ids")
+        check_lora(request.lora_name, request.lora_path)
+        entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
+                   for i, pid in enumerate(request.pool_ids)]
+        if tokens:
+            lo, hi = min(tokens), max(tokens)
+            for entry in entries:
+                limit = entry.pool.options.vocab_size or TOKEN_LIMIT
+                if lo < 0 or hi >= limit:
+                    _check_tokens(tokens, limit, "token_ids")
+        if hashes:
+            for j, h in enumerate(hashes):
+                if len(h) != HASH_LEN:
+                    raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
+                                          field=f"block_hashes[{j}]")
             for i, entry in enumerate(entries):
-                if has_tokens:
-                    vocab = entry.pool.options.vocab_size
-                    _check_tokens(request.token_ids, vocab or TOKEN_LIMIT, "token_ids")
-                    n = entry.pool.peek_prefix(request.token_ids, **extra)
-                else:
-                    for j, h in enumerate(request.block_hashes):
-                        if len(h) != HASH_LEN:
-                            raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
-                                                  field=f"block_hashes[{j}]")
-                    if entry.pool.options.hash_algo != "sha256_cbor":
-                        raise InvalidArgument(
-                            f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
-                            field=f"pool_ids[{i}]")
-                    n = entry.pool.peek_prefix(block_hashes=list(request.block_hashes),
-                                               **extra)
-                hits.append(pb.PoolHit(pool_id=entry.pool_id, hit_tokens=n))
-            return pb.PeekPrefixResponse(hits=hits)
-        return await self._unary(context, run)
+                if entry.pool.options.hash_algo != "sha256_cbor":
+                    raise InvalidArgument(
+                        f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
+                        field=f"pool_ids[{i}]")
+        keys = ExtraKeys(request.cache_salt or None,
+                         request.lora_name or None, request.lora_path or None)
+        token_list = list(tokens) if tokens else None
+        hash_list = list(hashes) if hashes else None
+        if request.explain:
+            answers = [entry.pool.prefix_residency(
+                token_list, block_hashes=hash_list, cache_salt=keys.cache_salt,
+                lora_name=keys.lora_name, lora_path=keys.lora_path, explain_misses=True)
+                for entry in entries]
+        else:
+            first = {}
+            for entry in entries:
+                first.setdefault(self.registry.index.namespace(entry.pool_id), entry.pool)
+
+            def query(namespace: Namespace) -> tuple[list[bytes], int]:
+                hashed, max_len, _ = first[namespace].peek_input(token_list, hash_list, keys)
+                return hashed, max_len
+            answers = self.registry.index.peek(list(request.pool_ids), query)
+        response = pb.PeekPrefixResponse()
+        for entry, answer in zip(entries, answers):
+            hit = response.hits.add(pool_id=entry.pool_id, hit_tokens=answer.hit_tokens)
+            convert.write_residency(hit.groups, answer.groups)
+        return response
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
@@ -517,6 +540,16 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         return await self._unary(context, run)
 
     # -- events ------------------------------------------------------------------------
+
+    async def GetPrefixSnapshot(self, request: pb.GetPrefixSnapshotRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.GetPrefixSnapshotResponse:
+        # Consistent by construction: handlers run on one event loop and every mutation
+        # publishes its events before returning, so the map and the feed agree here.
+        def run() -> pb.GetPrefixSnapshotResponse:
+            entry = self.registry.get(request.pool_id)
+            return convert.snapshot_to_proto(entry.pool, entry.feed.next_sequence - 1)
+        return await self._unary(context, run)
 
     async def SubscribeEvents(self, request: pb.SubscribeEventsRequest,
                               context: grpc.aio.ServicerContext

@@ -31,6 +31,15 @@ from cache_service.core.events import KVEvent
 from cache_service.core.hashing import get_hash_fn, hash_request_tokens
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.request import Request, RequestStatus
+from cache_service.core.residency import (
+    ExplainContext,
+    ExtraKeys,
+    GroupResidency,
+    PrefixLog,
+    Residency,
+    explain,
+    group_residency,
+)
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
 
@@ -70,6 +79,8 @@ class PrefixHit:
     hit_tokens: int
     block_ids: list[list[int]]
     shared_prefix_boundary: int = 0
+    #: Per-group reach and miss reason; only when the lookup was asked to explain.
+    groups: list[GroupResidency] | None = None
 
 
 @dataclass(slots=True)
@@ -113,6 +124,8 @@ class PoolCounters:
     preemptions: int
     num_requests: int
     num_cached_blocks_per_group: list[int] = field(default_factory=list)
+    #: (group index, miss reason) -> explained lookups that answered it.
+    miss_reasons: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 def _check_int(value: object, name: str, *, minimum: int) -> int:
@@ -157,6 +170,11 @@ class Pool:
         self._epoch = 0  # bumped by every operation that may reuse or unpin blocks
         self._allocation_failures = 0
         self._preemptions = 0
+        # Follows the prefix-cache map: recently removed keys and extra-key combinations
+        # for miss reasons; the routing index attaches its bits here.
+        self._log = PrefixLog(len(config.groups))
+        if options.enable_caching:
+            self._manager.pool.observer = self._log
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -183,6 +201,11 @@ class Pool:
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free + evictable cached ones)."""
         return self._manager.pool.get_num_free_blocks()
+
+    @property
+    def prefix_log(self) -> PrefixLog:
+        """The observer of this pool's prefix-cache map (see :mod:`residency`)."""
+        return self._log
 
     @property
     def manager(self) -> KVCacheManager:
@@ -273,6 +296,8 @@ class Pool:
                       cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
                       block_hashes=hashes)
         self._requests[request_id] = req
+        if cache_salt or lora_name is not None:
+            self._log.saw_keys(ExtraKeys(cache_salt, lora_name, lora_path))
         return self._info(req)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
@@ -324,9 +349,10 @@ class Pool:
         return self._manager.get_block_ids(request_id)
 
     # -- lookup / allocate ----------------------------------------------------------------
-    def lookup(self, request_id: str) -> PrefixHit:
+    def lookup(self, request_id: str, *, explain_misses: bool = False) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
-        references; remembered for the request's next ``allocate``."""
+        references; remembered for the request's next ``allocate``. ``explain_misses``
+        adds every group's reach and miss reason (costs probes and rehashing)."""
         req = self._get(request_id)
         if req.num_computed_tokens:
             raise FailedPrecondition(
@@ -334,7 +360,13 @@ class Pool:
                 f"tokens; only requests with nothing computed can look up", field="request_id")
         blocks, hit, boundary = self._manager.get_computed_blocks(req)
         self._pending[request_id] = (blocks, hit, self._epoch)
-        return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+        result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+        if explain_misses:
+            result.groups = self._residency(
+                req.block_hashes, req.num_tokens - 1, hit, req.all_token_ids,
+                ExtraKeys(req.cache_salt, req.lora_name, req.lora_path),
+                client_hashes=req.client_hashes, explain_misses=True).groups
+        return result
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
@@ -500,22 +532,60 @@ class Pool:
         """Hit length in tokens a request with this prompt would get now. Read-only:
         registers nothing, takes no references, changes no statistics. With only
         ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
+        return self.prefix_residency(token_ids, block_hashes=block_hashes,
+                                     cache_salt=cache_salt, lora_name=lora_name,
+                                     lora_path=lora_path, groups=False).hit_tokens
+
+    def peek_input(self, token_ids: Sequence[int] | None, block_hashes: Sequence[bytes] | None,
+                   keys: ExtraKeys) -> tuple[list[bytes], int, list[int] | None]:
+        """(hashes at this pool's recipe, hit cap in tokens, checked tokens or None) of a
+        peek; validates everything (the hit cap is the hashed length without tokens)."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
-        self._check_extra_keys(cache_salt, lora_name, lora_path)
+        self._check_extra_keys(keys.cache_salt, keys.lora_name, keys.lora_path)
         tokens = None if token_ids is None else self._check_tokens(token_ids)
         hashes = None if block_hashes is None else self._check_hashes(
             block_hashes, None if tokens is None else len(tokens))
         if self._hash_fn is None:
-            return 0
+            return [], 0, tokens
         if hashes is None:
             assert tokens is not None
             hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                         lora_name=lora_name, lora_path=lora_path,
-                                         cache_salt=cache_salt)
+                                         lora_name=keys.lora_name, lora_path=keys.lora_path,
+                                         cache_salt=keys.cache_salt)
         max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
+        return hashes, max_len, tokens
+
+    def prefix_residency(self, token_ids: Sequence[int] | None = None, *,
+                         block_hashes: Sequence[bytes] | None = None,
+                         cache_salt: str | None = None, lora_name: str | None = None,
+                         lora_path: str | None = None, groups: bool = True,
+                         explain_misses: bool = False) -> Residency:
+        """:meth:`peek_prefix` with every group's reach (``groups``) and miss reason
+        (``explain_misses``), probing this pool. Tokens and client hashes may be given
+        together: then the hashes are looked up and checked against the pool's recipe."""
+        keys = ExtraKeys(cache_salt, lora_name, lora_path)
+        hashes, max_len, tokens = self.peek_input(token_ids, block_hashes, keys)
+        if self._hash_fn is None:
+            return Residency(0, group_residency(self._manager.coordinator.managers, (), 0,
+                                                self._manager.pool) if groups else [])
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
-        return hit
+        if not groups and not explain_misses:
+            return Residency(hit, [])
+        return self._residency(hashes, max_len, hit, tokens, keys,
+                               client_hashes=block_hashes is not None,
+                               explain_misses=explain_misses)
+
+    def _residency(self, hashes: Sequence[bytes], max_len: int, hit: int,
+                   tokens: Sequence[int] | None, keys: ExtraKeys, *, client_hashes: bool,
+                   explain_misses: bool) -> Residency:
+        managers = self._manager.coordinator.managers
+        block_pool = self._manager.pool
+        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool))
+        if explain_misses and self._hash_fn is not None:
+            explain(result, ExplainContext(managers, block_pool, self._log, self._hash_fn,
+                                           hashes, max_len, keys, tokens, client_hashes))
+        return result
 
     def stats(self) -> PoolCounters:
         pool = self._manager.pool
@@ -528,10 +598,26 @@ class Pool:
             preempted_prefix_requests=s.preempted_requests, evictions=pool.num_evictions,
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
-            num_cached_blocks_per_group=pool.num_cached_keys_per_group())
+            num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
+            miss_reasons=dict(self._log.misses))
 
     def take_events(self) -> list[KVEvent]:
         return self._manager.take_events()
+
+    def prefix_snapshot(self) -> list[list[bytes]]:
+        """Every cached block's hash, per group: a hash appears once per block cached
+        under it (what the BlockStored / BlockRemoved events add up to)."""
+        block_pool = self._manager.pool
+        out = []
+        for gid in range(self.num_groups):
+            hashes = []
+            for h, entry in block_pool.group_map(gid).items():
+                if type(entry) is dict:
+                    hashes.extend([h] * len(entry))
+                else:
+                    hashes.append(h)
+            out.append(hashes)
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while blocks are in use."""

@@ -90,6 +90,11 @@ class CacheServiceStub:
                 request_serializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.FromString,
                 _registered_method=True)
+        self.GetPrefixSnapshot = channel.unary_unary(
+                '/kvcache.v1.CacheService/GetPrefixSnapshot',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -193,6 +198,16 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPrefixSnapshot(self, request, context):
+        """A consistent snapshot of the prefixes a pool holds (every cached block's hash, per
+        group) and the sequence number of the last KV event it includes: a router that
+        starts (or lost its stream) loads it, then calls SubscribeEvents with
+        from_sequence = sequence + 1 and misses no event and sees none twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +265,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.SerializeToString,
+            ),
+            'GetPrefixSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPrefixSnapshot,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -550,6 +570,33 @@ class CacheService:
             '/kvcache.v1.CacheService/SubscribeEvents',
             kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsRequest.SerializeToString,
             kvcache_dot_v1_dot_cache__service__pb2.SubscribeEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPrefixSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/GetPrefixSnapshot',
+            kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
