@@ -169,7 +169,10 @@ class PrefixIndex:
         keep = ~member.mask
         for gid in range(len(member.managers)):
             for h in block_pool.group_map(gid):
-                left = m[h] & keep
+                held = m.get(h)
+                if held is None:  # another group of this pool held it too: gone already
+                    continue
+                left = held & keep
                 if left:
                     m[h] = left
                 else:
