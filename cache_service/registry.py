@@ -125,6 +125,8 @@ class PoolRegistry:
         self._event_buffer = event_buffer
         #: Every pool's cached prefixes in one map (PeekPrefix answers from it).
         self.index = PrefixIndex()
+        #: Bumped by every registration and deletion (lets callers cache lookups by id).
+        self.version = 0
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
@@ -139,6 +141,7 @@ class PoolRegistry:
         entry = PoolEntry(pool_id, desc, build_pool(desc), EventFeed(self._event_buffer))
         self._pools[pool_id] = entry
         self.index.attach(pool_id, entry.pool, namespace_of(entry.pool))
+        self.version += 1
         return entry, True
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
@@ -153,6 +156,7 @@ class PoolRegistry:
         entry = self.get(pool_id)
         del self._pools[pool_id]
         self.index.detach(pool_id)
+        self.version += 1
         entry.feed.close()
         return len(entry.pool.request_ids())
 

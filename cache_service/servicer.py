@@ -299,6 +299,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.max_ops_per_step = max_ops_per_step
         self.draining = False
         self._tables: dict[str, BlockTableCache] = {}  # by pool id
+        # pool id -> (its last PeekPrefix answer, that answer's serialized hits entry)
+        self._peek_fragments: dict[str, tuple[Any, bytes]] = {}
+        # pool id list -> (registry version, what PeekPrefix derives from the list)
+        self._peek_plans: dict[tuple[str, ...], tuple[int, tuple]] = {}
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -335,6 +339,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         def run() -> pb.DeletePoolResponse:
             dropped = self.registry.delete(request.pool_id)
             self._tables.pop(request.pool_id, None)
+            self._peek_fragments.pop(request.pool_id, None)
             return pb.DeletePoolResponse(num_requests_dropped=dropped)
         return await self._unary(context, run)
 
@@ -466,47 +471,75 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             raise InvalidArgument("give token_ids or block_hashes (exactly one; both only "
                                   "with explain)", field="token_ids")
         check_lora(request.lora_name, request.lora_path)
-        entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
-                   for i, pid in enumerate(request.pool_ids)]
-        if tokens:
-            lo, hi = min(tokens), max(tokens)
-            for entry in entries:
-                limit = entry.pool.options.vocab_size or TOKEN_LIMIT
-                if lo < 0 or hi >= limit:
-                    _check_tokens(tokens, limit, "token_ids")
-        if hashes:
-            for j, h in enumerate(hashes):
-                if len(h) != HASH_LEN:
-                    raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
-                                          field=f"block_hashes[{j}]")
-            for i, entry in enumerate(entries):
-                if entry.pool.options.hash_algo != "sha256_cbor":
-                    raise InvalidArgument(
-                        f"pool {entry.pool_id!r} does not use sha256_cbor hashes",
-                        field=f"pool_ids[{i}]")
-        keys = ExtraKeys(request.cache_salt or None,
-                         request.lora_name or None, request.lora_path or None)
+        pool_ids = tuple(request.pool_ids)
+        plan = self._peek_plan(pool_ids)
+        entries, min_vocab, first_non_cbor, first_pool = plan
         token_list = list(tokens) if tokens else None
         hash_list = list(hashes) if hashes else None
+        if token_list and (min(token_list) < 0 or max(token_list) >= min_vocab):
+            for entry in entries:  # name the offending token against each pool's vocab
+                _check_tokens(token_list, entry.pool.options.vocab_size or TOKEN_LIMIT,
+                              "token_ids")
+        if hash_list:
+            if set(map(len, hash_list)) != {HASH_LEN}:
+                j = next(j for j, h in enumerate(hash_list) if len(h) != HASH_LEN)
+                raise InvalidArgument(f"a block hash is {HASH_LEN} bytes",
+                                      field=f"block_hashes[{j}]")
+            if first_non_cbor is not None:
+                raise InvalidArgument(
+                    f"pool {pool_ids[first_non_cbor]!r} does not use sha256_cbor hashes",
+                    field=f"pool_ids[{first_non_cbor}]")
+        keys = ExtraKeys(request.cache_salt or None,
+                         request.lora_name or None, request.lora_path or None)
         if request.explain:
             answers = [entry.pool.prefix_residency(
                 token_list, block_hashes=hash_list, cache_salt=keys.cache_salt,
                 lora_name=keys.lora_name, lora_path=keys.lora_path, explain_misses=True)
                 for entry in entries]
         else:
-            first = {}
-            for entry in entries:
-                first.setdefault(self.registry.index.namespace(entry.pool_id), entry.pool)
-
             def query(namespace: Namespace) -> tuple[list[bytes], int]:
-                hashed, max_len, _ = first[namespace].peek_input(token_list, hash_list, keys)
+                hashed, max_len, _ = first_pool[namespace].peek_input(token_list, hash_list,
+                                                                      keys)
                 return hashed, max_len
-            answers = self.registry.index.peek(list(request.pool_ids), query)
-        response = pb.PeekPrefixResponse()
+            answers = self.registry.index.peek(pool_ids, query)
+        # Each pool's entry is kept serialized while its answer is the same object (the
+        # index hands out an unchanged answer again): building ~6 fields per pool costs
+        # more than the index lookup itself in a many-pool answer.
+        cache = self._peek_fragments
+        parts = []
         for entry, answer in zip(entries, answers):
-            hit = response.hits.add(pool_id=entry.pool_id, hit_tokens=answer.hit_tokens)
-            convert.write_residency(hit.groups, answer.groups)
-        return response
+            cached = cache.get(entry.pool_id)
+            if cached is None or cached[0] is not answer:
+                one = pb.PeekPrefixResponse()
+                hit = one.hits.add(pool_id=entry.pool_id, hit_tokens=answer.hit_tokens)
+                convert.write_residency(hit.groups, answer.groups)
+                cached = (answer, one.SerializeToString())
+                if not request.explain:
+                    cache[entry.pool_id] = cached
+            parts.append(cached[1])
+        return pb.PeekPrefixResponse.FromString(b"".join(parts))
+
+    def _peek_plan(self, pool_ids: tuple[str, ...]) -> tuple:
+        """(entries, smallest token limit, index of the first pool without sha256_cbor
+        hashes or None, first pool per namespace) of a pool list; kept until a pool is
+        registered or deleted (routers ask about the same pools again and again)."""
+        version = self.registry.version
+        cached = self._peek_plans.get(pool_ids)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        entries = [self.registry.get(pid, field=f"pool_ids[{i}]")
+                   for i, pid in enumerate(pool_ids)]
+        min_vocab = min(e.pool.options.vocab_size or TOKEN_LIMIT for e in entries)
+        first_non_cbor = next((i for i, e in enumerate(entries)
+                               if e.pool.options.hash_algo != "sha256_cbor"), None)
+        first_pool: dict[Namespace, Any] = {}
+        for entry in entries:
+            first_pool.setdefault(self.registry.index.namespace(entry.pool_id), entry.pool)
+        plan = (entries, min_vocab, first_non_cbor, first_pool)
+        if len(self._peek_plans) >= 64:
+            self._peek_plans.clear()
+        self._peek_plans[pool_ids] = (version, plan)
+        return plan
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:

@@ -250,6 +250,8 @@ class Pool:
                 f"expected {num_tokens // self._hbs} block hashes ({num_tokens} tokens, hash "
                 f"block size {self._hbs}), got {len(hashes)}", field="block_hashes")
         size = self._digest_size
+        if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {size}:
+            return hashes  # the usual case, checked at C speed (long prompts' lookups)
         for i, h in enumerate(hashes):
             if not isinstance(h, (bytes, bytearray)) or len(h) != size:
                 raise InvalidArgument(f"block_hashes[{i}] must be {size} bytes",

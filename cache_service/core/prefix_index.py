@@ -37,8 +37,9 @@ from cache_service.core.single_type_managers import (
     FullAttentionManager,
     MambaManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
 )
-from cache_service.core.specs import cdiv
+from cache_service.core.specs import FullAttentionSpec, cdiv
 
 if TYPE_CHECKING:
     from cache_service.core.pool import Pool
@@ -52,6 +53,7 @@ def namespace_of(pool: Pool, tenant: str = "") -> Namespace:
     return (tenant, pool.options.hash_algo, pool.hash_block_size)
 
 
+_FULL = FullAttentionSpec.kind
 _PRESENT = KVCacheBlock(-1)  # what the mask view answers for a held key
 _NULL = KVCacheBlock(0)
 _NULL.is_null = True
@@ -104,11 +106,12 @@ class _Member:
     namespace: Namespace
     slots: list[int]
     managers: tuple[SingleTypeKVCacheManager, ...]
+    caching: bool
     mask: int = 0  # all its slots
-
-    @property
-    def caching(self) -> bool:
-        return self.pool.options.enable_caching
+    #: The block size when the pool is one full-attention group (the common, fast case).
+    full_only: int = 0
+    #: Its last answer, handed out again while equal (callers may cache by identity).
+    last: Residency | None = None
 
 
 @dataclass
@@ -132,13 +135,18 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._spaces: dict[Namespace, _Space] = {}
         self._members: dict[str, _Member] = {}
+        self._plans: dict[tuple[str, ...], list[tuple]] = {}
 
     def attach(self, key: str, pool: Pool, namespace: Namespace) -> None:
         """Adds a pool, indexing every key it already holds."""
         if key in self._members:
             raise AlreadyExists(f"pool {key!r} is already indexed", field="pool_id")
         managers = pool.manager.coordinator.managers
-        member = _Member(pool, namespace, [], managers)
+        self._plans.clear()
+        member = _Member(pool, namespace, [], managers, pool.options.enable_caching)
+        if isinstance(pool.manager.coordinator, UnitaryCoordinator) and \
+                type(managers[0]) is FullAttentionManager:
+            member.full_only = managers[0].block_size
         self._members[key] = member
         if not member.caching:
             return
@@ -160,6 +168,7 @@ class PrefixIndex:
         member = self._members.pop(key, None)
         if member is None:
             raise NotFound(f"pool {key!r} is not indexed", field="pool_id")
+        self._plans.clear()
         if not member.caching:
             return
         space = self._spaces[member.namespace]
@@ -198,79 +207,96 @@ class PrefixIndex:
 
     def peek(self, keys: Sequence[str],
              query: Callable[[Namespace], tuple[Sequence[bytes], int]]) -> list[Residency]:
-        """Every pool's hit and group reaches for one prompt. ``query(namespace)`` gives
+        """Every pool's hit and group reaches for one prompt (do not modify them: an equal
+        answer may be the same object as last time). ``query(namespace)`` gives
         the prompt's hashes at that namespace's recipe and the hit cap in tokens (called
         once per namespace). Unknown keys raise NotFound naming ``pool_ids[i]``."""
-        members = []
+        out: list[Residency | None] = [None] * len(keys)
+        for namespace, idx, members, full_masks, other_mask in self._plan(keys):
+            hashes, max_len = query(namespace)
+            get = self._spaces[namespace].map.get
+            masks = [get(h, 0) for h in hashes]
+            lookup = _Lookup(masks, namespace[2], max_len, full_masks, other_mask)
+            runs = lookup.runs
+            for i, member in zip(idx, members):
+                bs = member.full_only
+                if bs:
+                    reach = min(runs[member.slots[0]], max_len // bs) * bs if max_len > 0 else 0
+                    res = member.last
+                    if res is None or res.hit_tokens != reach:
+                        res = member.last = Residency(reach, [GroupResidency(0, _FULL, bs,
+                                                                             reach)])
+                    out[i] = res
+                else:
+                    out[i] = lookup.answer(member)
+        for i, res in enumerate(out):
+            if res is None:  # caching off: nothing is ever held
+                out[i] = Residency(0, [GroupResidency(m.group_id, m.spec.kind, m.block_size, 0)
+                                       for m in self._members[keys[i]].managers])
+        return out  # type: ignore[return-value]
+
+    def _plan(self, keys: Sequence[str]) -> list[tuple]:
+        """Per namespace: (namespace, positions in ``keys``, members, full-attention slot
+        masks by block-size ratio, mask of the other slots). Kept per key list until a
+        pool is attached or detached: routers ask about the same pools again and again."""
+        cache_key = tuple(keys)
+        plan = self._plans.get(cache_key)
+        if plan is not None:
+            return plan
+        by_space: dict[Namespace, list[int]] = {}
         for i, key in enumerate(keys):
             member = self._members.get(key)
             if member is None:
                 raise NotFound(f"pool {key!r} is not indexed", field=f"pool_ids[{i}]")
-            members.append(member)
-        by_space: dict[Namespace, list[int]] = {}
-        for i, member in enumerate(members):
             if member.caching:
                 by_space.setdefault(member.namespace, []).append(i)
-        out: list[Residency | None] = [None] * len(members)
+        plan = []
         for namespace, idx in by_space.items():
-            hashes, max_len = query(namespace)
-            for i, res in zip(idx, self._peek_space(namespace, [members[i] for i in idx],
-                                                    hashes, max_len)):
-                out[i] = res
-        for i, member in enumerate(members):
-            if out[i] is None:  # caching off: nothing is ever held
-                out[i] = Residency(0, [GroupResidency(m.group_id, m.spec.kind, m.block_size, 0)
-                                       for m in member.managers])
-        return out  # type: ignore[return-value]
-
-    def _peek_space(self, namespace: Namespace, members: list[_Member],
-                    hashes: Sequence[bytes], max_len: int) -> list[Residency]:
-        space = self._spaces[namespace]
-        get = space.map.get
-        masks = [get(h, 0) for h in hashes]
-        hbs = namespace[2]
-        runs = _full_runs(masks, members, hbs)
-        last = _last_positions(masks, members)
-        return [_answer(member, masks, hbs, max_len, runs, last) for member in members]
+            members = [self._members[keys[i]] for i in idx]
+            full_masks: dict[int, int] = {}
+            other = 0
+            for member in members:
+                for m, slot in zip(member.managers, member.slots):
+                    if type(m) is FullAttentionManager:
+                        k = m.block_size // namespace[2]
+                        full_masks[k] = full_masks.get(k, 0) | (1 << slot)
+                    else:
+                        other |= 1 << slot
+            plan.append((namespace, idx, members, full_masks, other))
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[cache_key] = plan
+        return plan
 
 
-def _full_runs(masks: list[int], members: list[_Member], hbs: int) -> dict[int, int]:
-    """Leading run (in the group's blocks) of every full-attention slot of ``members``:
-    one sweep per distinct block size, ending when no slot is left."""
-    by_k: dict[int, int] = {}
-    for member in members:
-        for m, slot in zip(member.managers, member.slots):
-            if type(m) is FullAttentionManager:
-                k = m.block_size // hbs
-                by_k[k] = by_k.get(k, 0) | (1 << slot)
+def _record(out: dict[int, int], bits: int, value: int) -> None:
+    """``out[slot] = value`` for every set bit of ``bits``."""
+    while bits:
+        low = bits & -bits
+        out[low.bit_length() - 1] = value
+        bits ^= low
+
+
+def _full_runs(masks: list[int], by_k: dict[int, int]) -> dict[int, int]:
+    """Leading run (in the group's blocks) of every full-attention slot in ``by_k``
+    (block-size ratio -> slot mask): one sweep per ratio, ending when no slot is left."""
     runs: dict[int, int] = {}
     for k, alive in by_k.items():
-        n = len(masks) // k
-        j = 0
-        while alive and j < n:
-            a = alive & masks[(j + 1) * k - 1]
+        # k == 1 (the usual case) walks the masks themselves: no index arithmetic.
+        view = masks if k == 1 else masks[k - 1::k]
+        for j, mk in enumerate(view):
+            a = alive & mk
             if a != alive:
-                gone = alive ^ a
-                while gone:
-                    low = gone & -gone
-                    runs[low.bit_length() - 1] = j
-                    gone ^= low
+                _record(runs, alive ^ a, j)
                 alive = a
-            j += 1
-        while alive:
-            low = alive & -alive
-            runs[low.bit_length() - 1] = n
-            alive ^= low
+                if not alive:
+                    break
+        _record(runs, alive, len(view))
     return runs
 
 
-def _last_positions(masks: list[int], members: list[_Member]) -> dict[int, int]:
-    """The last block position (fine) each non-full slot holds; absent = none."""
-    want = 0
-    for member in members:
-        for m, slot in zip(member.managers, member.slots):
-            if type(m) is not FullAttentionManager:
-                want |= 1 << slot
+def _last_positions(masks: list[int], want: int) -> dict[int, int]:
+    """The last block position (fine) each slot of ``want`` holds; absent = none."""
     last: dict[int, int] = {}
     if not want:
         return last
@@ -284,69 +310,110 @@ def _last_positions(masks: list[int], members: list[_Member]) -> dict[int, int]:
         new = masks[i] & want & ~seen
         if new:
             seen |= new
-            while new:
-                low = new & -new
-                last[low.bit_length() - 1] = i
-                new ^= low
+            _record(last, new, i)
         i -= 1
     return last
 
 
-def _answer(member: _Member, masks: list[int], hbs: int, max_len: int, runs: dict[int, int],
-            last: dict[int, int]) -> Residency:
-    """One pool's hit and group reaches from the masks (the pool's own rules)."""
-    managers = member.managers
-    slots = member.slots
-    view = _MaskView(masks, slots, hbs)
-    positions = range(len(masks))
+class _Lookup:
+    """The masks of one prompt in one namespace, and what is derived from them once for
+    every pool: full-attention runs, the last block each other slot holds, window ANDs."""
 
-    def capped(gid: int, cap: int) -> int:
+    def __init__(self, masks: list[int], hbs: int, max_len: int, full_masks: dict[int, int],
+                 other_mask: int) -> None:
+        self.masks = masks
+        self.hbs = hbs
+        self.max_len = max_len
+        self.runs = _full_runs(masks, full_masks)
+        self.last = _last_positions(masks, other_mask)
+        self._ands: dict[tuple[int, int, int], int] = {}
+        self._positions = range(len(masks))
+
+    def _and(self, k: int, lo: int, hi: int) -> int:
+        """AND of the masks of coarse blocks [lo, hi) at ratio k (memoized: pools that
+        hold the same prefix ask for the same window)."""
+        key = (k, lo, hi)
+        v = self._ands.get(key)
+        if v is None:
+            masks = self.masks
+            v = -1
+            for j in range(lo, hi):
+                v &= masks[(j + 1) * k - 1]
+            self._ands[key] = v
+        return v
+
+    def _capped(self, m: SingleTypeKVCacheManager, slot: int, cap: int) -> int:
         """``cap`` lowered to the end of the last block the slot holds: nothing above it
         can change a right-to-left search (not for chunked local: its start depends on
         the cap)."""
-        m = managers[gid]
         if type(m) is ChunkedLocalAttentionManager:
             return cap
-        pos = last.get(slots[gid])
-        end = 0 if pos is None else (pos + 1) // (m.block_size // hbs) * m.block_size
-        return min(cap, end)
+        pos = self.last.get(slot)
+        end = 0 if pos is None else (pos + 1) // (m.block_size // self.hbs) * m.block_size
+        return cap if cap < end else end
 
-    def find(gids: Sequence[int], cap: int, alignment: int) -> int:
+    def find(self, member: _Member, gids: Sequence[int], cap: int, alignment: int) -> int:
+        """The joint hit of groups ``gids`` (one spec) with this cap and alignment: what
+        their manager's ``find_longest_cache_hit`` answers on the pool itself."""
+        managers, slots = member.managers, member.slots
         m = managers[gids[0]]
-        if type(m) is FullAttentionManager:
-            bs = m.block_size
-            n = min(cap // bs, len(masks) // (bs // hbs))
-            run = min(min(runs[slots[g]] for g in gids), n) * bs
+        cls = type(m)
+        bs = m.block_size
+        k = bs // self.hbs
+        if cls is FullAttentionManager:
+            n = min(cap // bs, len(self.masks) // k)
+            run = min(min(self.runs[slots[g]] for g in gids), n) * bs
             return run - run % alignment
-        if type(m) is CrossAttentionManager or cap <= 0:
+        if cls is CrossAttentionManager or cap <= 0:
             return 0
-        cap = min(capped(g, cap) for g in gids)
-        if cap <= 0 and type(m) is not ChunkedLocalAttentionManager:
+        cap = min(self._capped(m, slots[g], cap) for g in gids)
+        if cap <= 0 and cls is not ChunkedLocalAttentionManager:
             return 0
-        _, n = type(m).find_longest_cache_hit(positions, cap, gids, view, m.spec, alignment)
-        return n
+        n = cap // bs
+        aligned = bs == alignment or (n * bs) % alignment == 0
+        if aligned and n > 0:
+            # Fast paths: the blocks right below the cap are held (the common case), so
+            # the right-to-left search stops at once.
+            bits = 0
+            for g in gids:
+                bits |= 1 << slots[g]
+            if cls is MambaManager and self.masks[n * k - 1] & bits == bits:
+                return n * bs
+            if cls is SlidingWindowManager:
+                need = cdiv(m.spec.sliding_window - 1, bs)
+                if need >= 1 and self._and(k, max(0, n - need), n) & bits == bits:
+                    return n * bs
+        view = _MaskView(self.masks, slots, self.hbs)
+        _, hit = cls.find_longest_cache_hit(self._positions, cap, gids, view, m.spec, alignment)
+        return hit
 
-    groups = []
-    for gid, m in enumerate(managers):
-        reach = find([gid], max_len, m.block_size) if max_len > 0 else 0
-        checkpoints: list[int] = []
-        if type(m) is MambaManager and slots[gid] in last:
-            bs = m.block_size
-            k = bs // hbs
-            top = min(max_len // bs, len(masks) // k, cdiv(last[slots[gid]] + 1, k))
-            bit = slots[gid]
-            checkpoints = [(i + 1) * bs for i in range(top) if masks[(i + 1) * k - 1] >> bit & 1]
-        groups.append(GroupResidency(gid, m.spec.kind, m.block_size, reach, checkpoints))
-    coordinator = member.pool.manager.coordinator
-    if max_len <= 0:
-        hit = 0
-    elif isinstance(coordinator, UnitaryCoordinator):
-        hit = groups[0].tokens  # one group: its alignment is its block size
-    elif isinstance(coordinator, HybridCoordinator):
-        hit = _hybrid_hit(coordinator, find, max_len)
-    else:
-        hit = 0
-    return Residency(hit, groups)
+    def answer(self, member: _Member) -> Residency:
+        """One pool's hit and group reaches (the pool's own rules)."""
+        max_len = self.max_len
+        groups = []
+        for gid, m in enumerate(member.managers):
+            reach = self.find(member, [gid], max_len, m.block_size) if max_len > 0 else 0
+            checkpoints: list[int] = []
+            slot = member.slots[gid]
+            if type(m) is MambaManager and slot in self.last:
+                bs = m.block_size
+                k = bs // self.hbs
+                top = min(max_len // bs, len(self.masks) // k, cdiv(self.last[slot] + 1, k))
+                masks = self.masks
+                checkpoints = [(i + 1) * bs for i in range(top)
+                               if masks[(i + 1) * k - 1] >> slot & 1]
+            groups.append(GroupResidency(gid, m.spec.kind, m.block_size, reach, checkpoints))
+        coordinator = member.pool.manager.coordinator
+        if max_len <= 0:
+            hit = 0
+        elif isinstance(coordinator, UnitaryCoordinator):
+            hit = groups[0].tokens  # one group: its alignment is its block size
+        elif isinstance(coordinator, HybridCoordinator):
+            hit = _hybrid_hit(coordinator, lambda gids, cap, alignment:
+                              self.find(member, gids, cap, alignment), max_len)
+        else:
+            hit = 0
+        return Residency(hit, groups)
 
 
 def _hybrid_hit(coordinator: HybridCoordinator, find: Callable[[Sequence[int], int, int], int],

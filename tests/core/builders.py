@@ -63,10 +63,12 @@ def dummy_request(request_id: str = "r", hashes: Sequence[bytes] = ()) -> Reques
 
 
 def place_cached(pool: BlockPool, pattern: Sequence[bool], group_ids: Sequence[int] = (0,),
-                 *, block_size: int = 1) -> list[bytes]:
-    """Cache a free block under ``fake_hash(i)`` for each ``i`` with ``pattern[i]`` true,
-    in every group of ``group_ids``; returns the hash list (one per position)."""
-    hashes = [fake_hash(i) for i in range(len(pattern))]
+                 *, block_size: int = 1, hashes: Sequence[bytes] | None = None) -> list[bytes]:
+    """Cache a free block under ``hashes[i]`` (default ``fake_hash(i)``) for each ``i``
+    with ``pattern[i]`` true, in every group of ``group_ids``; returns the hash list (one
+    per position)."""
+    if hashes is None:
+        hashes = [fake_hash(i) for i in range(len(pattern))]
     req = dummy_request(hashes=hashes)
     for gid in group_ids:
         for i, cached in enumerate(pattern):

@@ -10,8 +10,8 @@ share prefixes with the load, and the index's hash map with one rebuilt from the
 
 from __future__ import annotations
 
-from builders import chunked, config, full, mamba, swa
-from hypothesis import HealthCheck, settings
+from builders import chunked, config, fake_hash, full, mamba, place_cached, swa
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -190,3 +190,37 @@ def test_namespaces_keep_recipes_apart() -> None:
         pool.add_request("r", tokens)
         assert pool.allocate("r", len(tokens)).ok
     assert [index.num_keys(index.namespace(k)) for k in "abc"] == [4, 4, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), layouts=st.lists(st.sampled_from(sorted(LAYOUTS)), min_size=1,
+                                        max_size=4))
+def test_index_matches_pools_on_arbitrary_cached_patterns(data, layouts) -> None:
+    """Any set of cached blocks per group (not only what a load produces: holes, states
+    past the full run, windows cut anywhere) gets the pools' own answers."""
+    index = PrefixIndex()
+    pools = {}
+    fine = [fake_hash(i) for i in range(24)]  # at the namespace's hash block size (4)
+    for n, layout in enumerate(layouts):
+        if layout == "full8":
+            continue  # another namespace: covered by the stateful test
+        pool = Pool(config(128, *LAYOUTS[layout]), PoolOptions(max_model_len=MAX_LEN))
+        block_pool = pool.manager.pool
+        for gid, manager in enumerate(pool.manager.coordinator.managers):
+            k = manager.block_size // 4
+            held = data.draw(st.lists(st.booleans(), min_size=24 // k, max_size=24 // k))
+            place_cached(block_pool, held, [gid], block_size=manager.block_size,
+                         hashes=[fine[(j + 1) * k - 1] for j in range(24 // k)])
+        pools[f"p{n}"] = pool
+        index.attach(f"p{n}", pool, namespace_of(pool))
+    if not pools:
+        return
+    cut = data.draw(st.integers(1, 24))
+    hashes = fine[:cut]
+    got = [(r.hit_tokens, [(g.tokens, g.checkpoints) for g in r.groups])
+           for r in index.peek(list(pools), lambda ns: (hashes, cut * 4))]
+    want = []
+    for pool in pools.values():
+        r = pool.prefix_residency(block_hashes=hashes)
+        want.append((r.hit_tokens, [(g.tokens, g.checkpoints) for g in r.groups]))
+    assert got == want

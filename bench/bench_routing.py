@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Routing-view benchmark: PeekPrefix over 1, 16 and 256 pools, and the cost of miss
+reasons on the Step hot path.
+
+PeekPrefix. A fleet of N pools (N = 1, 16, 256) of one model, sha256_cbor hashes, block
+size 16, 4,096 blocks each, filled like a serving fleet: every pool holds a shared 128-block
+system prompt and two of its own 256-block conversations; pool 0 holds the first 1,600
+blocks of the asked conversation and every 8th pool its first 600 (a shared document). The
+prompt has 2,000 blocks (32,001 tokens). Timed server-side, in this process:
+``CacheServicer.peek_prefix`` on the serialized request (parse, validate, answer, serialize
+the response), with the client's block hashes (the router's path: no hashing on the server)
+and with token ids (the server hashes the prompt once per namespace). ``per-pool loop`` is
+what PeekPrefix did before the index: each pool's own lookup, one after the other. Two
+models: ``full`` (one full-attention group) and ``hybrid`` (full + sliding window 1,024).
+
+Step hot path. One pool (full + sliding window), 64 running requests decoding and 4 new
+512-token requests admitted per step (add, lookup, allocate; the 4 oldest freed), small
+enough that admissions evict. The same steps three ways, interleaved: ``no observer`` (the
+pool's prefix-cache map followed by nobody: no index, no eviction record: the cost before
+this feature), ``explain off`` (the default), ``explain on`` (every lookup op explains).
+
+    python3 bench/bench_routing.py            # about a minute
+    python3 bench/bench_routing.py --quick    # fewer samples, no hybrid 256
+
+Prints tables and writes bench/results/routing.json (with the ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import print_table, ratio, summarize_ns, write_results  # noqa: E402
+
+from cache_service import convert  # noqa: E402
+from cache_service.client import StepBuilder, layers, register_request  # noqa: E402
+from cache_service.core.hashing import hash_request_tokens, sha256_cbor  # noqa: E402
+from cache_service.registry import PoolRegistry  # noqa: E402
+from cache_service.servicer import CacheServicer  # noqa: E402
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb  # noqa: E402
+
+BS = 16
+PROMPT_BLOCKS = 2000
+SYSTEM_BLOCKS = 128
+OWN_BLOCKS = 256
+POOL_BLOCKS = 8192
+MAX_MODEL_LEN = 33000
+
+
+def model(kind: str) -> list:
+    full = [layers.full_attention("full", block_size=BS, num_kv_heads=8, head_size=128)]
+    if kind == "full":
+        return full
+    return full + [layers.sliding_window("swa", block_size=BS, num_kv_heads=8,
+                                         head_size=128, sliding_window=1024)]
+
+
+def tokens(rng: random.Random, n_blocks: int) -> list[int]:
+    return [rng.randrange(32000) for _ in range(n_blocks * BS)]
+
+
+class Fleet:
+    """N pools in one registry, filled through the pools (as admissions would)."""
+
+    def __init__(self, n: int, kind: str, seed: int = 1) -> None:
+        rng = random.Random(seed)
+        self.registry = PoolRegistry()
+        self.servicer = CacheServicer(self.registry)
+        system = tokens(rng, SYSTEM_BLOCKS)
+        self.prompt = system + tokens(rng, PROMPT_BLOCKS - SYSTEM_BLOCKS) + [1]
+        self.hashes = hash_request_tokens(sha256_cbor, self.prompt, BS)
+        self.pool_ids = [f"{kind}-{i}" for i in range(n)]
+        for i, pool_id in enumerate(self.pool_ids):
+            entry, _ = self.registry.register(pool_id, convert.description_from_proto(
+                register_request(pool_id, model(kind), num_blocks=POOL_BLOCKS,
+                                 max_model_len=MAX_MODEL_LEN, hash_algo="sha256_cbor")))
+            served = [system + tokens(rng, OWN_BLOCKS) + [2] for _ in range(2)]
+            if i == 0:
+                served.append(self.prompt[:1600 * BS] + [3])
+            elif i % 8 == 0:
+                served.append(self.prompt[:600 * BS] + [3])
+            for j, t in enumerate(served):
+                self._serve(entry.pool, f"c{j}", t)
+
+    @staticmethod
+    def _serve(pool, rid: str, toks: list[int]) -> None:
+        # Client hashes: the fill costs one hashing per conversation, not per pool.
+        pool.add_request(rid, toks, block_hashes=hash_request_tokens(sha256_cbor, toks, BS))
+        hit = pool.lookup(rid).hit_tokens
+        assert pool.allocate(rid, len(toks) - hit).ok
+        pool.free(rid)
+
+    def request(self, *, by_hashes: bool) -> bytes:
+        if by_hashes:
+            req = pb.PeekPrefixRequest(pool_ids=self.pool_ids, block_hashes=self.hashes)
+        else:
+            req = pb.PeekPrefixRequest(pool_ids=self.pool_ids, token_ids=self.prompt)
+        return req.SerializeToString()
+
+    def time_peek(self, data: bytes, samples: int) -> list[int]:
+        out = []
+        peek = self.servicer.peek_prefix
+        for _ in range(samples + 3):
+            t0 = time.perf_counter_ns()
+            peek(pb.PeekPrefixRequest.FromString(data)).SerializeToString()
+            out.append(time.perf_counter_ns() - t0)
+        return out[3:]
+
+    def time_loop(self, samples: int) -> list[int]:
+        """Each pool's own lookup in turn (the PeekPrefix of before the index)."""
+        pools = [self.registry.get(p).pool for p in self.pool_ids]
+        out = []
+        for _ in range(samples):
+            t0 = time.perf_counter_ns()
+            for pool in pools:
+                pool.peek_prefix(block_hashes=self.hashes)
+            out.append(time.perf_counter_ns() - t0)
+        return out
+
+    def check(self) -> list[int]:
+        """The index's hits equal the per-pool lookups' (and are the designed ones)."""
+        resp = self.servicer.peek_prefix(pb.PeekPrefixRequest.FromString(
+            self.request(by_hashes=True)))
+        hits = [h.hit_tokens for h in resp.hits]
+        pools = [self.registry.get(p).pool for p in self.pool_ids]
+        assert hits == [p.peek_prefix(block_hashes=self.hashes) for p in pools]
+        return hits
+
+
+def bench_peek(args) -> tuple[list, dict]:
+    rows, results = [], {}
+    kinds = [("full", (1, 16, 256)), ("hybrid", (1, 16) if args.quick else (1, 16, 256))]
+    for kind, sizes in kinds:
+        for n in sizes:
+            t0 = time.perf_counter()
+            fleet = Fleet(n, kind)
+            fill_s = time.perf_counter() - t0
+            hits = fleet.check()
+            by_hash = summarize_ns(fleet.time_peek(fleet.request(by_hashes=True), args.samples))
+            by_tok = summarize_ns(fleet.time_peek(fleet.request(by_hashes=False),
+                                                  max(5, args.samples // 10)))
+            loop = summarize_ns(fleet.time_loop(max(3, args.samples // (10 if n > 16 else 2))))
+            key = f"{kind}_{n}"
+            results[key] = {"pools": n, "hits_tokens_max": max(hits),
+                            "pools_with_hit": sum(h > 0 for h in hits), "fill_s": round(fill_s, 1),
+                            "hashes": by_hash, "tokens": by_tok, "per_pool_loop": loop}
+            rows.append([f"{kind}, {n} pools", by_hash["p50_us"], by_hash["p99_us"],
+                         tok_p50 := by_tok["p50_us"], by_tok["p99_us"], loop["p50_us"],
+                         ratio(loop["p50_us"], by_hash["p50_us"])])
+            del tok_p50
+    for kind in ("full", "hybrid"):
+        one, many = results.get(f"{kind}_1"), results.get(f"{kind}_256")
+        if one and many:
+            results[f"{kind}_ratio_256_over_1"] = {
+                "hashes_p50": round(many["hashes"]["p50_us"] / one["hashes"]["p50_us"], 2),
+                "hashes_p99": round(many["hashes"]["p99_us"] / one["hashes"]["p99_us"], 2),
+                "tokens_p50": round(many["tokens"]["p50_us"] / one["tokens"]["p50_us"], 2)}
+    return rows, results
+
+
+# -- Step hot path -----------------------------------------------------------------------
+
+RUNNING = 64
+ADMIT = 4
+PROMPT = 512
+
+
+class StepLoad:
+    """One pool under steady decode + admissions, its Step requests pre-serialized."""
+
+    def __init__(self, mode: str, steps: int) -> None:
+        self.mode = mode
+        self.registry = PoolRegistry()
+        self.servicer = CacheServicer(self.registry)
+        entry, _ = self.registry.register("p", convert.description_from_proto(
+            register_request("p", model("hybrid"), num_blocks=6000, max_model_len=4096)))
+        if mode == "no observer":
+            entry.pool.manager.pool.observer = None
+            self.registry.index.detach("p")
+        rng = random.Random(3)
+        shared = [tokens(rng, 16) for _ in range(4)]  # 4 system prompts of 256 tokens
+        self.requests = []
+        live: list[str] = []
+        first = StepBuilder("p", begin_step=True)
+        for i in range(RUNNING):
+            rid = f"r{i}"
+            first.add(rid, rng.choice(shared) + tokens(rng, 16)).lookup(rid).allocate(rid, PROMPT)
+            live.append(rid)
+        self.servicer.step(first.request)
+        nxt = RUNNING
+        for s in range(steps):
+            batch = StepBuilder("p", begin_step=True)
+            for rid in live[:ADMIT]:
+                batch.free(rid)
+            live = live[ADMIT:]
+            batch.decode(list(live), [s % 32000] * len(live))
+            for _ in range(ADMIT):
+                rid = f"r{nxt}"
+                nxt += 1
+                batch.add(rid, rng.choice(shared) + tokens(rng, 16))
+                batch.lookup(rid, explain=mode == "explain on").allocate(rid, PROMPT)
+                live.append(rid)
+            self.requests.append(batch.request.SerializeToString())
+        self._next = 0
+
+    def step(self) -> int:
+        data = self.requests[self._next]
+        self._next += 1
+        t0 = time.perf_counter_ns()
+        resp = self.servicer.step(pb.StepRequest.FromString(data))
+        resp.SerializeToString()
+        elapsed = time.perf_counter_ns() - t0
+        assert all(r.allocate.ok for r in resp.results if r.WhichOneof("result") == "allocate")
+        return elapsed
+
+
+def bench_step(args) -> tuple[list, dict]:
+    modes = ["no observer", "explain off", "explain on"]
+    steps = args.steps
+    loads = {m: StepLoad(m, steps) for m in modes}
+    samples: dict[str, list[int]] = {m: [] for m in modes}
+    for s in range(steps):  # interleaved, so that machine noise hits every mode alike
+        for m in modes:
+            t = loads[m].step()
+            if s >= 5:
+                samples[m].append(t)
+    evictions = loads["explain off"].registry.get("p").pool.stats().evictions
+    stats = {m: summarize_ns(v) for m, v in samples.items()}
+    base = stats["no observer"]["p50_us"]
+    rows = [[m, stats[m]["p50_us"], stats[m]["p99_us"], stats[m]["mean_us"],
+             ratio(stats[m]["p50_us"], base)] for m in modes]
+    results = {"steps": steps, "running": RUNNING, "admitted_per_step": ADMIT,
+               "evictions": evictions, **{m.replace(" ", "_"): stats[m] for m in modes},
+               "explain_off_over_no_observer_p50": round(stats["explain off"]["p50_us"] / base, 3),
+               "explain_on_over_explain_off_p50": round(
+                   stats["explain on"]["p50_us"] / stats["explain off"]["p50_us"], 3)}
+    return rows, results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=200, help="PeekPrefix samples per row")
+    parser.add_argument("--steps", type=int, default=200, help="Step samples per mode")
+    parser.add_argument("--quick", action="store_true", help="fewer samples, no hybrid 256")
+    args = parser.parse_args()
+    if args.quick:
+        args.samples, args.steps = 50, 60
+    t0 = time.perf_counter()
+    peek_rows, peek = bench_peek(args)
+    print_table(f"PeekPrefix, {PROMPT_BLOCKS}-block prompt, server-side (us)",
+                ["fleet", "hashes p50", "hashes p99", "tokens p50", "tokens p99",
+                 "per-pool loop p50", "loop / index"], peek_rows)
+    for kind in ("full", "hybrid"):
+        r = peek.get(f"{kind}_ratio_256_over_1")
+        if r:
+            print(f"{kind}: 256 pools / 1 pool, hashes p50 {r['hashes_p50']}x, "
+                  f"p99 {r['hashes_p99']}x; tokens p50 {r['tokens_p50']}x")
+    step_rows, step = bench_step(args)
+    print_table(f"Step hot path ({RUNNING} decoding + {ADMIT} admitted per step), "
+                "server-side (us)", ["mode", "p50", "p99", "mean", "vs no observer"], step_rows)
+    out = write_results("routing", {"peek_prefix": peek, "step": step,
+                                    "wall_s": round(time.perf_counter() - t0, 1)})
+    print(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
