@@ -498,8 +498,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 for entry in entries]
         else:
             def query(namespace: Namespace) -> tuple[list[bytes], int]:
-                hashed, max_len, _ = first_pool[namespace].peek_input(token_list, hash_list,
-                                                                      keys)
+                if hash_list is not None:  # checked above: 32-byte hashes, cbor pools
+                    return hash_list, len(hash_list) * namespace[2]
+                hashed, max_len, _ = first_pool[namespace].peek_input(token_list, None, keys)
                 return hashed, max_len
             answers = self.registry.index.peek(pool_ids, query)
         # Each pool's entry is kept serialized while its answer is the same object (the

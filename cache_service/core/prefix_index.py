@@ -62,7 +62,7 @@ _NULL.is_null = True
 class _SlotProbe:
     """One slot's column of the masks, with the dict interface managers probe."""
 
-    __slots__ = ("_masks", "_bit")
+    __slots__ = ("_bit", "_masks")
 
     def __init__(self, masks: Sequence[int], bit: int) -> None:
         self._masks = masks
@@ -112,6 +112,8 @@ class _Member:
     full_only: int = 0
     #: Its last answer, handed out again while equal (callers may cache by identity).
     last: Residency | None = None
+    #: (is full attention, group ids) of the coordinator's spec groups, in search order.
+    spec_groups: list[tuple[bool, list[int]]] | None = None
 
 
 @dataclass
@@ -350,7 +352,7 @@ class _Lookup:
             return cap
         pos = self.last.get(slot)
         end = 0 if pos is None else (pos + 1) // (m.block_size // self.hbs) * m.block_size
-        return cap if cap < end else end
+        return min(end, cap)
 
     def find(self, member: _Member, gids: Sequence[int], cap: int, alignment: int) -> int:
         """The joint hit of groups ``gids`` (one spec) with this cap and alignment: what
@@ -409,33 +411,35 @@ class _Lookup:
         elif isinstance(coordinator, UnitaryCoordinator):
             hit = groups[0].tokens  # one group: its alignment is its block size
         elif isinstance(coordinator, HybridCoordinator):
-            hit = _hybrid_hit(coordinator, lambda gids, cap, alignment:
-                              self.find(member, gids, cap, alignment), max_len)
+            hit = self._hybrid_hit(member, coordinator)
         else:
             hit = 0
-        return Residency(hit, groups)
+        res = Residency(hit, groups)
+        if res != member.last:
+            member.last = res
+        return member.last  # type: ignore[return-value]
 
-
-def _hybrid_hit(coordinator: HybridCoordinator, find: Callable[[Sequence[int], int, int], int],
-                max_len: int) -> int:
-    """``HybridCoordinator.find_longest_cache_hit``'s fixed point over ``find``."""
-    alignment = coordinator.scheduler_block_size
-    hit_length = max_len
-    full_len: dict[int, int] = {}
-    while True:
-        curr = hit_length
-        for sg in coordinator.spec_groups:
-            first = sg.group_ids[0]
-            if sg.is_full and first in full_len:
-                if full_len[first] < curr:
-                    curr = full_len[first]
-                continue
-            curr = find(sg.group_ids, curr, alignment)
-            if sg.is_full:
-                full_len[first] = curr
-        if curr >= hit_length:
-            break
-        hit_length = curr
-        if coordinator._simple:
-            break
-    return hit_length
+    def _hybrid_hit(self, member: _Member, coordinator: HybridCoordinator) -> int:
+        """``HybridCoordinator.find_longest_cache_hit``'s fixed point over :meth:`find`."""
+        if member.spec_groups is None:
+            member.spec_groups = [(sg.is_full, sg.group_ids) for sg in coordinator.spec_groups]
+        alignment = coordinator.scheduler_block_size
+        simple = coordinator._simple
+        hit_length = self.max_len
+        full_len: dict[int, int] = {}
+        while True:
+            curr = hit_length
+            for is_full, gids in member.spec_groups:
+                first = gids[0]
+                if is_full and first in full_len:
+                    curr = min(curr, full_len[first])
+                    continue
+                curr = self.find(member, gids, curr, alignment)
+                if is_full:
+                    full_len[first] = curr
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        return hit_length

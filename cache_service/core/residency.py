@@ -108,7 +108,7 @@ class PrefixLog:
     Invariant while attached: ``index_map[h] & bits[g]`` is set iff group ``g``'s map
     holds key ``h``."""
 
-    __slots__ = ("removals", "_evicted", "_cap", "_combos", "index_map", "bits", "misses")
+    __slots__ = ("_cap", "_combos", "_evicted", "bits", "index_map", "misses", "removals")
 
     def __init__(self, num_groups: int, capacity: int = DEFAULT_EVICTION_RECORD) -> None:
         self.removals = 0  # keys removed so far: the clock of the eviction record
@@ -223,8 +223,8 @@ def _recipe_mismatch(ctx: ExplainContext) -> bool:
 
 
 def _kw(keys: ExtraKeys) -> dict:
-    return dict(cache_salt=keys.cache_salt, lora_name=keys.lora_name,
-                lora_path=keys.lora_path)
+    return {"cache_salt": keys.cache_salt, "lora_name": keys.lora_name,
+            "lora_path": keys.lora_path}
 
 
 def _held_under_other_keys(ctx: ExplainContext, manager: SingleTypeKVCacheManager,

@@ -15,7 +15,7 @@ import pytest
 from cache_service.client import CacheClient, CacheError, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import ServerProcess, start_cache_service
-from tests.service.conftest import full_layers, hybrid_layers
+from tests.service.conftest import hybrid_layers
 
 PROMPT = list(range(100, 165))  # 65 tokens: 4 blocks of 16 are cacheable
 
