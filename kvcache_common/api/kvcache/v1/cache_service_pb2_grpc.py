@@ -156,7 +156,9 @@ class CacheServiceServicer:
 
     def PeekPrefix(self, request, context):
         """Read-only prefix lookup for routers: the prefix-cache hit length of a token sequence
-        in each of several pools. Takes no references and changes nothing.
+        in each of several pools, and how much of it each KV-cache group holds; with explain,
+        why each group's hit stopped. Answered from one index across pools (its cost barely
+        grows with the number of pools). Takes no references and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
