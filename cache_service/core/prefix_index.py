@@ -214,23 +214,25 @@ class PrefixIndex:
         the prompt's hashes at that namespace's recipe and the hit cap in tokens (called
         once per namespace). Unknown keys raise NotFound naming ``pool_ids[i]``."""
         out: list[Residency | None] = [None] * len(keys)
-        for namespace, idx, members, full_masks, other_mask in self._plan(keys):
+        for namespace, full_only, others, full_masks, other_mask in self._plan(keys):
             hashes, max_len = query(namespace)
             get = self._spaces[namespace].map.get
             masks = [get(h, 0) for h in hashes]
             lookup = _Lookup(masks, namespace[2], max_len, full_masks, other_mask)
             runs = lookup.runs
-            for i, member in zip(idx, members):
-                bs = member.full_only
-                if bs:
-                    reach = min(runs[member.slots[0]], max_len // bs) * bs if max_len > 0 else 0
-                    res = member.last
-                    if res is None or res.hit_tokens != reach:
-                        res = member.last = Residency(reach, [GroupResidency(0, _FULL, bs,
-                                                                             reach)])
-                    out[i] = res
-                else:
-                    out[i] = lookup.answer(member)
+            caps: dict[int, int] = {}
+            for i, slot, bs, member in full_only:  # the hot loop of a many-pool answer
+                cap = caps.get(bs)
+                if cap is None:
+                    cap = caps[bs] = max_len // bs if max_len > 0 else 0
+                run = runs[slot]
+                reach = (run if run < cap else cap) * bs
+                res = member.last
+                if res is None or res.hit_tokens != reach:
+                    res = member.last = Residency(reach, [GroupResidency(0, _FULL, bs, reach)])
+                out[i] = res
+            for i, member in others:
+                out[i] = lookup.answer(member)
         for i, res in enumerate(out):
             if res is None:  # caching off: nothing is ever held
                 out[i] = Residency(0, [GroupResidency(m.group_id, m.spec.kind, m.block_size, 0)
@@ -238,8 +240,9 @@ class PrefixIndex:
         return out  # type: ignore[return-value]
 
     def _plan(self, keys: Sequence[str]) -> list[tuple]:
-        """Per namespace: (namespace, positions in ``keys``, members, full-attention slot
-        masks by block-size ratio, mask of the other slots). Kept per key list until a
+        """Per namespace: (namespace, (position in ``keys``, slot, block size, member) of
+        the one-full-group pools, (position, member) of the others, full-attention slot
+        masks by block-size ratio, mask of the non-full slots). Kept per key list until a
         pool is attached or detached: routers ask about the same pools again and again."""
         cache_key = tuple(keys)
         plan = self._plans.get(cache_key)
@@ -254,17 +257,22 @@ class PrefixIndex:
                 by_space.setdefault(member.namespace, []).append(i)
         plan = []
         for namespace, idx in by_space.items():
-            members = [self._members[keys[i]] for i in idx]
+            full_only, others = [], []
             full_masks: dict[int, int] = {}
             other = 0
-            for member in members:
+            for i in idx:
+                member = self._members[keys[i]]
+                if member.full_only:
+                    full_only.append((i, member.slots[0], member.full_only, member))
+                else:
+                    others.append((i, member))
                 for m, slot in zip(member.managers, member.slots):
                     if type(m) is FullAttentionManager:
                         k = m.block_size // namespace[2]
                         full_masks[k] = full_masks.get(k, 0) | (1 << slot)
                     else:
                         other |= 1 << slot
-            plan.append((namespace, idx, members, full_masks, other))
+            plan.append((namespace, full_only, others, full_masks, other))
         if len(self._plans) >= 64:
             self._plans.clear()
         self._plans[cache_key] = plan
