@@ -136,8 +136,7 @@ class PrefixLog:
                 del m[block_hash]
         self.removals += 1
         record = self._evicted[group_id]
-        if block_hash in record:
-            del record[block_hash]
+        record.pop(block_hash, None)  # re-inserted at the young end
         record[block_hash] = self.removals
         if len(record) > self._cap:
             record.popitem(last=False)

@@ -183,3 +183,24 @@ def test_snapshot_mid_load_then_resume_equals_following_from_the_start(
         assert resumed.index == from_start.index == snapshot_index(
             client.prefix_snapshot(pool_id))
         assert len(from_start.index) > 0
+
+
+def test_async_client_has_the_routing_calls(client, new_pool, server) -> None:
+    import asyncio
+
+    from cache_service.client import AsyncCacheClient
+
+    pool = new_pool()
+    serve(client, pool.pool_id, "a", PROMPT)
+
+    async def scenario():
+        async with AsyncCacheClient(server.target) as aclient:
+            view = await aclient.routing_view([pool.pool_id], PROMPT, explain=True)
+            snap = await aclient.prefix_snapshot(pool.pool_id)
+        return view, snap
+
+    view, snap = asyncio.run(scenario())
+    assert [(g.tokens, g.miss_reason) for g in view.hits[0].groups] == \
+        [(64, pb.MISS_REASON_NONE)]
+    assert sum(len(g.block_hashes) for g in snap.groups) == 4
+    assert snap.sequence == client.stats(pool.pool_id).last_event_sequence
