@@ -76,23 +76,30 @@ class Fleet:
         system = tokens(rng, SYSTEM_BLOCKS)
         self.prompt = system + tokens(rng, PROMPT_BLOCKS - SYSTEM_BLOCKS) + [1]
         self.hashes = hash_request_tokens(sha256_cbor, self.prompt, BS)
+        system_hashes = self.hashes[:SYSTEM_BLOCKS]
         self.pool_ids = [f"{kind}-{i}" for i in range(n)]
         for i, pool_id in enumerate(self.pool_ids):
             entry, _ = self.registry.register(pool_id, convert.description_from_proto(
                 register_request(pool_id, model(kind), num_blocks=POOL_BLOCKS,
                                  max_model_len=MAX_MODEL_LEN, hash_algo="sha256_cbor")))
-            served = [system + tokens(rng, OWN_BLOCKS) + [2] for _ in range(2)]
+            served = []
+            for _ in range(2):
+                toks = system + tokens(rng, OWN_BLOCKS) + [2]
+                # The system prompt is hashed once; each conversation chains from it.
+                served.append((toks, system_hashes + hash_request_tokens(
+                    sha256_cbor, toks, BS, parent=system_hashes[-1],
+                    start_block=SYSTEM_BLOCKS)))
             if i == 0:
-                served.append(self.prompt[:1600 * BS] + [3])
+                served.append((self.prompt[:1600 * BS] + [3], self.hashes[:1600]))
             elif i % 8 == 0:
-                served.append(self.prompt[:600 * BS] + [3])
-            for j, t in enumerate(served):
-                self._serve(entry.pool, f"c{j}", t)
+                served.append((self.prompt[:600 * BS] + [3], self.hashes[:600]))
+            for j, (t, h) in enumerate(served):
+                self._serve(entry.pool, f"c{j}", t, h)
 
     @staticmethod
-    def _serve(pool, rid: str, toks: list[int]) -> None:
-        # Client hashes: the fill costs one hashing per conversation, not per pool.
-        pool.add_request(rid, toks, block_hashes=hash_request_tokens(sha256_cbor, toks, BS))
+    def _serve(pool, rid: str, toks: list[int], hashes: list[bytes]) -> None:
+        # Client hashes: the fill hashes each conversation once, not once per pool.
+        pool.add_request(rid, toks, block_hashes=hashes)
         hit = pool.lookup(rid).hit_tokens
         assert pool.allocate(rid, len(toks) - hit).ok
         pool.free(rid)
