@@ -204,3 +204,28 @@ def test_async_client_has_the_routing_calls(client, new_pool, server) -> None:
         [(64, pb.MISS_REASON_NONE)]
     assert sum(len(g.block_hashes) for g in snap.groups) == 4
     assert snap.sequence == client.stats(pool.pool_id).last_event_sequence
+
+
+def test_bad_routing_calls_name_the_field(client, new_pool) -> None:
+    pool = new_pool(hash_algo="sha256_cbor")
+    with pytest.raises(CacheError) as err:
+        client.prefix_snapshot("no-such-pool")
+    assert (err.value.code.name, err.value.field) == ("NOT_FOUND", "pool_id")
+    # With explain, tokens and hashes must agree in count (one hash per full block).
+    with pytest.raises(CacheError) as err:
+        client.routing_view([pool.pool_id], PROMPT, block_hashes=[b"x" * 32], explain=True)
+    assert (err.value.code.name, err.value.field) == ("INVALID_ARGUMENT", "block_hashes")
+    with pytest.raises(CacheError) as err:
+        client.routing_view([pool.pool_id, "no-such-pool"], PROMPT)
+    assert (err.value.code.name, err.value.field) == ("NOT_FOUND", "pool_ids[1]")
+
+
+def test_snapshot_of_a_pool_without_events(client, new_pool) -> None:
+    pool = new_pool(enable_events=False)
+    serve(client, pool.pool_id, "a", PROMPT)
+    snap = client.prefix_snapshot(pool.pool_id)
+    assert snap.sequence == 0  # no feed to resume: the snapshot alone is the state
+    assert [len(g.block_hashes) for g in snap.groups] == [4]
+    # The same pool asked twice in one PeekPrefix answers twice.
+    assert [h.hit_tokens for h in client.routing_view([pool.pool_id] * 2, PROMPT).hits] == \
+        [64, 64]
