@@ -112,8 +112,9 @@ class _Member:
     full_only: int = 0
     #: Its last answer, handed out again while equal (callers may cache by identity).
     last: Residency | None = None
-    #: (is full attention, group ids) of the coordinator's spec groups, in search order.
-    spec_groups: list[tuple[bool, list[int]]] | None = None
+    #: Its compiled lookup structure and the signature of its last answer.
+    program: _Program | None = None
+    signature: tuple | None = None
 
 
 @dataclass
@@ -226,7 +227,7 @@ class PrefixIndex:
                 if cap is None:
                     cap = caps[bs] = max_len // bs if max_len > 0 else 0
                 run = runs[slot]
-                reach = (run if run < cap else cap) * bs
+                reach = (min(cap, run)) * bs
                 res = member.last
                 if res is None or res.hit_tokens != reach:
                     res = member.last = Residency(reach, [GroupResidency(0, _FULL, bs, reach)])
@@ -325,6 +326,49 @@ def _last_positions(masks: list[int], want: int) -> dict[int, int]:
     return last
 
 
+#: (manager class, block size, block-size ratio k, slots, their bit mask, window blocks
+#: needed (sliding window, else 0), group ids, spec, slot of every group of the pool).
+_Entry = tuple
+
+
+class _Program:
+    """A pool's lookup structure, read once: one entry per group (standalone reach) and per
+    spec group of its coordinator (the hybrid fixed point), in search order."""
+
+    def __init__(self, member: _Member) -> None:
+        managers, slots = member.managers, member.slots
+        hbs = member.namespace[2]
+
+        def entry(gids: list[int], spec) -> _Entry:
+            m = managers[gids[0]]
+            cls = type(m)
+            bits = 0
+            for g in gids:
+                bits |= 1 << slots[g]
+            need = (cdiv(m.spec.sliding_window - 1, m.block_size)
+                    if cls is SlidingWindowManager else 0)
+            return (cls, m.block_size, m.block_size // hbs, [slots[g] for g in gids], bits,
+                    need, gids, spec, slots)
+
+        self.groups = [entry([g], m.spec) for g, m in enumerate(managers)]
+        self.kinds = [m.spec.kind for m in managers]
+        self.mamba = [g for g, m in enumerate(managers) if type(m) is MambaManager]
+        coordinator = member.pool.manager.coordinator
+        self.mode: str | None = None
+        self.spec_groups: list[_Entry] = []
+        self.full: list[bool] = []
+        self.simple = False
+        self.alignment = 1
+        if isinstance(coordinator, UnitaryCoordinator):
+            self.mode = "unitary"
+        elif isinstance(coordinator, HybridCoordinator):
+            self.mode = "hybrid"
+            self.spec_groups = [entry(sg.group_ids, sg.spec) for sg in coordinator.spec_groups]
+            self.full = [sg.is_full for sg in coordinator.spec_groups]
+            self.simple = coordinator._simple
+            self.alignment = coordinator.scheduler_block_size
+
+
 class _Lookup:
     """The masks of one prompt in one namespace, and what is derived from them once for
     every pool: full-attention runs, the last block each other slot holds, window ANDs."""
@@ -352,102 +396,91 @@ class _Lookup:
             self._ands[key] = v
         return v
 
-    def _capped(self, m: SingleTypeKVCacheManager, slot: int, cap: int) -> int:
-        """``cap`` lowered to the end of the last block the slot holds: nothing above it
-        can change a right-to-left search (not for chunked local: its start depends on
-        the cap)."""
-        if type(m) is ChunkedLocalAttentionManager:
-            return cap
-        pos = self.last.get(slot)
-        end = 0 if pos is None else (pos + 1) // (m.block_size // self.hbs) * m.block_size
-        return min(end, cap)
-
-    def find(self, member: _Member, gids: Sequence[int], cap: int, alignment: int) -> int:
-        """The joint hit of groups ``gids`` (one spec) with this cap and alignment: what
-        their manager's ``find_longest_cache_hit`` answers on the pool itself."""
-        managers, slots = member.managers, member.slots
-        m = managers[gids[0]]
-        cls = type(m)
-        bs = m.block_size
-        k = bs // self.hbs
+    def find(self, entry: _Entry, cap: int, alignment: int) -> int:
+        """The joint hit of one spec's groups with this cap and alignment: what their
+        manager's ``find_longest_cache_hit`` answers on the pool itself."""
+        cls, bs, k, slots, bits, need, gids, spec, slot_view = entry
         if cls is FullAttentionManager:
-            n = min(cap // bs, len(self.masks) // k)
-            run = min(min(self.runs[slots[g]] for g in gids), n) * bs
+            n = cap // bs
+            top = len(self.masks) // k
+            n = min(n, top)
+            runs = self.runs
+            run = runs[slots[0]] if len(slots) == 1 else min(runs[s] for s in slots)
+            run = (min(n, run)) * bs
             return run - run % alignment
         if cls is CrossAttentionManager or cap <= 0:
             return 0
-        cap = min(self._capped(m, slots[g], cap) for g in gids)
-        if cap <= 0 and cls is not ChunkedLocalAttentionManager:
-            return 0
+        if cls is not ChunkedLocalAttentionManager:
+            last = self.last
+            for s in slots:  # lower the cap to the end of the last block the slots hold
+                pos = last.get(s)
+                end = 0 if pos is None else (pos + 1) // k * bs
+                cap = min(cap, end)
+            if cap <= 0:
+                return 0
         n = cap // bs
-        aligned = bs == alignment or (n * bs) % alignment == 0
-        if aligned and n > 0:
+        if n > 0 and (bs == alignment or (n * bs) % alignment == 0):
             # Fast paths: the blocks right below the cap are held (the common case), so
             # the right-to-left search stops at once.
-            bits = 0
-            for g in gids:
-                bits |= 1 << slots[g]
             if cls is MambaManager and self.masks[n * k - 1] & bits == bits:
                 return n * bs
-            if cls is SlidingWindowManager:
-                need = cdiv(m.spec.sliding_window - 1, bs)
-                if need >= 1 and self._and(k, max(0, n - need), n) & bits == bits:
-                    return n * bs
-        view = _MaskView(self.masks, slots, self.hbs)
-        _, hit = cls.find_longest_cache_hit(self._positions, cap, gids, view, m.spec, alignment)
+            if need and self._and(k, max(0, n - need), n) & bits == bits:
+                return n * bs
+        _, hit = cls.find_longest_cache_hit(self._positions, cap, gids,
+                                            _MaskView(self.masks, slot_view, self.hbs), spec,
+                                            alignment)
         return hit
 
     def answer(self, member: _Member) -> Residency:
         """One pool's hit and group reaches (the pool's own rules)."""
+        prog = member.program
+        if prog is None:
+            prog = member.program = _Program(member)
         max_len = self.max_len
-        groups = []
-        for gid, m in enumerate(member.managers):
-            reach = self.find(member, [gid], max_len, m.block_size) if max_len > 0 else 0
-            checkpoints: list[int] = []
+        reaches = [self.find(e, max_len, e[1]) if max_len > 0 else 0 for e in prog.groups]
+        checkpoints: list[list[int]] = []
+        for gid in prog.mamba:
             slot = member.slots[gid]
-            if type(m) is MambaManager and slot in self.last:
-                bs = m.block_size
+            found: list[int] = []
+            if slot in self.last:
+                bs = prog.groups[gid][1]
                 k = bs // self.hbs
                 top = min(max_len // bs, len(self.masks) // k, cdiv(self.last[slot] + 1, k))
                 masks = self.masks
-                checkpoints = [(i + 1) * bs for i in range(top)
-                               if masks[(i + 1) * k - 1] >> slot & 1]
-            groups.append(GroupResidency(gid, m.spec.kind, m.block_size, reach, checkpoints))
-        coordinator = member.pool.manager.coordinator
-        if max_len <= 0:
+                found = [(i + 1) * bs for i in range(top) if masks[(i + 1) * k - 1] >> slot & 1]
+            checkpoints.append(found)
+        if max_len <= 0 or prog.mode is None:
             hit = 0
-        elif isinstance(coordinator, UnitaryCoordinator):
-            hit = groups[0].tokens  # one group: its alignment is its block size
-        elif isinstance(coordinator, HybridCoordinator):
-            hit = self._hybrid_hit(member, coordinator)
+        elif prog.mode == "unitary":
+            hit = reaches[0]  # one group: its alignment is its block size
         else:
-            hit = 0
-        res = Residency(hit, groups)
-        if res != member.last:
-            member.last = res
+            hit = self._hybrid_hit(prog)
+        signature = (hit, reaches, checkpoints)
+        if signature != member.signature:
+            member.signature = signature
+            it = iter(checkpoints)
+            member.last = Residency(hit, [
+                GroupResidency(gid, kind, e[1], reach, next(it) if gid in prog.mamba else [])
+                for gid, (e, kind, reach) in enumerate(zip(prog.groups, prog.kinds, reaches))])
         return member.last  # type: ignore[return-value]
 
-    def _hybrid_hit(self, member: _Member, coordinator: HybridCoordinator) -> int:
+    def _hybrid_hit(self, prog: _Program) -> int:
         """``HybridCoordinator.find_longest_cache_hit``'s fixed point over :meth:`find`."""
-        if member.spec_groups is None:
-            member.spec_groups = [(sg.is_full, sg.group_ids) for sg in coordinator.spec_groups]
-        alignment = coordinator.scheduler_block_size
-        simple = coordinator._simple
+        alignment = prog.alignment
         hit_length = self.max_len
         full_len: dict[int, int] = {}
         while True:
             curr = hit_length
-            for is_full, gids in member.spec_groups:
-                first = gids[0]
-                if is_full and first in full_len:
-                    curr = min(curr, full_len[first])
+            for i, entry in enumerate(prog.spec_groups):
+                if prog.full[i] and i in full_len:
+                    curr = min(curr, full_len[i])
                     continue
-                curr = self.find(member, gids, curr, alignment)
-                if is_full:
-                    full_len[first] = curr
+                curr = self.find(entry, curr, alignment)
+                if prog.full[i]:
+                    full_len[i] = curr
             if curr >= hit_length:
                 break
             hit_length = curr
-            if simple:
+            if prog.simple:
                 break
         return hit_length
