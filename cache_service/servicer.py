@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import grpc
@@ -28,6 +28,9 @@ from cache_service.core.errors import (
     NotFound,
     qualify,
 )
+from cache_service.core.pool import Pool, run_to_end
+from cache_service.core.prefix_index import KeySpace
+from cache_service.core.residency import ExtraKeys, Residency
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,
@@ -39,7 +42,7 @@ from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import ResourceExhausted, Unavailable, to_status
-from cache_service.tenants import Namespace, Tenant
+from cache_service.tenants import ANONYMOUS, Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -98,6 +101,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if not session.expiring:
                 self.leases.start(sid)
         self.reaper = LeaseReaper(state, self.leases, self.submit)
+        # pool id -> (its last PeekPrefix answer, the id the caller knows, that entry
+        # serialized); see _peek_response.
+        self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -185,6 +191,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
         response = await self._mutate(context, "delete_pool", request, request.session_id,
                                       before=lambda: self._own(request))
+        self._peek_fragments.pop(request.pool_id, None)
         thaw_heap()
         return response
 
@@ -251,34 +258,90 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         ns = Namespace(calls.tenant.get())
         try:
             entries = self._peek_entries(ns, request)
-            cache_salt = request.cache_salt or None
-            lora_name = request.lora_name or None
-            lora_path = request.lora_path or None
-            hits = []
-            for entry in entries:
-                if request.token_ids:
-                    work = entry.pool.peek_prefix_in_slices(
-                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS,
-                        cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
-                else:
-                    work = entry.pool.peek_prefix_in_slices(
-                        block_hashes=list(request.block_hashes), cache_salt=cache_salt,
-                        lora_name=lora_name, lora_path=lora_path)
-                # Hashing a long prompt is cut into slices; the cache is read in one.
-                n = await self.gate.read(work, entry.pool_id)
-                hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
+            # Hashing a long prompt is cut into slices; the pools are read in one.
+            response: pb.PeekPrefixResponse = await self.gate.read(
+                self._peek(ns, request, entries), [entry.pool_id for entry in entries])
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
-        return pb.PeekPrefixResponse(hits=hits)
+        return response
+
+    def peek_prefix(self, request: pb.PeekPrefixRequest,
+                    tenant: Tenant = ANONYMOUS) -> pb.PeekPrefixResponse:
+        """One PeekPrefix as the handler answers it, without gRPC (raises a core error)."""
+        ns = Namespace(tenant)
+        return run_to_end(self._peek(ns, request, self._peek_entries(ns, request)))
+
+    def _peek(self, ns: Namespace, request: pb.PeekPrefixRequest, entries: list[PoolEntry]
+              ) -> Generator[None, None, pb.PeekPrefixResponse]:
+        keys = ExtraKeys(request.cache_salt or None, request.lora_name or None,
+                         request.lora_path or None)
+        answers: list[Residency]
+        if request.explain:
+            # Explaining asks each pool itself (it rehashes and probes its maps).
+            answers = []
+            for entry in entries:
+                answer = yield from entry.pool.prefix_residency_in_slices(
+                    request.token_ids or None, block_hashes=list(request.block_hashes) or None,
+                    cache_salt=keys.cache_salt, lora_name=keys.lora_name,
+                    lora_path=keys.lora_path, explain_misses=True,
+                    slice_blocks=PEEK_SLICE_BLOCKS)
+                answers.append(answer)
+        else:
+            answers = yield from self._index_peek(entries, request, keys)
+        return self._peek_response(ns, entries, answers, cache=not request.explain)
+
+    def _index_peek(self, entries: list[PoolEntry], request: pb.PeekPrefixRequest,
+                    keys: ExtraKeys) -> Generator[None, None, list[Residency]]:
+        """The routing index's answer for every pool, the prompt checked and hashed once
+        per key space (by its pool with the smallest token limit, whose check covers the
+        others'), a slice at a time."""
+        index = self.registry.index
+        hashers: dict[KeySpace | None, Pool] = {}  # None: pools without caching (checks only)
+        for entry in entries:
+            pool = entry.pool
+            space = index.keyspace(entry.pool_id) if pool.options.enable_caching else None
+            other = hashers.get(space)
+            if other is None or pool.token_limit < other.token_limit:
+                hashers[space] = pool
+        inputs: dict[KeySpace, tuple[list[bytes], int]] = {}
+        tokens = request.token_ids or None
+        hashes = list(request.block_hashes) or None
+        for space, pool in sorted(hashers.items(), key=lambda item: item[1].token_limit):
+            hashed, max_len, _ = yield from pool.peek_input_in_slices(
+                tokens, hashes, keys, slice_blocks=PEEK_SLICE_BLOCKS)
+            if space is not None:
+                inputs[space] = (hashed or [], max_len)
+        return index.peek([entry.pool_id for entry in entries], inputs.__getitem__)
+
+    def _peek_response(self, ns: Namespace, entries: list[PoolEntry],
+                       answers: list[Residency], *, cache: bool) -> pb.PeekPrefixResponse:
+        """The answer, each pool's entry kept serialized while its answer is the same
+        object (the index hands out an unchanged answer again): building ~6 fields per
+        pool costs more than the index lookup itself in a many-pool answer."""
+        fragments = self._peek_fragments
+        parts = []
+        for entry, answer in zip(entries, answers):
+            outer = ns.outer(entry.pool_id)
+            cached = fragments.get(entry.pool_id)
+            if cached is None or cached[0] is not answer or cached[1] != outer:
+                one = pb.PeekPrefixResponse()
+                hit = one.hits.add(pool_id=outer, hit_tokens=answer.hit_tokens)
+                convert.write_residency(hit.groups, answer.groups)
+                cached = (answer, outer, one.SerializeToString())
+                if cache:
+                    fragments[entry.pool_id] = cached
+            parts.append(cached[2])
+        return pb.PeekPrefixResponse.FromString(b"".join(parts))
 
     def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
         """The pools of a PeekPrefix, after the checks that bound its cost."""
         if not request.pool_ids:
             raise InvalidArgument("at least one pool id is required", field="pool_ids")
         has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
-        if has_tokens == has_hashes:
-            raise InvalidArgument("give token_ids or block_hashes (exactly one)",
-                                  field="token_ids")
+        if not has_tokens and not has_hashes or (has_tokens and has_hashes
+                                                 and not request.explain):
+            raise InvalidArgument("give token_ids or block_hashes (exactly one; both only "
+                                  "with explain)", field="token_ids")
         seen: dict[str, int] = {}
         for i, pid in enumerate(request.pool_ids):
             if pid in seen:
@@ -343,6 +406,20 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                   before=lambda: self._own(request))
 
     # -- events ------------------------------------------------------------------------
+
+    async def GetPrefixSnapshot(self, request: pb.GetPrefixSnapshotRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.GetPrefixSnapshotResponse:
+        # Consistent: once no sliced call works on the pool, nothing runs between reading
+        # its map and its feed (one event loop), and every mutation publishes its events
+        # before it ends, so the map holds exactly the events up to the sequence.
+        await self._settled(Namespace(calls.tenant.get()), request.pool_id)
+
+        def run() -> pb.GetPrefixSnapshotResponse:
+            entry = self.registry.get(self._own(request).pool_id)
+            return convert.snapshot_to_proto(entry.pool, entry.feed.next_sequence - 1,
+                                             entry.incarnation)
+        return await self._unary(context, run)
 
     async def SubscribeEvents(self, request: pb.SubscribeEventsRequest,
                               context: grpc.aio.ServicerContext
