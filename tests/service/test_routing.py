@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import signal
+import socket
 import threading
 import urllib.request
 from collections import Counter
@@ -98,13 +100,14 @@ class Follower:
     """A router's index fed by SubscribeEvents: a count per (group, hash)."""
 
     def __init__(self, client: CacheClient, pool_id: str, start: int,
-                 initial: Counter | None = None) -> None:
+                 initial: Counter | None = None, incarnation: int | None = None) -> None:
         self.index: Counter = Counter(initial or {})
         self.first_sequence: int | None = None
         self.last_sequence = start - 1
         self.gap = False
         self._cond = threading.Condition()
-        self._events = client.subscribe_events(pool_id, from_sequence=start)
+        self._events = client.subscribe_events(pool_id, from_sequence=start,
+                                               incarnation=incarnation)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -225,3 +228,79 @@ def test_snapshot_of_a_pool_without_events(client, new_pool) -> None:
     snap = client.prefix_snapshot(pool.pool_id)
     assert snap.sequence == 0  # no feed to resume: the snapshot alone is the state
     assert [len(g.block_hashes) for g in snap.groups] == [4]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _routing_state(client: CacheClient, pool_ids: list[str], prompts: list[list[int]]
+                   ) -> tuple:
+    """Everything a router reads: residency of each prompt, each pool's snapshot."""
+    views = [client.routing_view(pool_ids, p).SerializeToString() for p in prompts]
+    snaps = {}
+    for pid in pool_ids:
+        snap = client.prefix_snapshot(pid)
+        snaps[pid] = (snap.sequence, snap.incarnation, snapshot_index(snap))
+    return views, snaps
+
+
+def test_a_restarted_server_answers_the_same_and_a_router_resumes_its_feed(
+        tmp_path) -> None:
+    """SIGKILL, then a restart on the data directory (a background snapshot loaded, the log
+    after it replayed: the index is rebuilt, not restored): PeekPrefix residency and
+    GetPrefixSnapshot answer exactly as before, and a router that followed the feed
+    resumes it after its last event, naming the incarnation, with no gap."""
+    port = str(_free_port())
+    flags = ("--data-dir", str(tmp_path / "data"), "--port", port,
+             "--snapshot-every", "40", "--event-buffer", "100000")
+    server = start_cache_service(*flags)
+    try:
+        with CacheClient(server.target, default_timeout=20) as client:
+            pools = ["r-full", "r-hybrid"]
+            client.register_pool(pools[0], hybrid_layers()[:1], num_blocks=40,
+                                 max_model_len=128)
+            client.register_pool(pools[1], hybrid_layers(), num_blocks=48,
+                                 max_model_len=128)
+            router = Follower(client, pools[1], 1)
+            rng = random.Random(11)
+            prefixes = [[rng.randrange(1000) for _ in range(48)] for _ in range(3)]
+            prompts = [p + [rng.randrange(1000) for _ in range(30)] for p in prefixes]
+
+            def fresh() -> list[int]:
+                return rng.choice(prefixes) + [rng.randrange(1000) for _ in range(30)]
+            for i in range(60):  # small pools: the load evicts
+                for pid in pools:
+                    serve(client, pid, f"r{i}", fresh())
+            assert client.reset_prefix_cache(pools[0])
+            for i in range(60, 70):
+                serve(client, pools[0], f"r{i}", fresh())
+            for p in prompts:
+                serve(client, pools[1], "p", p)
+            before = _routing_state(client, pools, prompts)
+            assert any(h.hit_tokens for h in client.routing_view(pools, prompts[0]).hits)
+            assert client.stats(pools[1]).evictions > 0
+            last = before[1][pools[1]][0]
+            router.wait_for(last)
+            assert before[1][pools[1]][2] == router.index
+        server.signal(signal.SIGKILL)
+        server.stop()
+
+        server = start_cache_service(*flags)
+        recovered = server.wait_for(lambda r: r.get("event") == "recovered")
+        assert recovered["snapshot_index"] > 0 and recovered["records_replayed"] > 0
+        with CacheClient(server.target, default_timeout=20) as client:
+            assert _routing_state(client, pools, prompts) == before
+            incarnation = before[1][pools[1]][1]
+            resumed = Follower(client, pools[1], last + 1, router.index, incarnation)
+            for i in range(70, 90):
+                serve(client, pools[1], f"r{i}", fresh())
+            now = client.prefix_snapshot(pools[1])
+            assert now.sequence > last
+            resumed.wait_for(now.sequence)
+            assert resumed.first_sequence == last + 1 and not resumed.gap
+            assert resumed.index == snapshot_index(now)
+    finally:
+        server.stop()
