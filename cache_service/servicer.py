@@ -348,15 +348,22 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
                                       f"[{seen[pid]}])", field=f"pool_ids[{i}]")
             seen[pid] = i
-        size = len(request.token_ids) or len(request.block_hashes)
-        if size * len(request.pool_ids) > self.max_peek_tokens:
-            field = "token_ids" if has_tokens else "block_hashes"
-            raise ResourceExhausted(
-                f"{size} {field.replace('_', ' ')} x {len(request.pool_ids)} pools exceed the "
-                f"limit of {self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)",
-                field=field)
         entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
                    for i, pid in enumerate(request.pool_ids)]
+        # The cost: the prompt is read once per key space (the routing index answers every
+        # pool of one from one pass), or once per pool with explain (each pool is asked).
+        if request.explain:
+            passes, unit = len(entries), "pools"
+        else:
+            index = self.registry.index
+            passes, unit = len({index.keyspace(e.pool_id) if e.pool.options.enable_caching
+                                else None for e in entries}), "hash recipes"
+        size = len(request.token_ids) or len(request.block_hashes)
+        if size * passes > self.max_peek_tokens:
+            field = "token_ids" if has_tokens else "block_hashes"
+            raise ResourceExhausted(
+                f"{size} {field.replace('_', ' ')} x {passes} {unit} exceed the limit of "
+                f"{self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)", field=field)
         if has_hashes:
             for i, entry in enumerate(entries):
                 # The protocol's rule: client hashes use the cross-language recipe.

@@ -195,7 +195,7 @@ CASES = [
     Case("peek names a pool twice", "PeekPrefix",
          lambda: pb.PeekPrefixRequest(pool_ids=[POOL, CBOR_POOL, POOL], token_ids=[1] * 16),
          Code.INVALID_ARGUMENT, "pool_ids[2]"),
-    Case("peek tokens x pools over --max-peek-tokens", "PeekPrefix",
+    Case("peek tokens x hash recipes over --max-peek-tokens", "PeekPrefix",
          lambda: pb.PeekPrefixRequest(pool_ids=[POOL, CBOR_POOL], token_ids=[1] * 50_001),
          Code.RESOURCE_EXHAUSTED, "token_ids"),
     Case("explained peek, hashes not one per full block of the tokens", "PeekPrefix",
