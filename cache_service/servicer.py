@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import secrets
 from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -79,6 +80,19 @@ def _inner(ns: Namespace, pool_id: str, field: str = "pool_id") -> str:
     return internal
 
 
+@dataclass(frozen=True)
+class _PeekPlan:
+    """A PeekPrefix's pool list resolved: entries, internal and caller's ids, the pool that
+    checks and hashes the prompt for each key space (None: pools without caching), by
+    token limit, and the first pool without sha256_cbor hashes (or None)."""
+
+    entries: list[PoolEntry]
+    pool_ids: list[str]
+    outer_ids: list[str]
+    hashers: list[tuple[KeySpace | None, Pool]]
+    first_not_cbor: int | None
+
+
 @functools.lru_cache(maxsize=1024)
 def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
     """Who made a call (name and limits), as records carry it for ``apply``. Shared: never
@@ -104,6 +118,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # pool id -> (its last PeekPrefix answer, the id the caller knows, that entry
         # serialized); see _peek_response.
         self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
+        # (tenant prefix, admin, pool ids) -> (registry version, its _PeekPlan)
+        self._peek_plans: dict[tuple[str, bool, tuple[str, ...]], tuple[int, _PeekPlan]] = {}
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -257,10 +273,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
         ns = Namespace(calls.tenant.get())
         try:
-            entries = self._peek_entries(ns, request)
+            plan = self._peek_checked(ns, request)
             # Hashing a long prompt is cut into slices; the pools are read in one.
             response: pb.PeekPrefixResponse = await self.gate.read(
-                self._peek(ns, request, entries), [entry.pool_id for entry in entries])
+                self._peek(request, plan), plan.pool_ids)
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         return response
@@ -268,72 +284,56 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
     def peek_prefix(self, request: pb.PeekPrefixRequest,
                     tenant: Tenant = ANONYMOUS) -> pb.PeekPrefixResponse:
         """One PeekPrefix as the handler answers it, without gRPC (raises a core error)."""
-        ns = Namespace(tenant)
-        return run_to_end(self._peek(ns, request, self._peek_entries(ns, request)))
+        return run_to_end(self._peek(request, self._peek_checked(Namespace(tenant), request)))
 
-    def _peek(self, ns: Namespace, request: pb.PeekPrefixRequest, entries: list[PoolEntry]
+    def _peek(self, request: pb.PeekPrefixRequest, plan: _PeekPlan
               ) -> Generator[None, None, pb.PeekPrefixResponse]:
         keys = ExtraKeys(request.cache_salt or None, request.lora_name or None,
                          request.lora_path or None)
+        tokens = request.token_ids or None
+        hashes = list(request.block_hashes) or None
         answers: list[Residency]
         if request.explain:
             # Explaining asks each pool itself (it rehashes and probes its maps).
             answers = []
-            for entry in entries:
+            for entry in plan.entries:
                 answer = yield from entry.pool.prefix_residency_in_slices(
-                    request.token_ids or None, block_hashes=list(request.block_hashes) or None,
-                    cache_salt=keys.cache_salt, lora_name=keys.lora_name,
-                    lora_path=keys.lora_path, explain_misses=True,
+                    tokens, block_hashes=hashes, cache_salt=keys.cache_salt,
+                    lora_name=keys.lora_name, lora_path=keys.lora_path, explain_misses=True,
                     slice_blocks=PEEK_SLICE_BLOCKS)
                 answers.append(answer)
         else:
-            answers = yield from self._index_peek(entries, request, keys)
-        return self._peek_response(ns, entries, answers, cache=not request.explain)
+            # The routing index: the prompt checked and hashed once per key space (by its
+            # pool with the smallest token limit, whose check covers the others').
+            inputs: dict[KeySpace, tuple[list[bytes], int]] = {}
+            for space, pool in plan.hashers:
+                hashed, max_len, _ = yield from pool.peek_input_in_slices(
+                    tokens, hashes, keys, slice_blocks=PEEK_SLICE_BLOCKS)
+                if space is not None:
+                    inputs[space] = (hashed or [], max_len)
+            answers = self.registry.index.peek(plan.pool_ids, inputs.__getitem__)
+        return self._peek_response(plan, answers, cache=not request.explain)
 
-    def _index_peek(self, entries: list[PoolEntry], request: pb.PeekPrefixRequest,
-                    keys: ExtraKeys) -> Generator[None, None, list[Residency]]:
-        """The routing index's answer for every pool, the prompt checked and hashed once
-        per key space (by its pool with the smallest token limit, whose check covers the
-        others'), a slice at a time."""
-        index = self.registry.index
-        hashers: dict[KeySpace | None, Pool] = {}  # None: pools without caching (checks only)
-        for entry in entries:
-            pool = entry.pool
-            space = index.keyspace(entry.pool_id) if pool.options.enable_caching else None
-            other = hashers.get(space)
-            if other is None or pool.token_limit < other.token_limit:
-                hashers[space] = pool
-        inputs: dict[KeySpace, tuple[list[bytes], int]] = {}
-        tokens = request.token_ids or None
-        hashes = list(request.block_hashes) or None
-        for space, pool in sorted(hashers.items(), key=lambda item: item[1].token_limit):
-            hashed, max_len, _ = yield from pool.peek_input_in_slices(
-                tokens, hashes, keys, slice_blocks=PEEK_SLICE_BLOCKS)
-            if space is not None:
-                inputs[space] = (hashed or [], max_len)
-        return index.peek([entry.pool_id for entry in entries], inputs.__getitem__)
-
-    def _peek_response(self, ns: Namespace, entries: list[PoolEntry],
-                       answers: list[Residency], *, cache: bool) -> pb.PeekPrefixResponse:
+    def _peek_response(self, plan: _PeekPlan, answers: list[Residency], *,
+                       cache: bool) -> pb.PeekPrefixResponse:
         """The answer, each pool's entry kept serialized while its answer is the same
         object (the index hands out an unchanged answer again): building ~6 fields per
         pool costs more than the index lookup itself in a many-pool answer."""
         fragments = self._peek_fragments
         parts = []
-        for entry, answer in zip(entries, answers):
-            outer = ns.outer(entry.pool_id)
-            cached = fragments.get(entry.pool_id)
+        for pool_id, outer, answer in zip(plan.pool_ids, plan.outer_ids, answers):
+            cached = fragments.get(pool_id)
             if cached is None or cached[0] is not answer or cached[1] != outer:
                 one = pb.PeekPrefixResponse()
                 hit = one.hits.add(pool_id=outer, hit_tokens=answer.hit_tokens)
                 convert.write_residency(hit.groups, answer.groups)
                 cached = (answer, outer, one.SerializeToString())
                 if cache:
-                    fragments[entry.pool_id] = cached
+                    fragments[pool_id] = cached
             parts.append(cached[2])
         return pb.PeekPrefixResponse.FromString(b"".join(parts))
 
-    def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
+    def _peek_checked(self, ns: Namespace, request: pb.PeekPrefixRequest) -> _PeekPlan:
         """The pools of a PeekPrefix, after the checks that bound its cost."""
         if not request.pool_ids:
             raise InvalidArgument("at least one pool id is required", field="pool_ids")
@@ -342,44 +342,66 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                                  and not request.explain):
             raise InvalidArgument("give token_ids or block_hashes (exactly one; both only "
                                   "with explain)", field="token_ids")
-        seen: dict[str, int] = {}
-        for i, pid in enumerate(request.pool_ids):
-            if pid in seen:
-                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
-                                      f"[{seen[pid]}])", field=f"pool_ids[{i}]")
-            seen[pid] = i
-        entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
-                   for i, pid in enumerate(request.pool_ids)]
+        plan = self._peek_plan(ns, tuple(request.pool_ids))
         # The cost: the prompt is read once per key space (the routing index answers every
         # pool of one from one pass), or once per pool with explain (each pool is asked).
-        if request.explain:
-            passes, unit = len(entries), "pools"
-        else:
-            index = self.registry.index
-            passes, unit = len({index.keyspace(e.pool_id) if e.pool.options.enable_caching
-                                else None for e in entries}), "hash recipes"
+        passes, unit = ((len(plan.entries), "pools") if request.explain
+                        else (len(plan.hashers), "hash recipes"))
         size = len(request.token_ids) or len(request.block_hashes)
         if size * passes > self.max_peek_tokens:
             field = "token_ids" if has_tokens else "block_hashes"
             raise ResourceExhausted(
                 f"{size} {field.replace('_', ' ')} x {passes} {unit} exceed the limit of "
                 f"{self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)", field=field)
-        if has_hashes:
-            for i, entry in enumerate(entries):
-                # The protocol's rule: client hashes use the cross-language recipe.
-                if entry.pool.options.hash_algo != "sha256_cbor":
-                    raise InvalidArgument(f"pool {entry.pool_id!r} does not use sha256_cbor "
-                                          "hashes", field=f"pool_ids[{i}]")
+        if has_hashes and plan.first_not_cbor is not None:
+            # The protocol's rule: client hashes use the cross-language recipe.
+            i = plan.first_not_cbor
+            raise InvalidArgument(f"pool {plan.pool_ids[i]!r} does not use sha256_cbor "
+                                  "hashes", field=f"pool_ids[{i}]")
         if request.HasField("hash_recipe"):
             # A client that declares how it hashes learns of a mismatch as an error naming
             # the field, not as a silent 0% hit rate.
             try:
                 declared = convert.declared_recipe_from_proto(request.hash_recipe)
-                for entry in entries:
+                for entry in plan.entries:
                     entry.pool.check_hash_recipe(declared)
             except KVCacheError as exc:
                 raise qualify(exc, "hash_recipe") from None
-        return entries
+        return plan
+
+    def _peek_plan(self, ns: Namespace, pool_ids: tuple[str, ...]) -> _PeekPlan:
+        """What a PeekPrefix derives from its pool list alone, kept until a pool is
+        registered or deleted (routers ask about the same pools again and again)."""
+        key = (ns.prefix, ns.tenant.admin, pool_ids)
+        version = self.registry.version
+        cached = self._peek_plans.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        seen: dict[str, int] = {}
+        for i, pid in enumerate(pool_ids):
+            if pid in seen:
+                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
+                                      f"[{seen[pid]}])", field=f"pool_ids[{i}]")
+            seen[pid] = i
+        entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
+                   for i, pid in enumerate(pool_ids)]
+        index = self.registry.index
+        hashers: dict[KeySpace | None, Pool] = {}  # None: pools without caching (checks only)
+        for entry in entries:
+            pool = entry.pool
+            space = index.keyspace(entry.pool_id) if pool.options.enable_caching else None
+            other = hashers.get(space)
+            if other is None or pool.token_limit < other.token_limit:
+                hashers[space] = pool
+        plan = _PeekPlan(
+            entries, [e.pool_id for e in entries], [ns.outer(e.pool_id) for e in entries],
+            sorted(hashers.items(), key=lambda item: item[1].token_limit),
+            next((i for i, e in enumerate(entries)
+                  if e.pool.options.hash_algo != "sha256_cbor"), None))
+        if len(self._peek_plans) >= 64:
+            self._peek_plans.clear()
+        self._peek_plans[key] = (version, plan)
+        return plan
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:

@@ -42,7 +42,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 MAX_LEN = 64
 TENANTS = {"default": ANONYMOUS, "a": Tenant("a"), "b": Tenant("b")}
-LAYOUTS = {
+LAYOUTS: dict[str, dict[str, Any]] = {
     "full": dict(layers=[layers.full_attention("f", block_size=4, num_kv_heads=1,
                                                head_size=4)]),
     "full_swa": dict(layers=[
