@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
-import socket
 import threading
 import urllib.request
 from collections import Counter
@@ -230,12 +229,6 @@ def test_snapshot_of_a_pool_without_events(client, new_pool) -> None:
     assert [len(g.block_hashes) for g in snap.groups] == [4]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _routing_state(client: CacheClient, pool_ids: list[str], prompts: list[list[int]]
                    ) -> tuple:
     """Everything a router reads: residency of each prompt, each pool's snapshot."""
@@ -253,9 +246,9 @@ def test_a_restarted_server_answers_the_same_and_a_router_resumes_its_feed(
     after it replayed: the index is rebuilt, not restored): PeekPrefix residency and
     GetPrefixSnapshot answer exactly as before, and a router that followed the feed
     resumes it after its last event, naming the incarnation, with no gap."""
-    port = str(_free_port())
-    flags = ("--data-dir", str(tmp_path / "data"), "--port", port,
-             "--snapshot-every", "40", "--event-buffer", "100000")
+    # Each start listens on a port of its own: the router reconnects to the new address.
+    flags = ("--data-dir", str(tmp_path / "data"), "--snapshot-every", "40",
+             "--event-buffer", "100000")
     server = start_cache_service(*flags)
     try:
         with CacheClient(server.target, default_timeout=20) as client:
