@@ -254,6 +254,22 @@ class AsyncCacheClient:
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
 
+    async def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
+                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+                           lora_name: str | None = None, lora_path: str | None = None,
+                           explain: bool = False,
+                           timeout: float | None = None) -> pb.PeekPrefixResponse:
+        """The whole PeekPrefixResponse: per-pool hit, per-group reach, miss reasons."""
+        return await self._call(self._stub.PeekPrefix, peek_request(
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
+            timeout)
+
+    async def prefix_snapshot(self, pool_id: str, *,
+                              timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
+        """Cached block hashes per group and the event sequence they match."""
+        return await self._call(self._stub.GetPrefixSnapshot,
+                                pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
+
     async def get_request(self, pool_id: str, request_id: str, *,
                           timeout: float | None = None) -> RequestState:
         r = await self._call("GetRequest", pb.GetRequestRequest(

@@ -241,6 +241,24 @@ class CacheClient:
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
 
+    def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
+                     block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+                     lora_name: str | None = None, lora_path: str | None = None,
+                     explain: bool = False,
+                     timeout: float | None = None) -> pb.PeekPrefixResponse:
+        """:meth:`peek_prefix` with every pool's per-group reach (and, with ``explain``,
+        miss reasons): the whole PeekPrefixResponse."""
+        return self._call(self._stub.PeekPrefix, peek_request(
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
+            timeout)
+
+    def prefix_snapshot(self, pool_id: str, *,
+                        timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
+        """The pool's cached block hashes per group and the event sequence they match:
+        resume :meth:`subscribe_events` at ``sequence + 1``."""
+        return self._call(self._stub.GetPrefixSnapshot,
+                          pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
+
     def get_request(self, pool_id: str, request_id: str, *,
                     timeout: float | None = None) -> RequestState:
         r = self._call("GetRequest", pb.GetRequestRequest(

@@ -19,7 +19,7 @@ from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
-from cache_service.core.errors import KVCacheError
+from cache_service.core.errors import InvalidArgument, KVCacheError
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
 from cache_service.state import ServiceState, WalRecord
@@ -152,6 +152,12 @@ class ClusterNode:
                     remote.setdefault(owner.address, []).append(pool_id)
         if not remote:
             return await local(ns, request)
+        first: dict[str, int] = {}
+        for i, pid in enumerate(request.pool_ids):  # before any id is sent anywhere
+            if pid in first:
+                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
+                                      f"[{first[pid]}])", field=f"pool_ids[{i}]")
+            first[pid] = i
         moved = {pid for pids in remote.values() for pid in pids}
         here = [pid for pid in request.pool_ids if pid not in moved]
         forward: list[tuple[str, str]] = [(FORWARDED_KEY, "1")]
@@ -170,12 +176,12 @@ class ClusterNode:
         asked = [self._peer(address).PeekPrefix(sub(pids), timeout=timeout,
                                                 metadata=tuple(forward))
                  for address, pids in remote.items()]
-        hits: dict[str, int] = {}
+        hits: dict[str, pb.PoolHit] = {}
         try:
             if here:
-                hits.update((h.pool_id, h.hit_tokens) for h in (await local(ns, sub(here))).hits)
+                hits.update((h.pool_id, h) for h in (await local(ns, sub(here))).hits)
             for answer in await asyncio.gather(*asked):
-                hits.update((h.pool_id, h.hit_tokens) for h in answer.hits)
+                hits.update((h.pool_id, h) for h in answer.hits)
         except grpc.aio.AioRpcError as exc:
             # The owner's answer, passed on (its status details name the field), under this
             # call's request id.
@@ -185,5 +191,4 @@ class ClusterNode:
         finally:
             for call in asked:
                 call.cancel()  # e.g. a local error: the other answers are not waited for
-        return pb.PeekPrefixResponse(hits=[pb.PoolHit(pool_id=pid, hit_tokens=hits[pid])
-                                           for pid in request.pool_ids])
+        return pb.PeekPrefixResponse(hits=[hits[pid] for pid in request.pool_ids])
