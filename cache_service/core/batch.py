@@ -300,10 +300,11 @@ class BatchCheck:
                 self._no_unfilled_admission(st, rid)
             tokens = op.append_token_ids
             appended = self._append(st, rid, tokens, "append_token_ids") if tokens else None
-            if op.num_placeholders:
-                self._add_placeholders(
-                    st, rid, check_int(op.num_placeholders, "num_placeholders", minimum=0,
-                                       maximum=limits.max_model_len), "num_placeholders")
+            if op.num_placeholder_tokens:
+                name = "num_placeholder_tokens"
+                self._add_placeholders(st, rid, check_int(op.num_placeholder_tokens, name,
+                                                          minimum=0,
+                                                          maximum=limits.max_model_len), name)
             n = op.num_new_tokens
             maximum = limits.max_model_len
             if type(n) is not int or not 1 <= n <= limits.max_new_tokens:

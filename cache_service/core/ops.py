@@ -44,7 +44,7 @@ class Lookup:
 @dataclass(slots=True)
 class Allocate:
     """Slots for ``num_new_tokens`` more tokens, after appending ``append_token_ids`` and
-    then ``num_placeholders`` tokens whose ids are not known yet (see
+    then ``num_placeholder_tokens`` tokens whose ids are not known yet (see
     :class:`FillPlaceholders`). ``include_table=False`` leaves the outcome's whole table
     None."""
 
@@ -58,7 +58,7 @@ class Allocate:
     include_table: bool = True
     append_token_ids: Sequence[int] = ()
     num_encoder_tokens: int = 0  # cross-attention input (not in the protocol)
-    num_placeholders: int = 0
+    num_placeholder_tokens: int = 0
 
 
 @dataclass(slots=True)

@@ -351,8 +351,8 @@ class Pool:
             req = self._requests[op.request_id]
             if prepared:
                 req.append_tokens(prepared)
-            if op.num_placeholders:
-                req.num_placeholders += op.num_placeholders
+            if op.num_placeholder_tokens:
+                req.num_placeholders += op.num_placeholder_tokens
             return self._allocate(req, op.num_new_tokens, op.num_lookahead_tokens,
                                   op.full_sequence_must_fit, op.use_lookup,
                                   op.delay_cache_blocks, op.num_encoder_tokens,
@@ -462,14 +462,14 @@ class Pool:
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                 include_tables: bool = True, num_placeholders: int = 0) -> Allocation:
+                 include_tables: bool = True, num_placeholder_tokens: int = 0) -> Allocation:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
         return self._apply_one(Allocate(
             request_id, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit,
             use_lookup, delay_cache_blocks, include_tables, (), num_encoder_tokens,
-            num_placeholders))
+            num_placeholder_tokens))
 
     def _allocate(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                   full_sequence_must_fit: bool = False, use_lookup: bool = True,

@@ -223,10 +223,10 @@ def _pool_with_requests() -> Pool:
     (Decode(["a"], [5]), "ops[0].decode.token_ids[0]"),
     (Decode(["a", "b"], [], placeholders=True), "ops[0].decode.request_ids[1]"),
     (Decode(["f"], [], placeholders=True), "ops[0].decode.request_ids[0]"),  # too long
-    (Allocate("b", 1, num_placeholders=1), "ops[0].allocate.num_placeholders"),
-    (Allocate("w", 1, num_placeholders=1), "ops[0].allocate.num_placeholders"),
-    (Allocate("a", 1, num_placeholders=-1), "ops[0].allocate.num_placeholders"),
-    (Allocate("a", 1, num_placeholders=13), "ops[0].allocate.num_placeholders"),
+    (Allocate("b", 1, num_placeholder_tokens=1), "ops[0].allocate.num_placeholder_tokens"),
+    (Allocate("w", 1, num_placeholder_tokens=1), "ops[0].allocate.num_placeholder_tokens"),
+    (Allocate("a", 1, num_placeholder_tokens=-1), "ops[0].allocate.num_placeholder_tokens"),
+    (Allocate("a", 1, num_placeholder_tokens=13), "ops[0].allocate.num_placeholder_tokens"),
     (Allocate("a", 1, append_token_ids=[5]), "ops[0].allocate.append_token_ids"),
     (AppendTokens("a", [5]), "ops[0].append_tokens.token_ids"),
 ])
