@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     max_tokens_per_step: int = Field(1 << 20, ge=1, description="most token ids in one Step "
                                      "(summed over its ops)")
     max_peek_tokens: int = Field(1 << 22, ge=1, description="most token ids (or block "
-                                 "hashes) times pools in one PeekPrefix")
+                                 "hashes) times hash recipes (times pools with explain) in "
+                                 "one PeekPrefix")
     max_total_blocks: int = Field(DEFAULT_MAX_TOTAL_BLOCKS, ge=2, description="the server's "
                                   "block budget: the sum of num_blocks over all pools; a "
                                   "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "

@@ -13,7 +13,7 @@ import pytest
 from cache_service.client import CacheClient, CacheError, DecodeResult, FillResult, ops
 from kvcache_common.launch import start_cache_service
 
-from .builders import hybrid_layers, result_of
+from .builders import hybrid_layers
 from .test_decode import comparable_stats, request_state
 
 
@@ -34,11 +34,11 @@ def test_placeholders_filled_one_call_later_end_like_known_tokens(client: CacheC
         lag_ops = [ops.fill(rids, [out[step - 1] for out in outputs])] if step else []
         got = client.step(lag, lag_ops + [ops.decode(rids, placeholders=True)],
                           begin_step=True)
-        a = result_of(want, 0, DecodeResult)
-        b = result_of(got, len(lag_ops), DecodeResult)
+        a = want.result(0, DecodeResult)
+        b = got.result(len(lag_ops), DecodeResult)
         assert (a.ok, a.new_block_ids) == (b.ok, b.new_block_ids)
         if lag_ops:
-            assert result_of(got, 0, FillResult).num_filled == 3
+            assert got.result(0, FillResult).num_filled == 3
     lag_state = client.get_request(lag, "a")
     assert (lag_state.num_tokens, lag_state.num_placeholder_tokens) == (50, 1)
     client.step(lag, [ops.fill(rids, [out[-1] for out in outputs])])
