@@ -240,6 +240,17 @@ class PoolRegistry:
             raise NotFound(f"unknown pool {pool_id!r}", field=field)
         return entry
 
+    def entry(self, pool_id: str) -> PoolEntry:
+        """The pool, looked up without the checks :meth:`get` may add (KeyError if
+        absent): for a commit, whose record's pools passed :meth:`fence` already."""
+        return self._pools[pool_id]
+
+    def fence(self, pool_id: str) -> None:
+        """Raises (a core error) if this server may not change ``pool_id`` now;
+        :meth:`ServiceState.apply <cache_service.state.ServiceState.apply>` asks it last
+        before logging a pool's record. Always passes here: a cluster member's registry
+        (:mod:`cache_service.cluster.registry`) checks its ownership of the pool."""
+
     def delete(self, pool_id: str) -> int:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)

@@ -110,6 +110,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.max_peek_tokens = max_peek_tokens
         self.gate = PoolGate()
         self.draining = False
+        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
+        #: their etcd keys, fans PeekPrefix out. None when standalone.
+        self.cluster: Any = None
         self.leases = LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
@@ -172,8 +175,21 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         def own() -> None:
             check_pool_id(request.pool_id)
             request.pool_id = _inner(ns, request.pool_id)
-        answer = await self._mutate(context, "register_pool", request, request.session_id,
-                                    before=own)
+        before: Callable[[], object] | None = own
+        if self.cluster is not None:
+            try:  # places a new pool; a redirect unless this replica owns it
+                own()
+                await self.cluster.place(request)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+            before = None  # mapped already
+        try:
+            answer = await self._mutate(context, "register_pool", request,
+                                        request.session_id, before=before)
+        except Exception:
+            if self.cluster is not None:  # refused here: placed for nothing
+                await self.cluster.unplace(request.pool_id)
+            raise
         response = pb.RegisterPoolResponse()
         response.CopyFrom(answer)  # the state may keep its answer (session retries)
         response.config.pool_id = ns.outer(response.config.pool_id)
@@ -205,8 +221,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
+        mapped = self.cluster is not None
+        if self.cluster is not None:
+            try:  # its etcd keys go first: nobody takes a deleted pool over
+                await self.cluster.delete(self._own(request).pool_id)
+            except KVCacheError as exc:
+                await _abort(context, exc)
         response = await self._mutate(context, "delete_pool", request, request.session_id,
-                                      before=lambda: self._own(request))
+                                      before=None if mapped else lambda: self._own(request))
         self._peek_fragments.pop(request.pool_id, None)
         thaw_heap()
         return response
@@ -273,12 +295,22 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
         ns = Namespace(calls.tenant.get())
         try:
-            plan = self._peek_checked(ns, request)
-            # Hashing a long prompt is cut into slices; the pools are read in one.
-            response: pb.PeekPrefixResponse = await self.gate.read(
-                self._peek(request, plan), plan.pool_ids)
+            if self.cluster is not None:
+                # Pools owned by other replicas are asked there (with the caller's
+                # credentials, within this call's deadline); the rest answered here.
+                return await self.cluster.peek_prefix(request, ns, context, self._peek_here)
+            return await self._peek_here(ns, request)
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
+            raise  # not reached: _abort raises the status
+
+    async def _peek_here(self, ns: Namespace, request: pb.PeekPrefixRequest
+                         ) -> pb.PeekPrefixResponse:
+        """PeekPrefix over pools of this replica (the caller's ids, mapped by ``ns``)."""
+        plan = self._peek_checked(ns, request)
+        # Hashing a long prompt is cut into slices; the pools are read in one.
+        response: pb.PeekPrefixResponse = await self.gate.read(
+            self._peek(request, plan), plan.pool_ids)
         return response
 
     def peek_prefix(self, request: pb.PeekPrefixRequest,
