@@ -30,7 +30,9 @@ Sides:
   request's size, over a blocking channel set up as the cache client's, unary and over a
   stream driven as the client's ``StepStream`` (a queue and a reader thread). The decode
   Step and StepStream and the two echoes run in interleaved rounds (machine noise hits
-  them alike), and the table adds each one's p50 over its echo's (``vs echo``).
+  them alike), and the table adds each one's p50 over its echo's (``vs echo``) and the
+  CPU time the server process spent per call (all its threads; load inflates it much
+  less than wall time).
   ``--baseline-tree DIR`` adds a second server started from another checkout (e.g. main)
   to the same rounds: before/after in one run.
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import queue
 import sys
@@ -368,10 +371,24 @@ FLOOR_CASES = (("service_decode", "Step decode op", "echo_unary"),
                 "echo_stream"))
 
 
-def bench_floor(client: CacheClient, echo_target: str, n: int, steps: int, warmup: int,
-                rounds: int, baseline: CacheClient | None) -> dict[str, Any]:
+def process_cpu_ns(pid: int) -> int:
+    """CPU time a process has run so far, all its threads (Linux schedstat), in ns."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def bench_floor(client: CacheClient, echo: ServerProcess, n: int, steps: int, warmup: int,
+                rounds: int, baseline: CacheClient | None,
+                pids: dict[str, int]) -> dict[str, Any]:
     """Samples of the decode Step and StepStream (and the baseline server's) and of
-    the echoes of the same payload sizes, in ``rounds`` interleaved rounds."""
+    the echoes of the same payload sizes, in ``rounds`` interleaved rounds; and the CPU
+    time each case's server process spent per call (``server_cpu_us``, from the pids of
+    ``pids``: "service", "echo", "baseline"), which the load of a shared machine
+    inflates much less than wall time."""
+    echo_target = echo.target
     total = steps + warmup + 2
     runners: dict[str, Any] = {
         "service_decode": DecodeSteps(client, n, total, stream=False, tag="floor"),
@@ -392,14 +409,20 @@ def bench_floor(client: CacheClient, echo_target: str, n: int, steps: int, warmu
             runners[key] = echo = EchoCalls(echo_target, request, response, stream=stream)
             echo.run(warmup)
         samples = {key: [] for key in runners}
+        cpu = dict.fromkeys(runners, 0)
         per_round = max(1, steps // rounds)
         for _ in range(rounds):
             for key, runner in runners.items():
+                pid = pids["echo" if key.startswith("echo") else
+                           "baseline" if key.startswith("baseline") else "service"]
+                before = process_cpu_ns(pid)
                 samples[key] += runner.run(per_round)
+                cpu[key] += process_cpu_ns(pid) - before
     finally:
         for runner in runners.values():
             runner.close()
-    return {"payload": sizes, **samples}
+    server_cpu_us = {key: round(ns / len(samples[key]) / 1e3, 1) for key, ns in cpu.items()}
+    return {"payload": sizes, "server_cpu_us": server_cpu_us, **samples}
 
 
 async def bench_concurrent(target: str, clients: int, n: int, steps: int, mode: str) -> float:
@@ -468,6 +491,9 @@ def main() -> int:
     echo = start_echo_server()
     base_server = start_baseline(args.baseline_tree) if args.baseline_tree else None
     target = server.target
+    pids = {"service": server.proc.pid, "echo": echo.proc.pid}
+    if base_server is not None:
+        pids["baseline"] = base_server.proc.pid
     rows = []
     results: dict = {"workload": {"prompt_tokens": PROMPT, "ops_per_request_per_step": 2,
                                   "model": "1 full + 1 sliding-window (1024) layer, bs 16"},
@@ -491,8 +517,8 @@ def main() -> int:
                                                        mode=NO_TABLES),
                     "stream_tables": bench_stream(client, n, args.steps, args.warmup,
                                                   mode=TABLES),
-                    **bench_floor(client, echo.target, n, args.steps, args.warmup,
-                                  args.rounds, base_client),
+                    **bench_floor(client, echo, n, args.steps, args.warmup,
+                                  args.rounds, base_client, pids),
                 }
                 ops = 2 * n
                 keys = [key for key, _ in CASES] + [key for key, _, _ in FLOOR_CASES
@@ -516,11 +542,15 @@ def main() -> int:
                 labels["echo_stream"] += " (same payloads)"
                 for key in keys:
                     c = case[key]
+                    cpu = case["server_cpu_us"].get(key)
+                    if cpu is not None:
+                        c["server_cpu_us"] = cpu
                     rows.append([f"{n} req: {labels[key]}", c["p50_us"] / 1e3,
                                  c["p99_us"] / 1e3, c["ops_per_s"],
                                  ratio(c["ops_per_s"], case["core"]["ops_per_s"]),
                                  ratio(c["ops_per_s"], case["core_decode"]["ops_per_s"]),
-                                 f"{c['p50_vs_echo']:.2f}x" if "p50_vs_echo" in c else "-"])
+                                 f"{c['p50_vs_echo']:.2f}x" if "p50_vs_echo" in c else "-",
+                                 cpu])
                 results["cases"].append(case)
             if base_client is not None:
                 base_client.close()
@@ -538,7 +568,8 @@ def main() -> int:
                                               "ops_per_s": round(conc),
                                               "core_ops_per_s": core64})
                 rows.append([f"{clients} client(s) x {conc_n} req: {label}", None, None,
-                             round(conc), ratio(conc, core64), ratio(conc, decode64), None])
+                             round(conc), ratio(conc, core64), ratio(conc, decode64), None,
+                             None])
     finally:
         server.stop()
         echo.stop()
@@ -548,12 +579,15 @@ def main() -> int:
                 "core (ops/s at p50 / the in-process loop's, and / Pool.decode's) and vs the "
                 "echo floor (p50 / the echo's of the same payload sizes)",
                 ["case", "p50 ms", "p99 ms", "ops/s", "vs core loop", "vs Pool.decode",
-                 "vs echo"], rows)
+                 "vs echo", "server CPU us/call"], rows)
     for case in results["cases"]:
         for key in ("service_decode", "stream_decode"):
             if "p50_vs_baseline" in case[key]:
+                base = case[f"baseline_{key}"]
                 print(f"{case['running_requests']} req: {key} p50 / baseline tree's: "
-                      f"{case[key]['p50_vs_baseline']:.2f}x")
+                      f"{case[key]['p50_vs_baseline']:.2f}x; server CPU per call "
+                      f"{case[key]['server_cpu_us']} vs {base['server_cpu_us']} us "
+                      f"({case[key]['server_cpu_us'] / base['server_cpu_us']:.2f}x)")
     out = write_results("service", results, args.out)
     print(f"wrote {out}")
     return 0

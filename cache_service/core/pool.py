@@ -553,7 +553,7 @@ class Pool:
     def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], lo: int, hi: int,
                       outcome: DecodeOutcome) -> None:
         """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``."""
-        allocate_slots = self._manager.allocate_slots
+        decode_slot = self._manager.decode_slot
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
@@ -563,7 +563,7 @@ class Pool:
             req = reqs[i]
             req.append_token(token_ids[i])
             if fast and req.status == running and req.num_computed_tokens:
-                new = allocate_slots(req, 1)
+                new = decode_slot(req)
                 if new is None:
                     self._allocation_failures += 1
                     ok[i] = False
