@@ -406,8 +406,8 @@ def bench_floor(client: CacheClient, echo: ServerProcess, n: int, steps: int, wa
         request, response = runners["service_decode"].probe()
         sizes = {"request_bytes": len(request), "response_bytes": len(response)}
         for key, stream in (("echo_unary", False), ("echo_stream", True)):
-            runners[key] = echo = EchoCalls(echo_target, request, response, stream=stream)
-            echo.run(warmup)
+            runners[key] = calls = EchoCalls(echo_target, request, response, stream=stream)
+            calls.run(warmup)
         samples = {key: [] for key in runners}
         cpu = dict.fromkeys(runners, 0)
         per_round = max(1, steps // rounds)
