@@ -93,8 +93,9 @@ class LeaseReaper:
         while True:
             result = await self.submit(WalRecord(expire_session=wal_pb2.ExpireSession(
                 session_id=session_id, max_requests=self.chunk)))
-            total += result.num_requests_freed  # type: ignore[attr-defined]
-            if not result.num_requests_left:  # type: ignore[attr-defined]
+            assert isinstance(result, wal_pb2.ExpireSessionResult)  # what an expiry answers
+            total += result.num_requests_freed
+            if not result.num_requests_left:
                 break
             # Let other clients' calls in between chunks. A call needs a few loop
             # iterations (accept, read, handle, write), so one bare yield is not enough:

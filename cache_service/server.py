@@ -15,15 +15,12 @@ pool, so allocator state needs no locks. Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 from collections.abc import Sequence
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cache_service.discovery import HealthServicer, enable_reflection
 from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
@@ -38,11 +35,12 @@ from cache_service.wal import WalCorruption
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.cli import exit_with_error
-from kvcache_common.listen import port_in_use
+from kvcache_common.listen import ports_in_use
 from kvcache_common.logs import configure_logging, lifecycle
-from kvcache_common.metrics_http import serve_metrics
+from kvcache_common.serving import ListenError, start_server
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["CacheService"].full_name
+PROG = "kvcache-server"
 
 log = structlog.get_logger("cache_service.server")
 
@@ -115,11 +113,9 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
 
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
-    busy = (port_in_use(settings.host, settings.port)
-            or port_in_use(settings.host, settings.metrics_port, "--metrics-port"))
+    busy = ports_in_use(settings.host, settings.port, settings.metrics_port)
     if busy:
-        return exit_with_error("kvcache-server", busy, 2)
-    loop = asyncio.get_running_loop()
+        return exit_with_error(PROG, busy, 2)
     try:
         state, data_dir = open_state(settings)
     except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
@@ -134,67 +130,47 @@ async def serve(settings: Settings) -> int:
         return 2
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
-    server = grpc.aio.server(interceptors=[interceptor], options=grpc_options(settings))
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
-    pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
-    health_servicer = HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
-
-    address = f"{settings.host}:{settings.port}"
+    creds = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         creds = grpc.ssl_server_credentials(
             [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        log.error("bind_failed", address=address)
-        return 1
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    metrics_server = None
-    metrics_port = -1
-    if settings.metrics_port >= 0:
-        metrics_server = await serve_metrics(prom_registry, settings.host, settings.metrics_port)
-        metrics_port = metrics_server.sockets[0].getsockname()[1]
-
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    try:
+        listener = await start_server(
+            service_name=SERVICE_NAME,
+            add_servicers=lambda server: pb_grpc.add_CacheServiceServicer_to_server(
+                servicer, server),
+            host=settings.host, port=settings.port, options=grpc_options(settings),
+            interceptors=[interceptor], credentials=creds, serving=True,
+            metrics=prom_registry, metrics_port=settings.metrics_port)
+    except ListenError as exc:
+        return exit_with_error(PROG, str(exc), 2)
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
-    lifecycle().info("serving", host=settings.host, port=port, metrics_port=metrics_port,
-             tls=settings.tls_cert is not None, auth=tenants is not None,
-             tenants=len(tenants.tenants) if tenants is not None else 1,
-             lease_ttl_seconds=settings.lease_ttl_seconds)
+    lifecycle().info("serving", host=settings.host, port=listener.port,
+                     metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
+                     auth=tenants is not None,
+                     tenants=len(tenants.tenants) if tenants is not None else 1,
+                     lease_ttl_seconds=settings.lease_ttl_seconds)
 
-    await stop.wait()
+    await listener.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
     freezer.cancel()
-    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
-    # NOT_SERVING first (and for good: later set() calls are ignored), so that load
-    # balancers stop routing here while in-flight calls finish.
-    await health_servicer.enter_graceful_shutdown()
-    # New calls now get UNAVAILABLE at once; open Step streams end at their next message;
-    # event subscriptions end cleanly. In-flight calls get the grace period to finish.
-    interceptor.start_draining()
-    servicer.draining = True
-    registry.close()
-    started = loop.time()
-    await interceptor.wait_idle(settings.drain_seconds)
-    # Calls that raced the drain flag are answered UNAVAILABLE within the remaining grace
-    # (at least 1 s, so that a starved loop still answers them); health watchers and
-    # anything still running at its end are cancelled.
-    await server.stop(max(1.0, settings.drain_seconds - (loop.time() - started)))
-    if metrics_server is not None:
-        metrics_server.close()
-    if data_dir is not None:
-        # A final snapshot: the next start loads it instead of replaying the log.
-        data_dir.close(state)
-    lifecycle().info("stopped")
+
+    def refuse_new() -> None:
+        # New calls now get UNAVAILABLE at once; open Step streams end at their next
+        # message; event subscriptions end cleanly.
+        interceptor.start_draining()
+        servicer.draining = True
+        registry.close()
+
+    def close() -> None:
+        if data_dir is not None:
+            # A final snapshot: the next start loads it instead of replaying the log.
+            data_dir.close(state)
+
+    await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
+                            wait_idle=interceptor.wait_idle, close=close)
     return 0
 
 

@@ -28,11 +28,16 @@ from executor.batch import GroupLayout
 from executor.cache import CacheGroup
 from executor.errors import CacheUnavailable, PoolLost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.backoff import Backoff
 
 __all__ = ["CacheLink", "CacheUnavailable", "PoolLost", "PoolPlan", "cache_groups",
            "group_layouts"]
 
 log = structlog.get_logger("executor.cache_link")
+
+#: Between resends of a Step in doubt: soon at first (a dropped connection), then every
+#: second or so (a restarting service).
+IN_DOUBT_BACKOFF = Backoff(0.1, 1.0)
 
 
 @dataclass
@@ -138,10 +143,11 @@ class CacheLink:
             except CacheError as exc:
                 if not exc.in_doubt or time.perf_counter() >= deadline:
                     raise
+                delay = IN_DOUBT_BACKOFF.delay(attempt)
                 attempt += 1
                 log.warning("cache_step_in_doubt", code=exc.code.name, attempt=attempt,
-                            error=exc.message)
-                time.sleep(min(1.0, 0.1 * attempt))
+                            retry_in_s=round(delay, 3), error=exc.message)
+                time.sleep(delay)
 
     def register(self) -> PoolInfo:
         """RegisterPool (idempotent for the same description)."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from executor.errors import InvalidArgument
 from executor.settings import parse_settings
 from kvcache_common.cli import exit_with_error
-from kvcache_common.listen import port_in_use
+from kvcache_common.listen import ports_in_use
 from kvcache_common.logs import configure_logging
 
 PROG = "kvcache-executor"
@@ -26,8 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags/env (a mistake: one line, exit 2), build and check the model and settings
     (anything that cannot work: one line naming the setting, exit 2), serve until SIGTERM."""
     settings = parse_settings(argv)
-    busy = (port_in_use(settings.host, settings.port)
-            or port_in_use(settings.host, settings.metrics_port, "--metrics-port"))
+    busy = ports_in_use(settings.host, settings.port, settings.metrics_port)
     if busy:  # before the model is built: a second start of the same command answers at once
         return exit_with_error(PROG, busy, 2)
     configure_logging(settings.log_level)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from cache_service.client import AllocateResult, DecodeResult, LookupResult, ops
+from cache_service.client import AllocateResult, DecodeResult, LookupResult, StepResult, ops
 from executor.batch import GroupLayout, SeqChunk
 from executor.cache_link import CacheLink
 from executor.errors import CacheUnavailable, InvalidArgument, PoolLost, SettingError
@@ -348,8 +348,7 @@ class Engine:
         # no room: their tokens are appended, the retry allocates
         failed: list[PendingAllocate] = []
         if decoding:
-            decoded = result.results[decoding.op_index]
-            assert isinstance(decoded, DecodeResult)
+            decoded = result.result(decoding.op_index, DecodeResult)
             ok, grown = decoded.ok, decoded.new_block_ids
             for i, req in enumerate(decoding.requests):
                 if not ok[i]:
@@ -358,14 +357,7 @@ class Engine:
                 if i in grown:
                     req.tables = [t + new for t, new in zip(req.tables, grown[i])]
                 scheduled.append(ScheduledChunk(req, req.num_computed, 1))
-        for alloc in planned:
-            answer = result.results[alloc.op_index]
-            assert isinstance(answer, AllocateResult)
-            if answer.ok:
-                alloc.req.tables = answer.block_ids
-                scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
-            else:
-                failed.append(alloc)
+        failed += self._take_allocations(planned, result, scheduled)
         if failed:
             scheduled = self._preempt_and_retry(scheduled, failed)
         elif candidates:
@@ -448,6 +440,21 @@ class Engine:
             budget -= 1  # a candidate computes at least one token
         return candidates
 
+    @staticmethod
+    def _take_allocations(allocs: list[PendingAllocate], result: StepResult,
+                          scheduled: list[ScheduledChunk]) -> list[PendingAllocate]:
+        """Each allocation's answer: granted -> the request's new tables and a scheduled
+        chunk (appended to ``scheduled``); refused -> returned, to preempt for."""
+        refused = []
+        for alloc in allocs:
+            answer = result.result(alloc.op_index, AllocateResult)
+            if answer.ok:
+                alloc.req.tables = answer.block_ids
+                scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
+            else:
+                refused.append(alloc)
+        return refused
+
     def _preempt_and_retry(self, scheduled: list[ScheduledChunk],
                            failed: list[PendingAllocate]) -> list[ScheduledChunk]:
         """vLLM's policy: while a running request gets no room, preempt the newest running
@@ -469,15 +476,7 @@ class Engine:
                 self.to_preempt.append(victim.request_id)
                 break
             self.free_blocks_hint = result.num_free_blocks
-            failed = []
-            for alloc in retry:
-                answer = result.results[alloc.op_index]
-                assert isinstance(answer, AllocateResult)
-                if answer.ok:
-                    alloc.req.tables = answer.block_ids
-                    scheduled.append(ScheduledChunk(alloc.req, alloc.req.num_computed, alloc.n))
-                else:
-                    failed.append(alloc)
+            failed = self._take_allocations(retry, result, scheduled)
         order = {id(r): i for i, r in enumerate(self.running)}
         return sorted(scheduled, key=lambda c: order.get(id(c.req), 0))
 
@@ -528,8 +527,7 @@ class Engine:
         stopped = False
         for alloc in plan:
             req = alloc.req
-            answer = result.results[alloc.op_index]
-            assert isinstance(answer, AllocateResult)
+            answer = result.result(alloc.op_index, AllocateResult)
             if not answer.ok:
                 stopped = True
                 continue

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import signal
 import threading
 import time
 import uuid
@@ -34,8 +33,6 @@ from typing import Any
 import grpc
 import structlog
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.process_collector import ProcessCollector
@@ -61,12 +58,15 @@ from executor.sampling import SamplingParams, sample
 from executor.settings import ExecutorSettings
 from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from kvcache_common.api.kvcache.v1 import executor_pb2_grpc as epb_grpc
+from kvcache_common.backoff import Backoff
 from kvcache_common.cli import exit_with_error
 from kvcache_common.logs import lifecycle
-from kvcache_common.metrics_http import serve_metrics
+from kvcache_common.serving import ListenError, start_server
 
 SERVICE_NAME = epb.DESCRIPTOR.services_by_name["ExecutorService"].full_name
 log = structlog.get_logger("executor.server")
+#: Between registration attempts while the cache service is unreachable (no limit).
+REGISTER_BACKOFF = Backoff(0.1, 2.0)
 
 # The one place where executor errors become gRPC statuses (most specific first).
 _CODES: tuple[tuple[type[ExecutorError], grpc.StatusCode], ...] = (
@@ -191,7 +191,7 @@ class Executor:
         self._threads.append(t)
 
     def _bring_up(self, on_ready: Callable[[], Any], on_fatal: Callable[[str], None]) -> None:
-        delay = 0.1
+        attempt = 0
         while not self._closing.is_set():
             try:
                 info = self.link.register()
@@ -202,10 +202,11 @@ class Executor:
                          f"--num-blocks / --cache-memory-mb / --max-model-len / --block-size")
                 return
             except CacheUnavailable as exc:
+                delay = REGISTER_BACKOFF.delay(attempt)
+                attempt += 1
                 log.warning("cache_service_unreachable", target=self.settings.cache_service,
-                            retry_in_s=delay, error=str(exc)[:200])
+                            retry_in_s=round(delay, 3), error=str(exc)[:200])
                 self._closing.wait(delay)
-                delay = min(delay * 2, 2.0)
         else:
             return
         try:  # a failure here must end the process, not leave it up and never SERVING
@@ -376,31 +377,23 @@ def prepare(settings: ExecutorSettings, model: HybridModel | None = None) -> Exe
 async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     """Runs the prepared executor until SIGTERM/SIGINT; returns the exit code."""
     loop = asyncio.get_running_loop()
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
-                                      ("grpc.http2.min_ping_interval_without_data_ms", 5000)])
-    epb_grpc.add_ExecutorServiceServicer_to_server(ExecutorServicer(ex), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    except RuntimeError:  # taken since prepare() checked it
-        port = 0
-    if port == 0:
-        return exit_with_error("kvcache-executor",
-                               f"--port: cannot listen on {settings.host}:{settings.port}", 2)
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    metrics_server, metrics_port = None, -1
+    registry = None
     if settings.metrics_port >= 0:
         registry = CollectorRegistry(auto_describe=False)
         ProcessCollector(registry=registry)
         registry.register(EngineCollector(ex))
-        metrics_server = await serve_metrics(registry, settings.host, settings.metrics_port)
-        metrics_port = metrics_server.sockets[0].getsockname()[1]
-    where = dict(host=settings.host, port=port, metrics_port=metrics_port,
+    try:
+        listener = await start_server(
+            service_name=SERVICE_NAME,
+            add_servicers=lambda server: epb_grpc.add_ExecutorServiceServicer_to_server(
+                ExecutorServicer(ex), server),
+            host=settings.host, port=settings.port,
+            options=[("grpc.so_reuseport", 0),
+                     ("grpc.http2.min_ping_interval_without_data_ms", 5000)],
+            serving=False, metrics=registry, metrics_port=settings.metrics_port)
+    except ListenError as exc:  # taken since main() checked it
+        return exit_with_error("kvcache-executor", str(exc), 2)
+    where = dict(host=settings.host, port=listener.port, metrics_port=listener.metrics_port,
                  model=ex.model.config.name, pool_id=ex.plan.pool_id,
                  cache_service=settings.cache_service)
     # Lifecycle lines print at any --log-level (supervisors and launchers wait for them).
@@ -410,33 +403,37 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
 
     async def mark_serving() -> None:
         if not ex.draining:
-            for name in ("", SERVICE_NAME):
-                await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await listener.mark_serving()
             lifecycle().info("serving", **where)
 
-    stop = asyncio.Event()
     exit_code = 0
     why = ""
 
     def fatal(message: str) -> None:
         nonlocal exit_code, why
         exit_code, why = 1, message
-        loop.call_soon_threadsafe(stop.set)
+        loop.call_soon_threadsafe(listener.request_stop)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     ex.start(lambda: asyncio.run_coroutine_threadsafe(mark_serving(), loop), fatal)
-    await stop.wait()
-    lifecycle().info("draining", grace_seconds=settings.drain_seconds)
-    ex.draining = True
-    await health_servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + settings.drain_seconds
-    while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
-           and time.monotonic() < deadline):
-        await asyncio.sleep(0.05)
-    await server.stop(1.0)
-    await asyncio.to_thread(ex.close)
-    if metrics_server is not None:
-        metrics_server.close()
-    lifecycle().info("stopped", exit_code=exit_code)
+    await listener.wait()
+
+    def refuse_new() -> None:
+        ex.draining = True
+
+    async def engine_idle(grace_seconds: float) -> None:
+        """Running and waiting requests finish, or the grace passes."""
+        deadline = time.monotonic() + grace_seconds
+        while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+
+    async def close() -> None:
+        await asyncio.to_thread(ex.close)
+
+    # stop_grace 1 s: the requests were waited for above; what is left (a finished
+    # stream's last message, health watchers) must not hold the process until a
+    # supervisor's kill timeout.
+    await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
+                            wait_idle=engine_idle, close=close, stop_grace_seconds=1.0,
+                            exit_code=exit_code)
     return exit_with_error("kvcache-executor", why, exit_code) if why else exit_code

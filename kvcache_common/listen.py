@@ -30,3 +30,10 @@ def port_in_use(host: str, port: int, flag: str = "--port") -> str | None:
                             f"running? pick another port, or --port 0 for a free one)")
                 return f"--host: cannot listen on {host}:{port} ({exc.strerror})"
     return None
+
+
+def ports_in_use(host: str, port: int, metrics_port: int) -> str | None:
+    """Why a server cannot listen on its gRPC port or its metrics port, or None: what both
+    servers check before starting anything slow (a second start of the same command answers
+    at once)."""
+    return port_in_use(host, port) or port_in_use(host, metrics_port, "--metrics-port")

@@ -1,14 +1,23 @@
-"""Session-wide test settings shared by every tier.
+"""Session-wide test settings and fixtures shared by every tier.
 
 Two shared cores: torch ops get 10-20x slower when two processes fight over intra-op
 threads, so every test process uses one thread.
+
+``gate``: a fixed address for a server that is not up yet or restarts on another port (no
+test reserves a port and releases it for a server to take later: another process can take
+it in between).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import socket
+import threading
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import settings as hypothesis_settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -28,3 +37,75 @@ if importlib.util.find_spec("torch") is not None:  # the cache-service tiers run
 # more about the neighbours than about the code: examples are bounded by their size instead.
 hypothesis_settings.register_profile("kvcache", deadline=None)
 hypothesis_settings.load_profile("kvcache")
+
+
+class Gate:
+    """A TCP endpoint the test owns for its whole life: it hangs up on every connection
+    until :meth:`open_to` names a server, then forwards new connections to it (a later
+    ``open_to`` moves new connections to a restarted server). Counts the connections it hung
+    up on (also those whose server did not answer), so a test can wait for a client's
+    failed attempt."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.target = f"127.0.0.1:{self.port}"
+        self._upstream: tuple[str, int] | None = None
+        self._cond = threading.Condition()
+        self.refused = 0
+        threading.Thread(target=self._accept, name="gate", daemon=True).start()
+
+    def open_to(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        with self._cond:
+            self._upstream = (host, int(port))
+
+    def wait_refused(self, count: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.refused >= count, timeout)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        self._listener.close()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        conn.close()
+        with self._cond:
+            self.refused += 1
+            self._cond.notify_all()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            with self._cond:
+                upstream = self._upstream
+            try:
+                if upstream is None:
+                    raise ConnectionRefusedError
+                server = socket.create_connection(upstream, timeout=10)
+                server.settimeout(None)
+            except OSError:
+                self._refuse(conn)
+                continue
+            for src, dst in ((conn, server), (server, conn)):
+                threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    """A :class:`Gate`, closed after the test."""
+    g = Gate()
+    yield g
+    g.close()

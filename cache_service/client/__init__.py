@@ -18,14 +18,16 @@ step is cheapest as ONE ``ops.decode(request_ids, token_ids)`` op (or ``client.d
 when the step has nothing else), answered by a :class:`DecodeResult`. Results are
 dataclasses or views, not protos.
 Errors raise :class:`CacheError` (status code, message, offending field). Every call has a
-deadline (``timeout``, default ``default_timeout``); calls are retried only on UNAVAILABLE
-(server draining, not reachable yet, or the connection lost), with bounded exponential
-backoff. A call that failed with UNAVAILABLE may still have been applied (the connection
-can break after the server applied it and before its answer arrived), so mutating calls
-are made exactly once with a session: by default the first mutating call opens one (a
-background keepalive renews its lease) and every mutating call carries the session id and
-a sequence number; a retry resends the same number, and the server answers a retry of an
-applied call with the stored response instead of applying it again. The session owns the
+deadline (``timeout``, default ``default_timeout``, spanning its retries); calls are
+retried only on UNAVAILABLE (server draining, not reachable yet, or the connection lost),
+by gRPC's own retry policy: at most ``max_retries`` (0..4) times, with bounded exponential
+backoff (``backoff_base``, ``backoff_max``). A call that failed with UNAVAILABLE may
+still have been applied (the connection can break after the server applied it and before
+its answer arrived), so mutating calls are made exactly once with a session: by default
+the first mutating call opens one (a background keepalive renews its lease) and every
+mutating call carries the session id and a sequence number; a retry resends the same
+number, and the server answers a retry of an applied call with the stored response
+instead of applying it again. The session owns the
 requests the client adds: if the client dies, the server frees them when the lease runs
 out; ``close()`` ends the session and frees those not freed yet. ``session=False`` makes a
 client without a session (nothing it adds expires; retries are then not deduplicated).

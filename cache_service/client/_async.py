@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -15,8 +14,9 @@ from cache_service.client._builders import (
     decode_request,
     peek_request,
     register_request,
+    subscribe_request,
 )
-from cache_service.client._channel import CHANNEL_OPTIONS, auth_metadata, channel_credentials
+from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
 from cache_service.client._results import (
     DecodeResult,
@@ -32,9 +32,11 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
+from cache_service.client._retry import OnRetry, resend_delay
 from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.backoff import Backoff
 
 
 class AsyncCacheClient:
@@ -49,9 +51,8 @@ class AsyncCacheClient:
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
                  ssl_target_name_override: str | None = None, session: bool = True,
                  client_name: str = "") -> None:
-        options = list(CHANNEL_OPTIONS)
-        if ssl_target_name_override:
-            options.append(("grpc.ssl_target_name_override", ssl_target_name_override))
+        self._backoff = Backoff(backoff_base, backoff_max)
+        options = channel_options(max_retries, self._backoff, ssl_target_name_override)
         creds = channel_credentials(tls, root_certificates)
         self._channel = (grpc.aio.secure_channel(target, creds, options=options) if creds
                          else grpc.aio.insecure_channel(target, options=options))
@@ -59,7 +60,6 @@ class AsyncCacheClient:
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
-        self._backoff = (backoff_base, backoff_max)
         self._use_session = session
         self._client_name = client_name
         self._session: SessionStamp | None = None
@@ -92,20 +92,12 @@ class AsyncCacheClient:
         return self._session.session_id if self._session else None
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
-        attempt = 0
-        while True:
-            try:
-                return await method(request, timeout=timeout or self.default_timeout,
-                                    metadata=self._metadata)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retries:
-                    raise CacheError.from_rpc(exc) from None
-                await self._sleep_backoff(attempt)
-                attempt += 1
-
-    async def _sleep_backoff(self, attempt: int) -> None:
-        base, cap = self._backoff
-        await asyncio.sleep(min(cap, base * 2 ** attempt) * random.uniform(0.5, 1.0))
+        """One unary call (gRPC retries UNAVAILABLE, see ``_channel.py``)."""
+        try:
+            return await method(request, timeout=timeout or self.default_timeout,
+                                metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise CacheError.from_rpc(exc) from None
 
     async def _ensure_session(self) -> SessionStamp | None:
         """The open session, opened on first use (call with the lock held)."""
@@ -201,7 +193,7 @@ class AsyncCacheClient:
         return DecodeResult(resp.results[0].decode)
 
     def step_stream(self, *, step_timeout: float | None = None,
-                    on_retry: Any = None) -> AsyncStepStream:
+                    on_retry: OnRetry | None = None) -> AsyncStepStream:
         """A bidirectional Step stream: ``async with client.step_stream() as s:
         r = await s.step(pool_id, ops)``; ``step_timeout`` (default ``default_timeout``)
         is each step's deadline (see :class:`AsyncStepStream`)."""
@@ -240,12 +232,8 @@ class AsyncCacheClient:
         pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
         FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
         deadline; raises :class:`CacheError`."""
-        req = pb.SubscribeEventsRequest(pool_id=pool_id)
-        if from_sequence is not None:
-            req.from_sequence = from_sequence
-        if incarnation is not None:
-            req.incarnation = incarnation
-        call = self._stub.SubscribeEvents(req, metadata=self._metadata)
+        call = self._stub.SubscribeEvents(subscribe_request(pool_id, from_sequence, incarnation),
+                                          metadata=self._metadata)
         try:
             async for batch in call:
                 for e in batch.events:
@@ -265,7 +253,7 @@ class AsyncStepStream:
     server (an invalid batch) ends the stream; the next step opens a new one."""
 
     def __init__(self, client: AsyncCacheClient, step_timeout: float,
-                 on_retry: Any = None) -> None:
+                 on_retry: OnRetry | None = None) -> None:
         self._client = client
         self.step_timeout = step_timeout
         self._on_retry = on_retry
@@ -297,13 +285,8 @@ class AsyncStepStream:
             except asyncio.InvalidStateError:  # written after the call ended
                 err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
             await self.close()
-            if err.code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                    or attempt >= self._client._retries:
-                raise err
-            if self._on_retry is not None:
-                self._on_retry(err.code.name.lower(), attempt + 1)
-            if err.code == grpc.StatusCode.UNAVAILABLE:
-                await self._client._sleep_backoff(attempt)
+            await asyncio.sleep(resend_delay(err, attempt, self._client._retries,
+                                             self._client._backoff, self._on_retry))
             attempt += 1
 
     async def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:

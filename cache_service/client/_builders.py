@@ -262,8 +262,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks
-    else:
-        req.available_memory_bytes = available_memory_bytes  # type: ignore[assignment]
+    elif available_memory_bytes is not None:  # exactly one of the two (checked above)
+        req.available_memory_bytes = available_memory_bytes
     return req
 
 
@@ -278,3 +278,15 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
                    begin_step: bool) -> pb.StepRequest:
     return StepBuilder(pool_id, begin_step=begin_step).decode(request_ids, token_ids).request
+
+
+def subscribe_request(pool_id: str, from_sequence: int | None,
+                      incarnation: int | None) -> pb.SubscribeEventsRequest:
+    """Live events only unless ``from_sequence`` is given; ``incarnation`` pins a resume to
+    the pool incarnation the sequence numbers belong to."""
+    req = pb.SubscribeEventsRequest(pool_id=pool_id)
+    if from_sequence is not None:
+        req.from_sequence = from_sequence
+    if incarnation is not None:
+        req.incarnation = incarnation
+    return req

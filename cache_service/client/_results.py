@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import LAYER_KINDS
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,15 @@ class StepResult:
 
     results: list[OpResult]
     num_free_blocks: int
+
+    def result(self, index: int, kind: type[R]) -> R:
+        """``results[index]`` as the answer kind the caller expects (typed); TypeError
+        naming both kinds when op ``index`` got another kind of answer."""
+        answer = self.results[index]
+        if not isinstance(answer, kind):
+            raise TypeError(f"results[{index}] is a {type(answer).__name__}, "
+                            f"not a {kind.__name__}")
+        return answer
 
 
 @dataclass(frozen=True)

@@ -137,8 +137,14 @@ def cross_attention(bs: int = 16) -> CrossAttentionSpec:
     return CrossAttentionSpec(block_size=bs)
 
 
-def twin_pools(name: str) -> tuple[Pool, Pool]:
-    """Two identical small pools of a sample config, with KV events on."""
-    config, options = load_config(small_config(name))
+def twin_pools(name: str, *, mixed: bool = False) -> tuple[Pool, Pool]:
+    """Two identical small pools of a sample config, with KV events on; ``mixed`` doubles
+    the block size of every group after the first (hybrid alignment and coarse hashes)."""
+    raw = small_config(name)
+    if mixed:
+        for g in raw["groups"][1:]:
+            if g["block_size"] == SMALL_BLOCK:
+                g["block_size"] = 2 * SMALL_BLOCK
+    config, options = load_config(raw)
     options = dataclasses.replace(options, enable_events=True)
     return Pool(config, options), Pool(config, options)

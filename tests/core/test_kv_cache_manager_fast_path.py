@@ -6,32 +6,20 @@ blocks fill, get cached and evicted) and a mixed-block-size variant of each."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.pool import Pool
-from cache_service.replay import load_config
 
-from builders import SAMPLE_CONFIGS, SMALL_BLOCK, small_config, snapshot_with_events
+from builders import SAMPLE_CONFIGS, SMALL_BLOCK, snapshot_with_events, twin_pools
 
 CASES = [(name, mixed) for name in SAMPLE_CONFIGS for mixed in (False, True)]
 
 
-def twin_pools(name: str, mixed: bool) -> tuple[Pool, Pool]:
-    """(fast, general): identical small pools of a sample config with KV events on;
-    ``mixed`` doubles the block size of every group after the first (hybrid alignment
-    and coarse hashes)."""
-    raw = small_config(name)
-    if mixed:
-        for g in raw["groups"][1:]:
-            if g["block_size"] == SMALL_BLOCK:
-                g["block_size"] = 2 * SMALL_BLOCK
-    config, options = load_config(raw)
-    options = dataclasses.replace(options, enable_events=True)
-    fast, general = Pool(config, options), Pool(config, options)
+def fast_and_general(name: str, mixed: bool) -> tuple[Pool, Pool]:
+    """Twin pools (``builders.twin_pools``), the second with the fast path off."""
+    fast, general = twin_pools(name, mixed=mixed)
     general.manager.fast_path = False
     return fast, general
 
@@ -56,7 +44,7 @@ def count_fast_path_hits(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> list[in
                                                                   HealthCheck.data_too_large])
 @given(data=st.data())
 def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObject) -> None:
-    fast, general = twin_pools(name, mixed)
+    fast, general = fast_and_general(name, mixed)
     limit = fast.options.max_model_len
     n_added = 0
     for _ in range(30):
@@ -97,7 +85,7 @@ def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObje
 def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Not vacuous: in every config a long decode mostly takes the fast path."""
-    fast, general = twin_pools(name, mixed)
+    fast, general = fast_and_general(name, mixed)
     hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
         pool.add_request("a", [1, 2, 3])
@@ -113,7 +101,7 @@ def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool,
 def test_fast_path_is_taken_inside_a_block_and_not_across(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode inside the last block is answered by the fast path; the token that
     opens a new block, or completes one that gets hashed, is not."""
-    fast, general = twin_pools("full", False)
+    fast, general = fast_and_general("full", False)
     hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
         pool.add_request("a", [1] * (SMALL_BLOCK + 1))

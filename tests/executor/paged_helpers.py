@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import socket
-from typing import TypeVar, Unpack
+from typing import Unpack
 
 import torch
 
-from cache_service.client import StepResult
 from executor.batch import (
     AttentionMeta,
     ForwardMeta,
@@ -24,8 +22,6 @@ from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes
 from executor.client import GenerateOptions, Generation
 from executor.model import HybridModel, layer_name
 from executor.model_config import ModelConfig
-
-R = TypeVar("R")
 
 
 def one_group_per_layer(cfg: ModelConfig, block_size: int, mamba_cache_mode: str = "align",
@@ -100,12 +96,6 @@ def mamba_meta(meta: ForwardMeta, group: int) -> MambaMeta:
     return m
 
 
-def op_result(step: StepResult, i: int, kind: type[R]) -> R:
-    """``step.results[i]``, asserted to be a ``kind`` (the answer to op i's kind)."""
-    r = step.results[i]
-    assert isinstance(r, kind), r
-    return r
-
 
 def shared_prefix_workload(n: int, *, prefix_len: int = 100, vocab: int = 1000,
                            seed: int = 0) -> list[list[int]]:
@@ -128,13 +118,6 @@ def run_concurrently(target: str, prompts: list[list[int]], max_tokens: int,
     with ExecutorClient(target) as client, ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(client.generate, p, max_tokens, **kwargs) for p in prompts]
         return [f.result() for f in futures]
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (at the time of the call)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def health_status(target: str) -> str:

@@ -12,12 +12,17 @@ import sys
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from executor.launch import start_executor
 from kvcache_common.launch import start_cache_service
 
-from paged_helpers import free_port, health_status
+from paged_helpers import health_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +107,7 @@ def test_a_bare_boolean_flag_means_true() -> None:
 
 
 def test_the_executor_runs_one_intra_op_thread_unless_told_otherwise(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, gate) -> None:
     """Executors share the host's cores: ``python -m executor`` sets OMP_NUM_THREADS=1 (unless
     set) before torch is imported, so torch in the started process runs one intra-op thread
     where it would default to one per core; a value in the environment wins."""
@@ -110,7 +115,7 @@ def test_the_executor_runs_one_intra_op_thread_unless_told_otherwise(
         pytest.skip("one core: torch would default to one thread anyway")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # tests/conftest.py sets both
         monkeypatch.delenv(var, raising=False)
-    unreachable = f"127.0.0.1:{free_port()}"  # listening comes before registering
+    unreachable = gate.target  # never opened; listening comes before registering
     for env, threads in (({}, 1), ({"OMP_NUM_THREADS": "2"}, 2)):
         with start_executor(unreachable, "--preset", "gemma3-like", wait_serving=False,
                             env=env) as ex:
@@ -118,31 +123,46 @@ def test_the_executor_runs_one_intra_op_thread_unless_told_otherwise(
             assert ex.ready_record["torch_threads"] == threads, env
 
 
-def test_serving_means_serving_at_every_log_level() -> None:
+def test_serving_means_serving_at_every_log_level(gate) -> None:
     """At --log-level warning both servers still print their readiness lines; the executor's
     "serving" comes only once it has registered (its health is SERVING by then)."""
-    port = free_port()
-    ex = start_executor(f"127.0.0.1:{port}", "--preset", "gemma3-like", "--log-level", "warning",
+    ex = start_executor(gate.target, "--preset", "gemma3-like", "--log-level", "warning",
                         wait_serving=False)
     try:
         assert ex.ready_record is not None and ex.ready_record["event"] == "listening"
         assert not any(r.get("event") == "serving" for r in ex.records)
-        with start_cache_service("--port", str(port), "--log-level", "warning") as cs:
+        with start_cache_service("--log-level", "warning") as cs:
+            gate.open_to(cs.target)
             assert cs.ready_record is not None and cs.ready_record["event"] == "serving"
             serving = ex.wait_for(lambda r: r.get("event") == "serving", timeout=60)
             assert serving["port"] == ex.port
             assert health_status(ex.target) == "SERVING"
+            assert_same_discovery_as_the_cache_service(ex.target)
             ex.stop()
     finally:
         ex.stop()
     assert ex.returncode == 0
 
 
-def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path) -> None:
+def assert_same_discovery_as_the_cache_service(target: str) -> None:
+    """Both servers start through kvcache_common.serving: health answers List, reflection
+    names v1 and v1alpha."""
+    with grpc.insecure_channel(target) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        statuses = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(),
+                                                            timeout=10).statuses
+    assert {"kvcache.v1.ExecutorService", "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= services, services
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert {name: s.status for name, s in statuses.items()} == {
+        "": serving, "kvcache.v1.ExecutorService": serving}
+
+
+def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path, gate) -> None:
     """--target at an executor whose cache service is not up: the demo says what it waits for,
     then gives up with one line; with the cache service started meanwhile it runs."""
-    port = free_port()
-    ex = start_executor(f"127.0.0.1:{port}", "--preset", "hybrid-fsm", wait_serving=False)
+    ex = start_executor(gate.target, "--preset", "hybrid-fsm", wait_serving=False)
     small = ["--requests", "2", "--prefix-len", "16", "--max-tokens", "2", "--concurrency", "2"]
     try:
         done = run("-m", "executor.demo", *small, "--target", ex.target, "--wait-seconds", "1")
@@ -156,7 +176,8 @@ def test_demo_waits_for_an_executor_that_is_not_registered_yet(tmp_path) -> None
         try:
             assert demo.stdout is not None
             assert demo.stdout.readline().startswith("waiting up to 60 s for the executor")
-            with start_cache_service("--port", str(port)):
+            with start_cache_service() as cs:
+                gate.open_to(cs.target)
                 out, _ = demo.communicate(timeout=60)
         finally:
             demo.kill()

@@ -21,9 +21,7 @@ from kvcache_common.api.kvcache.v1 import executor_pb2 as epb
 from kvcache_common.launch import start_cache_service
 
 from paged_helpers import (
-    free_port,
     health_status,
-    op_result,
     run_concurrently,
     shared_prefix_workload,
 )
@@ -110,13 +108,13 @@ def _external_prefill(cc: CacheClient, ex: ExecutorClient, pool: str, rid: str, 
     with the tables it got. Returns (hit tokens, next token)."""
     looked_up = cc.step(pool, [ops.add(rid, prompt, cache_salt=salt or None), ops.lookup(rid)],
                         begin_step=True)
-    hit = op_result(looked_up, 1, LookupResult).hit_tokens
+    hit = looked_up.result(1, LookupResult).hit_tokens
     start, token = hit, -1
     while start < len(prompt):
         n = min(first_chunk if start == hit else len(prompt), len(prompt) - start)
         step_ops = ([ops.lookup(rid), ops.allocate(rid, n)] if start == hit
                     else [ops.allocate(rid, n)])
-        alloc = op_result(cc.step(pool, step_ops, begin_step=start != hit), -1, AllocateResult)
+        alloc = cc.step(pool, step_ops, begin_step=start != hit).result(-1, AllocateResult)
         assert alloc.ok
         out = ex.execute(epb.ExecuteRequest(sequences=[epb.ExecuteSequence(
             request_id=rid, token_ids=prompt[start:start + n], num_computed_tokens=start,
@@ -157,7 +155,7 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
                     pos = len(prompt) + len(tokens) - 1
                     step = cc.step(pool, [ops.append(rid, [tokens[-1]]), ops.allocate(rid, 1)],
                                    begin_step=True)
-                    alloc = op_result(step, -1, AllocateResult)
+                    alloc = step.result(-1, AllocateResult)
                     out = ex.execute(epb.ExecuteRequest(
                         return_logits=True, sequences=[epb.ExecuteSequence(
                             request_id=rid, token_ids=[tokens[-1]], num_computed_tokens=pos,
@@ -173,9 +171,8 @@ def test_execute_with_an_external_scheduler_matches_generate(cache_service, pres
         proc.stop()
 
 
-def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None:
-    port = free_port()
-    target = f"127.0.0.1:{port}"
+def test_waits_for_the_cache_service_and_reregisters_after_its_restart(gate) -> None:
+    target = gate.target
     proc = start_executor(target, "--preset", "gemma3-like", wait_serving=False)
     cs = None
     try:
@@ -184,7 +181,8 @@ def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None
             with pytest.raises(grpc.RpcError) as err:
                 ex.generate([1, 2, 3], 2)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            cs = start_cache_service("--port", str(port))
+            cs = start_cache_service()
+            gate.open_to(cs.target)
             wait_ready(proc.target, 30)
             prompt = shared_prefix_workload(1, prefix_len=64, seed=5)[0]
             before = ex.generate(prompt, 200)
@@ -192,7 +190,8 @@ def test_waits_for_the_cache_service_and_reregisters_after_its_restart() -> None
             first = next(stream)  # in flight when the service dies
             cs.proc.kill()  # a crash: the new instance knows no pools
             cs.stop()
-            cs = start_cache_service("--port", str(port))
+            cs = start_cache_service()  # on a port of its own: new connections go there
+            gate.open_to(cs.target)
             rest = list(stream)
             after = ex.generate(prompt, 200)
         # the in-flight request was re-queued and recomputed: same tokens, nothing lost
@@ -309,15 +308,15 @@ def test_demo_runs_locally_and_against_a_target(cache_service, tmp_path) -> None
     assert only["requests"] == 6 and only["output_tokens"] == 24
 
 
-def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) -> None:
+def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path, gate) -> None:
     """A cache service with --data-dir killed (SIGKILL) and restarted on its directory while
     several generations are in flight: the executor keeps its pool and session (no
     re-registration, no recompute), resends its in-flight Step under the same sequence
     number, and every output equals the uninterrupted run's."""
-    port = free_port()
-    flags = ("--port", str(port), "--data-dir", str(tmp_path / "cache"))
+    flags = ("--data-dir", str(tmp_path / "cache"))
     cs = start_cache_service(*flags)
-    proc = start_executor(cs.target, "--preset", "gemma3-like")
+    gate.open_to(cs.target)
+    proc = start_executor(gate.target, "--preset", "gemma3-like")
     try:
         prompts = shared_prefix_workload(3, prefix_len=48, seed=11)
         with ExecutorClient(proc.target) as ex:
@@ -327,6 +326,7 @@ def test_durable_cache_service_restart_mid_generation_loses_nothing(tmp_path) ->
             cs.proc.kill()
             cs.stop()
             cs = start_cache_service(*flags)
+            gate.open_to(cs.target)
             rests = [list(s) for s in streams]
         for first, rest, ref in zip(firsts, rests, reference):
             assert list(first.token_ids) + [t for m in rest for t in m.token_ids] == ref

@@ -26,7 +26,7 @@ from executor.presets import get_preset
 from executor.runner import ModelRunner
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from paged_helpers import op_result, shared_prefix_workload
+from paged_helpers import shared_prefix_workload
 
 
 @given(start=st.integers(0, 500), extra=st.integers(0, 500), budget=st.integers(1, 300),
@@ -150,7 +150,7 @@ def decode_ops(link: RecordingLink) -> list[tuple[pb.DecodeOp, DecodeResult]]:
     for batch, result, _ in link.sent:
         for i, op in enumerate(batch):
             if op.WhichOneof("op") == "decode":
-                out.append((op.decode, op_result(result, i, DecodeResult)))
+                out.append((op.decode, result.result(i, DecodeResult)))
     return out
 
 
@@ -211,7 +211,7 @@ def test_the_step_stream_reopens_after_an_error(cache_service, small_model) -> N
             link.step([ops.decode(["a", "nope"], [4, 5])])
         assert exc.value.field == "ops[0].decode.request_ids[1]"
         result = link.step([ops.decode(["a"], [4])], begin_step=True)
-        assert op_result(result, 0, DecodeResult).ok == [True]
+        assert result.result(0, DecodeResult).ok == [True]
         assert link.client.get_request(plan.pool_id, "a").num_computed_tokens == 4
     finally:
         link.close()
@@ -306,7 +306,7 @@ def test_a_hung_cache_service_costs_a_stream_retry_not_a_hang(cache_service,
             finally:
                 resumer.join()
                 os.kill(pid, signal.SIGCONT)
-        assert op_result(result, 0, DecodeResult).ok == [True] and link.stream_retries == 1
+        assert result.result(0, DecodeResult).ok == [True] and link.stream_retries == 1
         assert link.client.get_request(plan.pool_id, "a").num_tokens == 4  # applied once
         retries = [e for e in logs if e["event"] == "step_stream_retry"]
         assert [(e["reason"], e["attempt"]) for e in retries] == [("deadline_exceeded", 1)]

@@ -3,12 +3,10 @@ Test modules and conftest.py import them from here (never from conftest or each 
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
-from cache_service.client import StepResult, layers
+from cache_service.client import layers
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-
-R = TypeVar("R")
 
 EVENT_BUFFER = 64  # the session server's event buffer: small, so OUT_OF_RANGE is cheap to provoke
 
@@ -37,11 +35,3 @@ def hybrid_layers() -> list[pb.LayerSpec]:
 def full_layers(n: int = 2, block_size: int = 16) -> list[pb.LayerSpec]:
     return [layers.full_attention(f"l{i}", block_size=block_size, num_kv_heads=2, head_size=8)
             for i in range(n)]
-
-
-def result_of(step: StepResult, index: int, kind: type[R]) -> R:
-    """``step.results[index]``, checked to be the answer of the op kind the test expects."""
-    answer = step.results[index]
-    got, want = type(answer).__name__, kind.__name__
-    assert isinstance(answer, kind), f"results[{index}] is a {got}, not a {want}"
-    return answer

@@ -18,7 +18,7 @@ from cache_service.client import (
     ops,
 )
 
-from .builders import hybrid_layers, result_of
+from .builders import hybrid_layers
 
 
 def request_state(client: CacheClient, pool_id: str, rids: list[str]) -> list:
@@ -56,7 +56,7 @@ def test_decode_op_equals_generic_allocate_ops(client: CacheClient, new_pool) ->
         if running:
             decoded = got.results[len(head)]
             assert isinstance(decoded, DecodeResult)
-            allocs = [result_of(want, len(head) + i, AllocateResult) for i in range(len(running))]
+            allocs = [want.result(len(head) + i, AllocateResult) for i in range(len(running))]
             assert decoded.ok == [a.ok for a in allocs]
             assert decoded.new_block_ids == {i: a.new_block_ids for i, a in enumerate(allocs)
                                              if a.ok and a.new_block_ids}
@@ -68,8 +68,8 @@ def test_decode_op_equals_generic_allocate_ops(client: CacheClient, new_pool) ->
                 for pool in (generic, compact):
                     client.step(pool, [ops.preempt(v) for v in victims])
                 running = [r for r in running if r not in victims]
-        admitted = result_of(got, -1, AllocateResult).ok
-        assert admitted == result_of(want, -1, AllocateResult).ok
+        admitted = got.result(-1, AllocateResult).ok
+        assert admitted == want.result(-1, AllocateResult).ok
         assert got.num_free_blocks == want.num_free_blocks
         if admitted:
             running.append(rid)
@@ -93,7 +93,7 @@ def test_client_decode_helper_and_builder(client: CacheClient, new_pool) -> None
     assert result.new_block_ids[1] == [t[-1:] for t in state.block_ids]
     assert (state.num_tokens, state.num_computed_tokens) == (17, 17)
     step = client.step_batch(StepBuilder(pool_id).decode(["b", "a"], [1, 2]))
-    assert result_of(step, 0, DecodeResult).ok == [True, True]
+    assert step.result(0, DecodeResult).ok == [True, True]
     assert client.get_request(pool_id, "a").num_computed_tokens == 17
 
 
@@ -129,7 +129,7 @@ def test_decode_of_a_request_added_earlier_in_the_batch(client: CacheClient,
     pool_id = new_pool().pool_id
     got = client.step(pool_id, [ops.add("n", [1, 2, 3]), ops.allocate("n", 3),
                                 ops.decode(["n"], [4])], begin_step=True)
-    assert result_of(got, 2, DecodeResult).ok == [True]
+    assert got.result(2, DecodeResult).ok == [True]
     assert client.get_request(pool_id, "n").num_computed_tokens == 4
     with pytest.raises(CacheError) as exc:  # decode leaves computed tokens: no lookup
         client.step(pool_id, [ops.add("m", [1, 2]), ops.decode(["m"], [3]), ops.lookup("m")])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,12 +33,6 @@ NUM_BLOCKS = 2048
 
 def _start(data_dir: Path, *flags: str) -> ServerProcess:
     return start_cache_service("--data-dir", str(data_dir), *flags)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -129,9 +122,8 @@ def _wait_progress(progress: threading.Semaphore, n: int) -> None:
 
 
 def _reachable(call, timeout: float = 60.0):
-    """``call()`` once the restarted server is reachable on its port: gRPC shares one
-    connection per address in a process, and the load clients' reconnect attempts while the
-    server was down may have put it into backoff (fails fast until the backoff ends)."""
+    """``call()`` once the restarted server answers (UNAVAILABLE is retried until
+    ``timeout``): a deadline-bounded wait, not a fixed sleep."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -145,17 +137,19 @@ def _state_of(client: CacheClient, request_ids: list[str]) -> tuple:
     return client.stats("p"), {rid: client.get_request("p", rid) for rid in request_ids}
 
 
-def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path) -> None:
+def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> None:
+    """The load clients talk to the gate: one address across restarts (each restart
+    listens on a port of its own, so none is reserved and released)."""
     data_dir = tmp_path / "data"
-    port = str(_free_port())
-    flags = ("--port", port, "--fsync", "batch", "--snapshot-every", "150")
+    flags = ("--fsync", "batch", "--snapshot-every", "150")
     server = _start(data_dir, *flags)
+    gate.open_to(server.target)
     clients: list[LoadClient] = []
     try:
         with CacheClient(server.target) as admin:
             info = admin.register_pool("p", hybrid_layers(), max_model_len=4096,
                                        num_blocks=NUM_BLOCKS)
-        clients = [LoadClient(f"c{i}", CacheClient(server.target, default_timeout=10))
+        clients = [LoadClient(f"c{i}", CacheClient(gate.target, default_timeout=10))
                    for i in range(NUM_CLIENTS)]
         stop = threading.Event()
         progress = threading.Semaphore(0)
@@ -166,6 +160,7 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path) -> None:
         assert server.returncode == -signal.SIGKILL
 
         server = _start(data_dir, *flags)
+        gate.open_to(server.target)
         recovered = server.wait_for(lambda r: r.get("event") == "recovered")
         assert recovered["snapshot_index"] > 0  # a background snapshot was taken
         assert recovered["records_replayed"] > 0  # and the log tail after it replayed

@@ -18,8 +18,6 @@ from cache_service.client.prefix_index import PrefixIndex
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
-from .builders import result_of
-
 FULL = layers.full_attention("f", block_size=16, num_kv_heads=2, head_size=8)
 SWA = layers.sliding_window("s", block_size=16, sliding_window=32, num_kv_heads=2, head_size=8)
 MAMBA = layers.mamba("m", block_size=16, shapes=[[4]], dtypes=["float32"],
@@ -101,9 +99,9 @@ def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
             first = rng.choice([len(prompt), rng.randrange(1, len(prompt) + 1), 16, 120])
             batch = [ops.add(rid, prompt), ops.lookup(rid)]
             res = client.step(pool_id, batch, begin_step=True)
-            hit = result_of(res, 1, LookupResult).hit_tokens
+            hit = res.result(1, LookupResult).hit_tokens
             n = max(1, min(first, len(prompt) - hit))
-            out = result_of(client.step(pool_id, [ops.allocate(rid, n)]), 0, AllocateResult)
+            out = client.step(pool_id, [ops.allocate(rid, n)]).result(0, AllocateResult)
             if out.ok:
                 running[rid] = [out.num_computed_tokens, len(prompt)]
             else:
@@ -113,13 +111,13 @@ def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
             computed, total = running[rid]
             if computed < total:
                 n = rng.choice([total - computed, rng.randrange(1, total - computed + 1)])
-                out = result_of(client.step(pool_id, [ops.allocate(rid, n)], begin_step=True), 0,
+                out = client.step(pool_id, [ops.allocate(rid, n)], begin_step=True).result(0,
                                 AllocateResult)
             else:
                 tok = rng.randrange(500)
                 prompts[rid].append(tok)
-                out = result_of(client.step(pool_id, [ops.allocate(rid, 1, append_token_ids=[tok])],
-                                            begin_step=True), 0, AllocateResult)
+                out = client.step(pool_id, [ops.allocate(rid, 1, append_token_ids=[tok])],
+                                            begin_step=True).result(0, AllocateResult)
                 running[rid][1] += 1
             if out.ok:
                 running[rid][0] = out.num_computed_tokens

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import AllocateResult, CacheClient, CacheError, ops
 from kvcache_common.launch import start_cache_service
 
-from .builders import full_layers, result_of
+from .builders import full_layers
 
 
 def _watch_health(target: str, seen: list[str], stop: threading.Event) -> None:
@@ -153,7 +151,7 @@ def test_tls_with_the_token_works_and_health_stays_open(secure_server) -> None:
         info = client.register_pool("tls-pool", full_layers(), num_blocks=64,
                                     max_model_len=128)
         result = client.step(info.pool_id, [ops.add("r", [1, 2, 3]), ops.allocate("r", 3)])
-        assert result_of(result, 1, AllocateResult).ok
+        assert result.result(1, AllocateResult).ok
     creds = grpc.ssl_channel_credentials(root_certificates=ca)
     with grpc.secure_channel(srv.target, creds) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
@@ -180,81 +178,35 @@ def test_bad_settings_exit_with_a_usage_error_naming_the_flag() -> None:
     assert proc.returncode == 2 and "port" in proc.stderr
 
 
-class _Gate:
-    """A TCP endpoint the test owns for its whole life (no port is reserved and released): it
-    hangs up on every connection until `open_to` names a server, then forwards to it. Counts
-    the connections it hung up on, so a test can wait for a client's first failed attempt."""
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._upstream: tuple[str, int] | None = None
-        self._cond = threading.Condition()
-        self.refused = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def open_to(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        with self._cond:
-            self._upstream = (host, int(port))
-
-    def wait_refused(self, count: int, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.refused >= count, timeout)
-
-    def close(self) -> None:
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            with self._cond:
-                upstream = self._upstream
-                if upstream is None:
-                    self.refused += 1
-                    self._cond.notify_all()
-            if upstream is None:
-                conn.close()
-                continue
-            server = socket.create_connection(upstream)
-            for src, dst in ((conn, server), (server, conn)):
-                threading.Thread(target=_pump, args=(src, dst), daemon=True).start()
-
-
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while data := src.recv(65536):
-            dst.sendall(data)
-    with contextlib.suppress(OSError):
-        dst.shutdown(socket.SHUT_WR)
-
-
-def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged() -> None:
-    gate = _Gate()
+def test_client_retries_unavailable_until_the_server_is_up_and_calls_are_logged(gate) -> None:
+    """The client's first attempt meets no server (the gate hangs up): the call can only
+    succeed by retrying, which gRPC's retry policy does (``cache_service/client/_channel.py``);
+    without retries the same call fails UNAVAILABLE."""
     outcome: list = []
 
-    def call() -> None:
-        with CacheClient(gate.target, max_retries=30, backoff_base=0.1, backoff_max=0.5) as client:
+    def call(max_retries: int) -> None:
+        with CacheClient(gate.target, max_retries=max_retries, backoff_base=0.2,
+                         backoff_max=1.0) as client:
             try:
                 outcome.append(client.list_pools())
             except CacheError as exc:
-                outcome.append(exc)
+                outcome.append(exc.code)
 
-    thread = threading.Thread(target=call)
-    try:
+    with start_cache_service("--log-level", "debug") as srv:
+        call(0)
+        assert outcome == [grpc.StatusCode.UNAVAILABLE] and gate.refused == 1, outcome
+        outcome.clear()
+        thread = threading.Thread(target=call, args=(4,))
         thread.start()
-        # The client's first attempt meets no server: the call can only succeed by retrying.
-        assert gate.wait_refused(1, timeout=20), "the client never tried to connect"
-        assert not outcome, outcome
-        with start_cache_service("--log-level", "debug") as srv:
-            gate.open_to(srv.target)
-            thread.join(30)
-            assert outcome == [[]], outcome
-            record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
-    finally:
-        gate.close()
+        assert gate.wait_refused(2, timeout=20), "the client never tried to connect"
+        gate.open_to(srv.target)  # the next attempt reaches the server
+        thread.join(30)
+        assert outcome == [[]], outcome
+        record = srv.wait_for(lambda r: r.get("event") == "rpc", timeout=10)
     assert record["rpc"] == "kvcache.v1.CacheService/ListPools"
     assert record["code"] == "OK" and len(record["request_id"]) >= 16
+
+
+def test_max_retries_beyond_grpcs_limit_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_retries: 5 is not in 0..4"):
+        CacheClient("127.0.0.1:1", max_retries=5)

@@ -10,8 +10,6 @@ from cache_service.client import AddResult, AllocateResult, CacheClient, CacheEr
 from cache_service.core.hashing import sha256_cbor, sha256_pickle
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .builders import result_of
-
 
 def test_max_in_flight_tokens_is_enforced(client: CacheClient, new_pool) -> None:
     info = new_pool(max_in_flight_tokens=128)
@@ -22,9 +20,9 @@ def test_max_in_flight_tokens_is_enforced(client: CacheClient, new_pool) -> None
     assert "max_in_flight_tokens=128" in err.value.message
     state = client.get_request(info.pool_id, "a")
     assert (state.num_computed_tokens, state.status) == (0, "WAITING")  # batch not applied
-    first = result_of(client.step(info.pool_id, [ops.allocate("a", 128)]), 0, AllocateResult)
+    first = client.step(info.pool_id, [ops.allocate("a", 128)]).result(0, AllocateResult)
     assert first.ok and first.num_computed_tokens == 128
-    second = result_of(client.step(info.pool_id, [ops.allocate("a", 72)]), 0, AllocateResult)
+    second = client.step(info.pool_id, [ops.allocate("a", 72)]).result(0, AllocateResult)
     assert second.num_computed_tokens == 200
 
 
@@ -75,4 +73,4 @@ def test_the_published_recipe_is_accepted(client: CacheClient, new_pool) -> None
     info = new_pool(hash_algo="sha256_cbor")
     result = client.step(info.pool_id, [ops.add("a", list(range(40)),
                                                 hash_recipe=info.raw.hash_recipe)])
-    assert result_of(result, 0, AddResult).num_block_hashes == 2
+    assert result.result(0, AddResult).num_block_hashes == 2

@@ -10,7 +10,7 @@ import urllib.request
 from cache_service.client import AllocateResult, CacheClient, StepBuilder
 from kvcache_common.launch import ServerProcess
 
-from .builders import full_layers, result_of
+from .builders import full_layers
 
 QUOTA = 12  # blocks per session; the pool has 255 usable
 
@@ -35,10 +35,10 @@ def test_a_session_at_its_quota_gets_no_room_while_another_still_allocates(
         for i in range(5):
             batch = StepBuilder("quota-pool", begin_step=True)
             batch.add(f"g{i}", [i] * 48).allocate(f"g{i}", 48)
-            results.append(result_of(greedy.step_batch(batch), 1, AllocateResult).ok)
+            results.append(greedy.step_batch(batch).result(1, AllocateResult).ok)
         assert results == [True, True, True, True, False]  # 12 blocks, then no room
         step = modest.step_batch(StepBuilder("quota-pool").add("m", [9] * 64).allocate("m", 64))
-        assert result_of(step, 1, AllocateResult).ok  # the other session's allocation succeeds
+        assert step.result(1, AllocateResult).ok  # the other session's allocation succeeds
         stats = modest.stats("quota-pool")
         assert stats.num_free_blocks == 255 - QUOTA - 4
         assert metric(server, "kvcache_pool_session_quota_refusals_total", "quota-pool") == 1
@@ -47,5 +47,5 @@ def test_a_session_at_its_quota_gets_no_room_while_another_still_allocates(
         # Freeing one of its requests gives the greedy session room again.
         greedy.step_batch(StepBuilder("quota-pool").free("g0"))
         step = greedy.step_batch(StepBuilder("quota-pool").allocate("g4", 48))
-        assert result_of(step, 0, AllocateResult).ok
+        assert step.result(0, AllocateResult).ok
         greedy.delete_pool("quota-pool")

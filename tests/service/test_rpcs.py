@@ -26,7 +26,7 @@ from cache_service.client import (
 from cache_service.registry import build_pool
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options, result_of
+from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options
 
 
 def local_pool(pool_id: str, layer_specs, **kwargs):
@@ -269,10 +269,10 @@ def test_step_stream_answers_each_request_in_order(client: CacheClient, new_pool
         second = stream.step(info.pool_id, [ops.append("a", [7]), ops.allocate("a", 1)],
                              begin_step=True)
         third = stream.step(info.pool_id, [ops.free("a")])
-    allocated = result_of(first, 2, AllocateResult)
+    allocated = first.result(2, AllocateResult)
     assert allocated.ok and allocated.num_computed_tokens == 40
-    assert result_of(second, 1, AllocateResult).num_computed_tokens == 41
-    assert result_of(third, 0, FreeResult).num_free_blocks == info.num_blocks - 1
+    assert second.result(1, AllocateResult).num_computed_tokens == 41
+    assert third.result(0, FreeResult).num_free_blocks == info.num_blocks - 1
 
 
 def test_step_stream_ends_with_the_status_of_an_invalid_batch(client: CacheClient,
@@ -309,7 +309,7 @@ def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
     info = new_pool()
     res = client.step(info.pool_id, [ops.add("a", list(range(50))), ops.allocate("a", 50)])
     state = client.get_request(info.pool_id, "a")
-    assert state.block_ids == result_of(res, 1, AllocateResult).block_ids
+    assert state.block_ids == res.result(1, AllocateResult).block_ids
     assert (state.num_computed_tokens, state.num_tokens) == (50, 50)
     stats = client.stats(info.pool_id)
     assert stats.num_requests == 1
@@ -483,8 +483,8 @@ def test_client_computed_hashes_hit_like_server_hashed_tokens(client: CacheClien
     assert client.peek_prefix([info.pool_id], prompt) == {info.pool_id: 0}  # other salt
     res = client.step(info.pool_id, [ops.add("b", prompt, block_hashes=hashes, cache_salt="s"),
                                      ops.lookup("b")])
-    assert result_of(res, 0, AddResult).num_block_hashes == 4
-    assert result_of(res, 1, LookupResult).hit_tokens == 64
+    assert res.result(0, AddResult).num_block_hashes == 4
+    assert res.result(1, LookupResult).hit_tokens == 64
 
 
 def test_async_client_stream_builder_and_events(server, new_pool) -> None:

@@ -36,7 +36,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.launch import ServerProcess, start_cache_service, start_process
 
-from .builders import full_layers, result_of
+from .builders import full_layers
 from .tcp_proxy import TcpProxy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,9 +175,9 @@ def test_a_step_whose_answer_is_lost_is_applied_once(server: ServerProcess,
         assert proxy.fired.is_set() and proxy.connections >= 2
         # Applied once (40 -> 41 tokens, not 42); the retry got the stored answer.
         assert client.get_request(pool, "r").num_tokens == 41
-    allocated = result_of(result, 1, AllocateResult)
+    allocated = result.result(1, AllocateResult)
     assert allocated.ok and allocated.num_computed_tokens == 41
-    assert result_of(result, 0, AppendResult).num_tokens == 41
+    assert result.result(0, AppendResult).num_tokens == 41
     assert metric(server, "kvcache_step_retries_answered_total") == answered + 1
 
 
@@ -199,7 +199,7 @@ def test_a_stream_step_past_its_deadline_is_resent_under_the_same_number(
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert retries == [("deadline_exceeded", 1)]
-        assert result_of(result, 0, DecodeResult).ok == [True]
+        assert result.result(0, DecodeResult).ok == [True]
         assert client.get_request(pool, "r").num_tokens == 41
 
 

@@ -13,7 +13,7 @@ from cache_service.state import Durability, ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .conftest import full_layers
+from .builders import full_layers
 
 
 class Recorder(Durability):
