@@ -42,7 +42,7 @@ append+allocate loop and to ``Pool.decode``.
 
     python3 bench/bench_service.py                 # about a minute
     python3 bench/bench_service.py --steps 50      # quicker
-    python3 bench/bench_service.py --sizes 256 --clients 1 --baseline-tree /path/to/main
+    python3 bench/bench_service.py --sizes 256 --clients 1 --baseline-tree ../main
 
 Prints a table and writes bench/results/service.json.
 """
