@@ -15,7 +15,7 @@ ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE} AS requirements
 COPY pyproject.toml scripts/docker/requirements.py /src/
 RUN mkdir /requirements \
- && python3 /src/requirements.py /src/pyproject.toml > /requirements/base.txt \
+ && python3 /src/requirements.py /src/pyproject.toml --extra cluster > /requirements/base.txt \
  && python3 /src/requirements.py /src/pyproject.toml --extra executor > /requirements/executor.txt
 
 FROM ${BASE_IMAGE} AS deps

@@ -17,8 +17,9 @@ from cache_service.client._builders import layers
 from cache_service.core import events as ev
 from cache_service.core import grouping, ops
 from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
-from cache_service.core.hashing import DeclaredRecipe
+from cache_service.core.hashing import DeclaredRecipe, external_block_hash
 from cache_service.core.pool import DecodeOutcome, PoolOptions
+from cache_service.core.residency import GroupResidency
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -32,7 +33,7 @@ from cache_service.core.specs import (
 )
 from cache_service.registry import PoolDescription, PoolEntry
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES, MISS_REASONS
 
 _ATTENTION_CLASSES: dict[int, type] = {
     pb.LAYER_KIND_FULL_ATTENTION: FullAttentionSpec,
@@ -290,6 +291,34 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         last_event_sequence=last_sequence)
 
 
+def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
+    """Appends ``GroupResidency`` messages to the repeated field ``out``."""
+    for g in groups:
+        m = out.add()
+        m.group_idx = g.group_idx
+        m.kind = LAYER_KINDS.value(g.kind)
+        m.tokens = g.tokens
+        m.blocks = g.blocks
+        if g.checkpoints:
+            m.checkpoint_tokens.extend(g.checkpoints)
+        if g.reason is not None:
+            m.miss_reason = MISS_REASONS.value(g.reason.value)
+            m.evicted_removals_ago = g.evicted_removals_ago
+
+
+def snapshot_to_proto(pool: Any, sequence: int,
+                      incarnation: int) -> pb.GetPrefixSnapshotResponse:
+    """A pool's cached hashes per group (64-bit, as in the events) at ``sequence`` of
+    the pool incarnation ``incarnation``."""
+    out = pb.GetPrefixSnapshotResponse(sequence=sequence, incarnation=incarnation)
+    for gid, hashes in enumerate(pool.prefix_snapshot()):
+        spec = pool.config.groups[gid].spec
+        g = out.groups.add(group_idx=gid, kind=LAYER_KINDS.value(spec.kind),
+                           block_size=spec.block_size)
+        g.block_hashes.extend([external_block_hash(h) for h in hashes])
+    return out
+
+
 def event_to_proto(sequence: int, event: ev.KVEvent, incarnation: int = 0) -> pb.KVEvent:
     """One sequenced ``KVEvent`` of a pool incarnation."""
     out = _event_to_proto(sequence, event)
@@ -360,7 +389,7 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
                               m.lora_name or None, m.lora_path or None, declared,
                               account)
     if kind == "lookup":
-        return ops.Lookup(op.lookup.request_id)
+        return ops.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
         return ops.Free(op.free.request_id)
     if kind == "preempt":
@@ -460,6 +489,8 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
             tables = out.block_ids
             for ids in r.block_ids:
                 tables.add().block_ids.extend(ids)
+            if r.groups is not None:
+                write_residency(out.groups, r.groups)
         elif isinstance(op, ops.Free):
             add_result().free.num_free_blocks = r
             table_cache.forget(op.request_id)

@@ -15,7 +15,7 @@ import asyncio
 import enum
 import gc
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -132,13 +132,15 @@ class PoolGate:
             del self._busy[pool]
         done.set()
 
-    async def read(self, work: Generator[None, None, T], pool: str) -> T:
-        """Runs a sliced read of ``pool``, each slice only while no sliced mutation is
-        working on the pool (so the read never sees half of one)."""
+    async def read(self, work: Generator[None, None, T], pool: str | Sequence[str]) -> T:
+        """Runs a sliced read of ``pool`` (or of several pools), each slice only while no
+        sliced mutation is working on them (so the read never sees half of one)."""
+        pools = (pool,) if isinstance(pool, str) else pool
+        busy = self._busy
         while True:
-            await self.wait_idle((pool,))
-            # A read's slices are read-only: cheap to check the pool stays idle each time.
-            value = _turn(work, lambda: pool not in self._busy)
+            await self.wait_idle(pools)
+            # A read's slices are read-only: cheap to check the pools stay idle each time.
+            value = _turn(work, lambda: not busy or all(p not in busy for p in pools))
             if value is not _PENDING:
                 return value
             await asyncio.sleep(0)

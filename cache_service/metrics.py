@@ -136,7 +136,13 @@ class PoolCollector:
         families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
             *gauges.items(), *counters.items()]
         per_tenant: dict[str, list[int]] = {}
+        misses = CounterMetricFamily(
+            "kvcache_pool_prefix_misses", "Explained prefix lookups (PeekPrefix / Step "
+            "lookup with explain) by group and miss reason (none = no miss).",
+            labels=["pool", "group", "reason"])
         for pool_id, s in self._stats_of():
+            for (group, reason), n in sorted(s.miss_reasons.items()):
+                misses.add_metric([pool_id, str(group), reason], float(n))
             queries = s.prefix_queries + s.preempted_prefix_queries
             hits = s.prefix_hits + s.preempted_prefix_hits
             values = {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
@@ -154,6 +160,7 @@ class PoolCollector:
         yield tenant_pools
         yield tenant_blocks
         yield from counters.values()
+        yield misses
 
 
 class SessionCollector:

@@ -19,9 +19,10 @@ from typing import Any
 from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
 from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
+from cache_service.core.prefix_index import PrefixIndex, keyspace_of
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
-from cache_service.tenants import TENANT_RE
+from cache_service.tenants import TENANT_RE, tenant_of
 
 POOL_ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 #: The most bytes one block id may cost across all layers. Layer pages are bounded on
@@ -168,6 +169,11 @@ class PoolRegistry:
         self._created = 0  # pools ever created in this state: the next incarnation ordinal
         self.max_total_blocks = max_total_blocks
         self.total_blocks = 0
+        #: Every pool's cached prefixes in one map (PeekPrefix answers from
+        #: it): derived from the pools, so never pickled (see __getstate__).
+        self.index = PrefixIndex()
+        #: Bumped by every registration and deletion (lets callers cache lookups by id).
+        self.version = 0
 
     def register(self, pool_id: str, desc: PoolDescription) -> tuple[PoolEntry, bool]:
         """The pool ``pool_id``, created if new; ``(entry, created)``."""
@@ -205,6 +211,23 @@ class PoolRegistry:
         self._created += 1
         self._pools[entry.pool_id] = entry
         self.total_blocks += entry.config.num_blocks
+        self.index.attach(entry.pool_id, entry.pool, keyspace_of(entry.pool,
+                                                                  tenant_of(entry.pool_id)))
+        self.version += 1
+
+    def __getstate__(self) -> dict:
+        """Everything but the routing index: it is derived from the pools' prefix-cache
+        maps, so a snapshot leaves it out and a restored registry rebuilds it."""
+        state = dict(self.__dict__)
+        del state["index"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.index = PrefixIndex()
+        for entry in self._pools.values():
+            self.index.attach(entry.pool_id, entry.pool,
+                              keyspace_of(entry.pool, tenant_of(entry.pool_id)))
 
     def next_incarnation(self) -> int:
         """The incarnation the next :meth:`add` gives (nothing changes)."""
@@ -217,11 +240,24 @@ class PoolRegistry:
             raise NotFound(f"unknown pool {pool_id!r}", field=field)
         return entry
 
+    def entry(self, pool_id: str) -> PoolEntry:
+        """The pool, looked up without the checks :meth:`get` may add (KeyError if
+        absent): for a commit, whose record's pools passed :meth:`fence` already."""
+        return self._pools[pool_id]
+
+    def fence(self, pool_id: str) -> None:
+        """Raises (a core error) if this server may not change ``pool_id`` now;
+        :meth:`ServiceState.apply <cache_service.state.ServiceState.apply>` asks it last
+        before logging a pool's record. Always passes here: a cluster member's registry
+        (:mod:`cache_service.cluster.registry`) checks its ownership of the pool."""
+
     def delete(self, pool_id: str) -> int:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)
         del self._pools[pool_id]
         self.total_blocks -= entry.config.num_blocks
+        self.index.detach(pool_id)
+        self.version += 1
         entry.feed.close()
         return len(entry.pool.request_ids())
 

@@ -69,8 +69,12 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
 
 
 def _new_state(settings: Settings, instance_id: str) -> ServiceState:
-    return ServiceState(PoolRegistry(settings.event_buffer, instance_id=instance_id,
-                                     max_total_blocks=settings.max_total_blocks),
+    registry_class = PoolRegistry
+    if settings.etcd_endpoints:  # cluster mode: pool lookups check ownership (fencing)
+        from cache_service.cluster.registry import ClusterRegistry
+        registry_class = ClusterRegistry
+    return ServiceState(registry_class(settings.event_buffer, instance_id=instance_id,
+                                       max_total_blocks=settings.max_total_blocks),
                         lease_ttl_seconds=settings.lease_ttl_seconds,
                         max_ops_per_step=settings.max_ops_per_step,
                         max_tokens_per_step=settings.max_tokens_per_step)
@@ -122,6 +126,10 @@ async def serve(settings: Settings) -> int:
         log.error("data_dir_unusable", error=str(exc))
         return 1
     registry = state.registry
+    node = None
+    if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
+        from cache_service.cluster.node import ClusterNode
+        node = ClusterNode(settings, state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     try:
         tenants = settings.tenant_table()
@@ -141,17 +149,28 @@ async def serve(settings: Settings) -> int:
             add_servicers=lambda server: pb_grpc.add_CacheServiceServicer_to_server(
                 servicer, server),
             host=settings.host, port=settings.port, options=grpc_options(settings),
-            interceptors=[interceptor], credentials=creds, serving=True,
-            metrics=prom_registry, metrics_port=settings.metrics_port)
+            interceptors=[interceptor], credentials=creds,
+            # Cluster mode: SERVING once a member, so readiness implies it can own pools.
+            serving=node is None, metrics=prom_registry, metrics_port=settings.metrics_port)
     except ListenError as exc:
         return exit_with_error(PROG, str(exc), 2)
+    if node is not None:
+        try:
+            await node.join(listener.port)
+        except (TimeoutError, ConnectionError) as exc:
+            log.error("etcd_unreachable", endpoints=settings.etcd_endpoints, error=str(exc))
+            await listener.server.stop(0)
+            return 1
+        servicer.cluster = node
+        await listener.mark_serving()
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=listener.port,
                      metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
                      auth=tenants is not None,
                      tenants=len(tenants.tenants) if tenants is not None else 1,
-                     lease_ttl_seconds=settings.lease_ttl_seconds)
+                     lease_ttl_seconds=settings.lease_ttl_seconds,
+                     member=node.membership.member_id if node and node.membership else None)
 
     await listener.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
@@ -164,13 +183,19 @@ async def serve(settings: Settings) -> int:
         servicer.draining = True
         registry.close()
 
+    async def wait_idle(grace_seconds: float) -> None:
+        await interceptor.wait_idle(grace_seconds)
+        if node is not None:
+            # After the drain, so that no write races the successor's takeover.
+            await node.leave()
+
     def close() -> None:
         if data_dir is not None:
             # A final snapshot: the next start loads it instead of replaying the log.
             data_dir.close(state)
 
     await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
-                            wait_idle=interceptor.wait_idle, close=close)
+                            wait_idle=wait_idle, close=close)
     return 0
 
 

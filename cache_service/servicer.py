@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,6 +29,9 @@ from cache_service.core.errors import (
     NotFound,
     qualify,
 )
+from cache_service.core.pool import Pool, run_to_end
+from cache_service.core.prefix_index import KeySpace
+from cache_service.core.residency import ExtraKeys, Residency
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,
@@ -39,7 +43,7 @@ from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import ResourceExhausted, Unavailable, to_status
-from cache_service.tenants import Namespace, Tenant
+from cache_service.tenants import ANONYMOUS, Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -76,6 +80,19 @@ def _inner(ns: Namespace, pool_id: str, field: str = "pool_id") -> str:
     return internal
 
 
+@dataclass(frozen=True)
+class _PeekPlan:
+    """A PeekPrefix's pool list resolved: entries, internal and caller's ids, the pool that
+    checks and hashes the prompt for each key space (None: pools without caching), by
+    token limit, and the first pool without sha256_cbor hashes (or None)."""
+
+    entries: list[PoolEntry]
+    pool_ids: list[str]
+    outer_ids: list[str]
+    hashers: list[tuple[KeySpace | None, Pool]]
+    first_not_cbor: int | None
+
+
 @functools.lru_cache(maxsize=1024)
 def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
     """Who made a call (name and limits), as records carry it for ``apply``. Shared: never
@@ -93,11 +110,19 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self.max_peek_tokens = max_peek_tokens
         self.gate = PoolGate()
         self.draining = False
+        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
+        #: their etcd keys, fans PeekPrefix out. None when standalone.
+        self.cluster: Any = None
         self.leases = LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
                 self.leases.start(sid)
         self.reaper = LeaseReaper(state, self.leases, self.submit)
+        # pool id -> (its last PeekPrefix answer, the id the caller knows, that entry
+        # serialized); see _peek_response.
+        self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
+        # (tenant prefix, admin, pool ids) -> (registry version, its _PeekPlan)
+        self._peek_plans: dict[tuple[str, bool, tuple[str, ...]], tuple[int, _PeekPlan]] = {}
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -150,8 +175,21 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         def own() -> None:
             check_pool_id(request.pool_id)
             request.pool_id = _inner(ns, request.pool_id)
-        answer = await self._mutate(context, "register_pool", request, request.session_id,
-                                    before=own)
+        before: Callable[[], object] | None = own
+        if self.cluster is not None:
+            try:  # places a new pool; a redirect unless this replica owns it
+                own()
+                await self.cluster.place(request)
+            except KVCacheError as exc:
+                await _abort(context, exc)
+            before = None  # mapped already
+        try:
+            answer = await self._mutate(context, "register_pool", request,
+                                        request.session_id, before=before)
+        except Exception:
+            if self.cluster is not None:  # refused here: placed for nothing
+                await self.cluster.unplace(request.pool_id)
+            raise
         response = pb.RegisterPoolResponse()
         response.CopyFrom(answer)  # the state may keep its answer (session retries)
         response.config.pool_id = ns.outer(response.config.pool_id)
@@ -183,8 +221,15 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def DeletePool(self, request: pb.DeletePoolRequest,
                          context: grpc.aio.ServicerContext) -> pb.DeletePoolResponse:
+        mapped = self.cluster is not None
+        if self.cluster is not None:
+            try:  # its etcd keys go first: nobody takes a deleted pool over
+                await self.cluster.delete(self._own(request).pool_id)
+            except KVCacheError as exc:
+                await _abort(context, exc)
         response = await self._mutate(context, "delete_pool", request, request.session_id,
-                                      before=lambda: self._own(request))
+                                      before=None if mapped else lambda: self._own(request))
+        self._peek_fragments.pop(request.pool_id, None)
         thaw_heap()
         return response
 
@@ -250,66 +295,145 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.PeekPrefixResponse:
         ns = Namespace(calls.tenant.get())
         try:
-            entries = self._peek_entries(ns, request)
-            cache_salt = request.cache_salt or None
-            lora_name = request.lora_name or None
-            lora_path = request.lora_path or None
-            hits = []
-            for entry in entries:
-                if request.token_ids:
-                    work = entry.pool.peek_prefix_in_slices(
-                        request.token_ids, slice_blocks=PEEK_SLICE_BLOCKS,
-                        cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)
-                else:
-                    work = entry.pool.peek_prefix_in_slices(
-                        block_hashes=list(request.block_hashes), cache_salt=cache_salt,
-                        lora_name=lora_name, lora_path=lora_path)
-                # Hashing a long prompt is cut into slices; the cache is read in one.
-                n = await self.gate.read(work, entry.pool_id)
-                hits.append(pb.PoolHit(pool_id=ns.outer(entry.pool_id), hit_tokens=n))
+            if self.cluster is not None:
+                # Pools owned by other replicas are asked there (with the caller's
+                # credentials, within this call's deadline); the rest answered here.
+                return await self.cluster.peek_prefix(request, ns, context, self._peek_here)
+            return await self._peek_here(ns, request)
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
-        return pb.PeekPrefixResponse(hits=hits)
+            raise  # not reached: _abort raises the status
 
-    def _peek_entries(self, ns: Namespace, request: pb.PeekPrefixRequest) -> list[PoolEntry]:
+    async def _peek_here(self, ns: Namespace, request: pb.PeekPrefixRequest
+                         ) -> pb.PeekPrefixResponse:
+        """PeekPrefix over pools of this replica (the caller's ids, mapped by ``ns``)."""
+        plan = self._peek_checked(ns, request)
+        # Hashing a long prompt is cut into slices; the pools are read in one.
+        response: pb.PeekPrefixResponse = await self.gate.read(
+            self._peek(request, plan), plan.pool_ids)
+        return response
+
+    def peek_prefix(self, request: pb.PeekPrefixRequest,
+                    tenant: Tenant = ANONYMOUS) -> pb.PeekPrefixResponse:
+        """One PeekPrefix as the handler answers it, without gRPC (raises a core error)."""
+        return run_to_end(self._peek(request, self._peek_checked(Namespace(tenant), request)))
+
+    def _peek(self, request: pb.PeekPrefixRequest, plan: _PeekPlan
+              ) -> Generator[None, None, pb.PeekPrefixResponse]:
+        keys = ExtraKeys(request.cache_salt or None, request.lora_name or None,
+                         request.lora_path or None)
+        tokens = request.token_ids or None
+        hashes = list(request.block_hashes) or None
+        answers: list[Residency]
+        if request.explain:
+            # Explaining asks each pool itself (it rehashes and probes its maps).
+            answers = []
+            for entry in plan.entries:
+                answer = yield from entry.pool.prefix_residency_in_slices(
+                    tokens, block_hashes=hashes, cache_salt=keys.cache_salt,
+                    lora_name=keys.lora_name, lora_path=keys.lora_path, explain_misses=True,
+                    slice_blocks=PEEK_SLICE_BLOCKS)
+                answers.append(answer)
+        else:
+            # The routing index: the prompt checked and hashed once per key space (by its
+            # pool with the smallest token limit, whose check covers the others').
+            inputs: dict[KeySpace, tuple[list[bytes], int]] = {}
+            for space, pool in plan.hashers:
+                hashed, max_len, _ = yield from pool.peek_input_in_slices(
+                    tokens, hashes, keys, slice_blocks=PEEK_SLICE_BLOCKS)
+                if space is not None:
+                    inputs[space] = (hashed or [], max_len)
+            answers = self.registry.index.peek(plan.pool_ids, inputs.__getitem__)
+        return self._peek_response(plan, answers, cache=not request.explain)
+
+    def _peek_response(self, plan: _PeekPlan, answers: list[Residency], *,
+                       cache: bool) -> pb.PeekPrefixResponse:
+        """The answer, each pool's entry kept serialized while its answer is the same
+        object (the index hands out an unchanged answer again): building ~6 fields per
+        pool costs more than the index lookup itself in a many-pool answer."""
+        fragments = self._peek_fragments
+        parts = []
+        for pool_id, outer, answer in zip(plan.pool_ids, plan.outer_ids, answers):
+            cached = fragments.get(pool_id)
+            if cached is None or cached[0] is not answer or cached[1] != outer:
+                one = pb.PeekPrefixResponse()
+                hit = one.hits.add(pool_id=outer, hit_tokens=answer.hit_tokens)
+                convert.write_residency(hit.groups, answer.groups)
+                cached = (answer, outer, one.SerializeToString())
+                if cache:
+                    fragments[pool_id] = cached
+            parts.append(cached[2])
+        return pb.PeekPrefixResponse.FromString(b"".join(parts))
+
+    def _peek_checked(self, ns: Namespace, request: pb.PeekPrefixRequest) -> _PeekPlan:
         """The pools of a PeekPrefix, after the checks that bound its cost."""
         if not request.pool_ids:
             raise InvalidArgument("at least one pool id is required", field="pool_ids")
         has_tokens, has_hashes = bool(request.token_ids), bool(request.block_hashes)
-        if has_tokens == has_hashes:
-            raise InvalidArgument("give token_ids or block_hashes (exactly one)",
-                                  field="token_ids")
-        seen: dict[str, int] = {}
-        for i, pid in enumerate(request.pool_ids):
-            if pid in seen:
-                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
-                                      f"[{seen[pid]}])", field=f"pool_ids[{i}]")
-            seen[pid] = i
+        if not has_tokens and not has_hashes or (has_tokens and has_hashes
+                                                 and not request.explain):
+            raise InvalidArgument("give token_ids or block_hashes (exactly one; both only "
+                                  "with explain)", field="token_ids")
+        plan = self._peek_plan(ns, tuple(request.pool_ids))
+        # The cost: the prompt is read once per key space (the routing index answers every
+        # pool of one from one pass), or once per pool with explain (each pool is asked).
+        passes, unit = ((len(plan.entries), "pools") if request.explain
+                        else (len(plan.hashers), "hash recipes"))
         size = len(request.token_ids) or len(request.block_hashes)
-        if size * len(request.pool_ids) > self.max_peek_tokens:
+        if size * passes > self.max_peek_tokens:
             field = "token_ids" if has_tokens else "block_hashes"
             raise ResourceExhausted(
-                f"{size} {field.replace('_', ' ')} x {len(request.pool_ids)} pools exceed the "
-                f"limit of {self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)",
-                field=field)
-        entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
-                   for i, pid in enumerate(request.pool_ids)]
-        if has_hashes:
-            for i, entry in enumerate(entries):
-                # The protocol's rule: client hashes use the cross-language recipe.
-                if entry.pool.options.hash_algo != "sha256_cbor":
-                    raise InvalidArgument(f"pool {entry.pool_id!r} does not use sha256_cbor "
-                                          "hashes", field=f"pool_ids[{i}]")
+                f"{size} {field.replace('_', ' ')} x {passes} {unit} exceed the limit of "
+                f"{self.max_peek_tokens} per PeekPrefix (--max-peek-tokens)", field=field)
+        if has_hashes and plan.first_not_cbor is not None:
+            # The protocol's rule: client hashes use the cross-language recipe.
+            i = plan.first_not_cbor
+            raise InvalidArgument(f"pool {plan.pool_ids[i]!r} does not use sha256_cbor "
+                                  "hashes", field=f"pool_ids[{i}]")
         if request.HasField("hash_recipe"):
             # A client that declares how it hashes learns of a mismatch as an error naming
             # the field, not as a silent 0% hit rate.
             try:
                 declared = convert.declared_recipe_from_proto(request.hash_recipe)
-                for entry in entries:
+                for entry in plan.entries:
                     entry.pool.check_hash_recipe(declared)
             except KVCacheError as exc:
                 raise qualify(exc, "hash_recipe") from None
-        return entries
+        return plan
+
+    def _peek_plan(self, ns: Namespace, pool_ids: tuple[str, ...]) -> _PeekPlan:
+        """What a PeekPrefix derives from its pool list alone, kept until a pool is
+        registered or deleted (routers ask about the same pools again and again)."""
+        key = (ns.prefix, ns.tenant.admin, pool_ids)
+        version = self.registry.version
+        cached = self._peek_plans.get(key)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        seen: dict[str, int] = {}
+        for i, pid in enumerate(pool_ids):
+            if pid in seen:
+                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
+                                      f"[{seen[pid]}])", field=f"pool_ids[{i}]")
+            seen[pid] = i
+        entries = [self.registry.get(_inner(ns, pid, f"pool_ids[{i}]"), field=f"pool_ids[{i}]")
+                   for i, pid in enumerate(pool_ids)]
+        index = self.registry.index
+        hashers: dict[KeySpace | None, Pool] = {}  # None: pools without caching (checks only)
+        for entry in entries:
+            pool = entry.pool
+            space = index.keyspace(entry.pool_id) if pool.options.enable_caching else None
+            other = hashers.get(space)
+            if other is None or pool.token_limit < other.token_limit:
+                hashers[space] = pool
+        plan = _PeekPlan(
+            entries, [e.pool_id for e in entries], [ns.outer(e.pool_id) for e in entries],
+            sorted(hashers.items(), key=lambda item: item[1].token_limit),
+            next((i for i, e in enumerate(entries)
+                  if e.pool.options.hash_algo != "sha256_cbor"), None))
+        if len(self._peek_plans) >= 64:
+            self._peek_plans.clear()
+        self._peek_plans[key] = (version, plan)
+        return plan
 
     async def GetRequest(self, request: pb.GetRequestRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetRequestResponse:
@@ -343,6 +467,20 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                   before=lambda: self._own(request))
 
     # -- events ------------------------------------------------------------------------
+
+    async def GetPrefixSnapshot(self, request: pb.GetPrefixSnapshotRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.GetPrefixSnapshotResponse:
+        # Consistent: once no sliced call works on the pool, nothing runs between reading
+        # its map and its feed (one event loop), and every mutation publishes its events
+        # before it ends, so the map holds exactly the events up to the sequence.
+        await self._settled(Namespace(calls.tenant.get()), request.pool_id)
+
+        def run() -> pb.GetPrefixSnapshotResponse:
+            entry = self.registry.get(self._own(request).pool_id)
+            return convert.snapshot_to_proto(entry.pool, entry.feed.next_sequence - 1,
+                                             entry.incarnation)
+        return await self._unary(context, run)
 
     async def SubscribeEvents(self, request: pb.SubscribeEventsRequest,
                               context: grpc.aio.ServicerContext

@@ -60,7 +60,8 @@ class Settings(BaseSettings):
     max_tokens_per_step: int = Field(1 << 20, ge=1, description="most token ids in one Step "
                                      "(summed over its ops)")
     max_peek_tokens: int = Field(1 << 22, ge=1, description="most token ids (or block "
-                                 "hashes) times pools in one PeekPrefix")
+                                 "hashes) times hash recipes (times pools with explain) in "
+                                 "one PeekPrefix")
     max_total_blocks: int = Field(DEFAULT_MAX_TOTAL_BLOCKS, ge=2, description="the server's "
                                   "block budget: the sum of num_blocks over all pools; a "
                                   "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "
@@ -74,6 +75,22 @@ class Settings(BaseSettings):
     min_ping_interval_ms: int = Field(5000, ge=0, description="smallest client ping interval "
                                       "tolerated without data (faster pings get GOAWAY)")
     max_concurrent_streams: int = Field(256, ge=1, description="HTTP/2 streams per connection")
+    etcd_endpoints: str | None = Field(None, description="cluster mode: comma-separated "
+                                       "etcd client endpoints (host:port[,host:port]); the "
+                                       "replica joins the cluster named --cluster-name")
+    cluster_name: str = Field("default", pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                              description="cluster mode: etcd keys live under "
+                              "/kvcache/<cluster-name>/")
+    member_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$",
+                                  description="cluster mode: this replica's stable name "
+                                  "(default: its advertised address)")
+    advertise_address: str | None = Field(None, description="cluster mode: host:port other "
+                                          "replicas and clients reach this replica at "
+                                          "(default: --host:<bound port>, the host name if "
+                                          "--host is 0.0.0.0)")
+    etcd_lease_ttl: int = Field(5, ge=2, le=300, description="cluster mode: seconds the etcd "
+                           "lease outlives this replica's last keep-alive; the failover "
+                           "detection time")
     data_dir: Path | None = Field(None, description="directory for the write-ahead log and "
                                   "snapshots: every accepted mutation is logged before it "
                                   "is answered and a restart restores the state; unset = "

@@ -15,9 +15,11 @@ chosen by the caller and carried in the record; lease timers live outside, in
 state give the same state, answers and event sequence numbers.
 
 Order inside ``apply``: validate (nothing changes; a rejected record raises a core
-error naming the field), then ``durability.append(record)``, then mutate (which cannot
-fail once validated). A record that fails validation is therefore never logged, and a
-retry answered from a session's stored response is not logged either (nothing changes).
+error naming the field), then the registry's fence for a pool's record (a cluster member
+that does not own the pool now refuses it, see ``cache_service.cluster.registry``), then
+``durability.append(record)``, then mutate (which cannot fail once validated). A record
+that fails validation (or the fence) is therefore never logged, and a retry answered from
+a session's stored response is not logged either (nothing changes).
 """
 
 from __future__ import annotations
@@ -223,6 +225,11 @@ class ServiceState:
         commit = prepare(request)
         if not callable(commit):  # a Step's validation, in slices
             commit = yield from commit
+        if kind in _SEQUENCED:
+            # Fencing (cluster mode): asked after the validation's last slice with no
+            # yield before the record is logged, so no write lands on a pool this
+            # replica lost meanwhile.
+            self.registry.fence(request.pool_id)
         durability = self.durability
         if durability.keeps_records:
             if record is None:
@@ -495,7 +502,7 @@ class ServiceState:
         for pool_id, rid in chosen:
             by_pool.setdefault(pool_id, []).append(rid)
         for pool_id, rids in by_pool.items():
-            entry: PoolEntry = self.registry.get(pool_id)
+            entry: PoolEntry = self.registry.entry(pool_id)  # a commit: no check may fail
             entry.pool.apply_batch([Free(rid) for rid in rids])
             entry.flush_events()
             owners = self._owners[pool_id]
@@ -510,5 +517,8 @@ class ServiceState:
 
 _NO_TENANT = wal_pb2.TenantContext()  # records the server makes itself (expiries)
 
-# Records whose request carries session_id + sequence (deduplicated per session).
+# Records whose request carries session_id + sequence (deduplicated per session): the calls
+# on one pool, which the registry also fences (session records are not: they only free
+# requests on this replica's copies, and a pool it lost is dropped from it, with its
+# requests, through apply).
 _SEQUENCED = frozenset({"step", "register_pool", "delete_pool", "reset_prefix_cache"})

@@ -64,9 +64,11 @@ def to_status(exc: Exception) -> grpc.Status:
         details.append(any_detail)
     status = rpc_status.to_status(status_pb2.Status(
         code=getattr(code_pb2, code.name), message=message, details=details))
-    # An abort replaces the trailers set earlier: the request id goes in again here.
+    # An abort replaces the trailers set earlier: the request id goes in again here, and
+    # the error's own (e.g. a cluster redirect naming the pool's owner).
     return _Status(status.code, status.details,
-                   tuple(status.trailing_metadata) + calls.request_id_metadata())
+                   tuple(status.trailing_metadata) + calls.request_id_metadata()
+                   + tuple(getattr(exc, "trailing_metadata", ())))
 
 
 class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")),

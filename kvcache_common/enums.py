@@ -51,3 +51,4 @@ class EnumNames(Generic[E]):
 LAYER_KINDS = EnumNames(pb.LayerKind, "LAYER_KIND_")
 MAMBA_CACHE_MODES = EnumNames(pb.MambaCacheMode, "MAMBA_CACHE_MODE_")
 HASH_ALGOS = EnumNames(pb.HashAlgo, "HASH_ALGO_")
+MISS_REASONS = EnumNames(pb.MissReason, "MISS_REASON_")

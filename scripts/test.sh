@@ -14,6 +14,8 @@
 #   (flock, $KVC_DOCKER_LOCK) while it tests; the run that started the engine stops it at the end
 #   only when no other run holds the lock. The docker tier itself runs one checkout at a time
 #   (tests/docker/conftest.py), the other tiers in parallel.
+# - the etcd binary (apt-get install etcd-server) is installed when missing for the cluster tier
+#   (tests/cluster); when it cannot be had it prints one line and that tier skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +26,16 @@ python3 -m pip install -q -e '.[executor,test]'
 # [tool.mypy] `files` lists (every top-level package, scripts and tests).
 python3 -m ruff check .
 python3 -m mypy
+
+# The cluster tier (tests/cluster) runs a real etcd: Debian's etcd-server package. Without
+# root/apt-get (or offline) it prints one line and the tier skips.
+if ! command -v etcd >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+        && { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server; } >/dev/null 2>&1
+    then :
+    else echo "cluster tier: could not install etcd-server; tests/cluster will skip"
+    fi
+fi
 
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 PYTHONUNBUFFERED=1
 exec 9>"${KVC_DOCKER_LOCK:-/tmp/kvcache-docker-engine.lock}"

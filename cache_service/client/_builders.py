@@ -119,8 +119,11 @@ class StepBuilder:
             m.hash_recipe.CopyFrom(hash_recipe)
         return self
 
-    def lookup(self, request_id: str) -> StepBuilder:
-        self._add().lookup.request_id = request_id
+    def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
+        op = self._add().lookup
+        op.request_id = request_id
+        if explain:
+            op.explain = True
         return self
 
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
@@ -187,9 +190,10 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
                           hash_recipe=hash_recipe).request.ops[0]
 
     @staticmethod
-    def lookup(request_id: str) -> pb.Op:
-        """Find the request's prefix-cache hit (used by its next allocate)."""
-        return _one().lookup(request_id).request.ops[0]
+    def lookup(request_id: str, *, explain: bool = False) -> pb.Op:
+        """Find the request's prefix-cache hit (used by its next allocate); ``explain``
+        adds every group's reach and miss reason."""
+        return _one().lookup(request_id, explain=explain).request.ops[0]
 
     @staticmethod
     def allocate(request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
@@ -269,10 +273,12 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
 
 def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
                   block_hashes: Sequence[bytes], cache_salt: str | None,
-                  lora_name: str | None, lora_path: str | None) -> pb.PeekPrefixRequest:
+                  lora_name: str | None, lora_path: str | None,
+                  explain: bool = False) -> pb.PeekPrefixRequest:
     return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
                                 block_hashes=block_hashes, cache_salt=cache_salt or "",
-                                lora_name=lora_name or "", lora_path=lora_path or "")
+                                lora_name=lora_name or "", lora_path=lora_path or "",
+                                explain=explain)
 
 
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],

@@ -36,6 +36,7 @@ from cache_service.client._results import (
     step_result,
 )
 from cache_service.client._retry import OnRetry, resend_delay
+from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
 from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -54,15 +55,24 @@ class CacheClient:
         self._backoff = Backoff(backoff_base, backoff_max)
         options = channel_options(max_retries, self._backoff, ssl_target_name_override)
         creds = channel_credentials(tls, root_certificates)
-        self._channel = (grpc.secure_channel(target, creds, options=options) if creds
-                         else grpc.insecure_channel(target, options=options))
-        self._stub = pb_grpc.CacheServiceStub(self._channel)
+        self._channels: list[grpc.Channel] = []
+
+        def open_stub(address: str) -> pb_grpc.CacheServiceStub:
+            channel = (grpc.secure_channel(address, creds, options=options) if creds
+                       else grpc.insecure_channel(address, options=options))
+            self._channels.append(channel)
+            return pb_grpc.CacheServiceStub(channel)
+
+        #: Replicas and learned pool owners (cluster mode: several, comma-separated).
+        self._routes = Routes(target, open_stub)
+        self._stub = self._routes.stub(self._routes.seeds[0])
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         self._retries = max_retries
         self._use_session = session
         self._client_name = client_name
-        self._session: SessionStamp | None = None
+        #: One session per replica (sessions live in a replica's state), by address.
+        self._sessions: dict[str, SessionStamp] = {}
         self._lock = threading.RLock()  # one mutating call at a time (sequence numbers)
         self._keepalive_stop = threading.Event()
 
@@ -77,110 +87,142 @@ class CacheClient:
         and closes the channel."""
         self._keepalive_stop.set()
         with self._lock:
-            session, self._session = self._session, None
-            if session is not None:
+            sessions, self._sessions = self._sessions, {}
+            for address, session in sessions.items():
                 # unreachable or already expired: the lease frees them anyway
                 with contextlib.suppress(grpc.RpcError):
-                    self._stub.CloseSession(pb.CloseSessionRequest(
+                    self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
                         session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     @property
     def session_id(self) -> str | None:
-        """The open session's id (None before the first mutating call, or without
-        sessions)."""
-        return self._session.session_id if self._session else None
+        """The id of the session open on the first seed replica (None before the first
+        mutating call, or without sessions)."""
+        session = self._sessions.get(self._routes.address())
+        return session.session_id if session else None
 
-    def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
-        """One unary call (gRPC retries UNAVAILABLE, see ``_channel.py``)."""
-        try:
-            return method(request, timeout=timeout or self.default_timeout,
-                          metadata=self._metadata)
-        except grpc.RpcError as exc:
-            raise CacheError.from_rpc(exc) from None
+    def _call(self, method: str, request: Any, timeout: float | None,
+              pin: str | None = None) -> Any:
+        """``method`` on the pool's replica, following redirects and moving past a replica
+        that stays unavailable until the call's timeout (see :class:`CallRoute`); ``pin``:
+        on that replica only (a call stamped with its session), raising :class:`Moved`
+        when it must go elsewhere."""
+        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
+                          timeout or self.default_timeout, self._backoff, pin)
+        while True:
+            address = route.address
+            try:
+                return getattr(self._routes.stub(address), method)(
+                    request, timeout=route.timeout(), metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise CacheError.from_rpc(exc) from None
+                error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
+            time.sleep(route.unavailable(address, error, trailers))
 
-    def _ensure_session(self) -> SessionStamp | None:
-        """The open session, opened on first use (call with the lock held)."""
-        if self._session is None and self._use_session:
-            resp = self._call(self._stub.OpenSession,
-                              pb.OpenSessionRequest(client_name=self._client_name), None)
-            self._session = SessionStamp(resp.session_id, resp.lease_ttl_seconds)
-            threading.Thread(target=self._keep_alive, args=(self._session,),
+    def _ensure_session(self, address: str) -> SessionStamp | None:
+        """The session open on ``address``, opened on first use (call with the lock
+        held)."""
+        session = self._sessions.get(address)
+        if session is None and self._use_session:
+            resp = self._call("OpenSession",
+                              pb.OpenSessionRequest(client_name=self._client_name), None,
+                              pin=address)
+            session = self._sessions[address] = SessionStamp(resp.session_id,
+                                                             resp.lease_ttl_seconds)
+            threading.Thread(target=self._keep_alive, args=(session, address),
                              name="kvcache-keepalive", daemon=True).start()
-        return self._session
+        return session
 
-    def _keep_alive(self, session: SessionStamp) -> None:
+    def _keep_alive(self, session: SessionStamp, address: str) -> None:
         interval = keepalive_interval(session.lease_ttl_seconds)
         request = pb.KeepAliveRequest(session_id=session.session_id)
-        while not self._keepalive_stop.wait(interval) and self._session is session:
+        stub = self._routes.stub(address)
+        while not self._keepalive_stop.wait(interval) and self._sessions.get(address) is session:
             try:
-                self._stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
+                stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     return  # expired: the next mutating call learns it and opens a new one
             except ValueError:
                 return  # the channel was closed
 
-    def _sequenced(self, send: Any, request: Any) -> Any:
-        """Sends a mutating request stamped with the session (see ``_session``);
-        ``send(request)`` does the transport retries with the same stamp."""
+    def _sequenced(self, send: Any, request: Any, timeout: float | None = None) -> Any:
+        """Sends a mutating request stamped with the session of the replica it goes to;
+        ``send(request, address)`` does the transport retries with the same stamp and
+        raises :class:`Moved` when the request must go to another replica: it is restamped
+        there, after a backoff unless redirected, until ``timeout`` (default
+        ``default_timeout``) has passed (see :class:`CallRoute`)."""
+        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
+                          timeout or self.default_timeout, self._backoff)
         with self._lock:
-            session = self._ensure_session()
             while True:
-                if session is not None:
-                    session.stamp(request)
+                address = route.address
                 try:
-                    response = send(request)
+                    session = self._ensure_session(address)
+                    if session is not None:
+                        session.stamp(request)
+                    response = send(request, address)
+                except Moved as moved:
+                    session = self._sessions.get(address)
+                    if session is not None and not moved.redirect:  # a redirect: not applied
+                        session.failed(moved.error)
+                    time.sleep(route.moved(moved))
+                    continue
                 except CacheError as err:
+                    session = self._sessions.get(address)
                     if session is None:
                         raise
                     if session.failed(err):
                         continue
                     if session_lost(err):
-                        self._session = None
+                        del self._sessions[address]
                     raise
                 if session is not None:
                     session.accepted()
                 return response
 
-    def _mutate(self, method: Any, request: Any, timeout: float | None) -> Any:
-        return self._sequenced(lambda r: self._call(method, r, timeout), request)
+    def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
+        return self._sequenced(lambda r, a: self._call(method, r, timeout, pin=a), request,
+                               timeout)
 
     def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                       timeout: float | None = None, **kwargs: Any) -> PoolInfo:
-        resp = self._mutate(self._stub.RegisterPool,
+        resp = self._mutate("RegisterPool",
                           register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
     def get_pool(self, pool_id: str, *, timeout: float | None = None) -> PoolInfo:
-        return pool_info_from(self._call(self._stub.GetPool, pb.GetPoolRequest(pool_id=pool_id),
+        return pool_info_from(self._call("GetPool", pb.GetPoolRequest(pool_id=pool_id),
                                      timeout).config)
 
     def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
         return [pool_info_from(c) for c in
-                self._call(self._stub.ListPools, pb.ListPoolsRequest(), timeout).pools]
+                self._call("ListPools", pb.ListPoolsRequest(), timeout).pools]
 
     def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
-        return self._mutate(self._stub.DeletePool, pb.DeletePoolRequest(pool_id=pool_id),
+        return self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
                           timeout).num_requests_dropped
 
     def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
              timeout: float | None = None) -> StepResult:
-        return step_result(self._mutate(self._stub.Step, pb.StepRequest(
+        return step_result(self._mutate("Step", pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout))
 
     def step_batch(self, batch: StepBuilder, *, timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
-        return step_result(self._mutate(self._stub.Step, batch.request, timeout))
+        return step_result(self._mutate("Step", batch.request, timeout))
 
     def step_raw(self, request: pb.StepRequest, *,
                  timeout: float | None = None) -> pb.StepResponse:
-        return self._mutate(self._stub.Step, request, timeout)
+        return self._mutate("Step", request, timeout)
 
     def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
                begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
-        resp = self._mutate(self._stub.Step, decode_request(
+        resp = self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
         return DecodeResult(resp.results[0].decode)
 
@@ -195,37 +237,62 @@ class CacheClient:
                     lora_name: str | None = None,
                     timeout: float | None = None,
                     lora_path: str | None = None) -> dict[str, int]:
-        resp = self._call(self._stub.PeekPrefix, peek_request(
+        resp = self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
 
+    def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
+                     block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+                     lora_name: str | None = None, lora_path: str | None = None,
+                     explain: bool = False,
+                     timeout: float | None = None) -> pb.PeekPrefixResponse:
+        """:meth:`peek_prefix` with every pool's per-group reach (and, with ``explain``,
+        miss reasons): the whole PeekPrefixResponse."""
+        return self._call(self._stub.PeekPrefix, peek_request(
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
+            timeout)
+
+    def prefix_snapshot(self, pool_id: str, *,
+                        timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
+        """The pool's cached block hashes per group and the event sequence they match:
+        resume :meth:`subscribe_events` at ``sequence + 1``."""
+        return self._call(self._stub.GetPrefixSnapshot,
+                          pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
+
     def get_request(self, pool_id: str, request_id: str, *,
                     timeout: float | None = None) -> RequestState:
-        r = self._call(self._stub.GetRequest, pb.GetRequestRequest(
+        r = self._call("GetRequest", pb.GetRequestRequest(
             pool_id=pool_id, request_id=request_id), timeout)
         return request_state_from(r)
 
     def stats(self, pool_id: str, *, timeout: float | None = None) -> PoolStats:
-        return stats_from(self._call(self._stub.GetPoolStats,
+        return stats_from(self._call("GetPoolStats",
                                  pb.GetPoolStatsRequest(pool_id=pool_id), timeout).stats)
 
     def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        return self._mutate(self._stub.ResetPrefixCache,
+        return self._mutate("ResetPrefixCache",
                           pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout).reset
 
     def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
                          incarnation: int | None = None,
                          ) -> Iterator[Event]:
-        call = self._stub.SubscribeEvents(subscribe_request(pool_id, from_sequence, incarnation),
-                                          metadata=self._metadata)
-        try:
-            for batch in call:
-                for e in batch.events:
-                    yield event_from(e)
-        except grpc.RpcError as exc:
-            raise CacheError.from_rpc(exc) from None
-        finally:
-            call.cancel()
+        req = subscribe_request(pool_id, from_sequence, incarnation)
+        for _ in range(MAX_REDIRECTS + 1):
+            address = self._routes.address(pool_id)
+            call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
+            delivered = False
+            try:
+                for batch in call:
+                    delivered = True
+                    for e in batch.events:
+                        yield event_from(e)
+                return
+            except grpc.RpcError as exc:
+                if (delivered or exc.code() != grpc.StatusCode.UNAVAILABLE
+                        or not self._routes.follow(pool_id, exc.trailing_metadata())):
+                    raise CacheError.from_rpc(exc) from None
+            finally:
+                call.cancel()
 
 
 class StepStream:
@@ -236,7 +303,8 @@ class StepStream:
     under the same sequence number (so it is applied once), up to the client's
     ``max_retries`` times; ``on_retry(reason, attempt)`` is called before each resend. An
     error status from the server (an invalid batch) ends the stream; the next step opens
-    a new one."""
+    a new one. The stream goes to the replica of the step's pool: a redirect, or that
+    replica giving up, reopens it on another one (the request restamped for its session)."""
 
     _END = object()
 
@@ -248,6 +316,7 @@ class StepStream:
         self._requests: queue.SimpleQueue | None = None
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
         self._call: Any = None
+        self._address = ""
 
     def __enter__(self) -> StepStream:
         return self
@@ -255,11 +324,12 @@ class StepStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self) -> None:
+    def _open(self, address: str) -> None:
         requests: queue.SimpleQueue = queue.SimpleQueue()
         responses: queue.SimpleQueue = queue.SimpleQueue()
-        call = self._client._stub.StepStream(iter(requests.get, self._END),
-                                             metadata=self._client._metadata)
+        call = self._client._routes.stub(address).StepStream(
+            iter(requests.get, self._END), metadata=self._client._metadata)
+        self._address = address
 
         def read() -> None:  # one reader per stream: a step waits with a deadline
             try:
@@ -279,12 +349,15 @@ class StepStream:
             self._call.cancel()
         self._requests = self._call = None
 
-    def _exchange(self, request: pb.StepRequest) -> pb.StepResponse:
-        """One request and its answer, with the deadline and the resends."""
+    def _exchange(self, request: pb.StepRequest, address: str) -> pb.StepResponse:
+        """One request and its answer from ``address``, with the deadline and the
+        resends; raises :class:`Moved` when it must go to another replica."""
         attempt = 0
         while True:
+            if self._call is not None and self._address != address:
+                self._drop()
             if self._call is None:
-                self._open()
+                self._open(address)
             assert self._requests is not None
             self._requests.put(request)
             try:
@@ -296,6 +369,11 @@ class StepStream:
             self._drop()
             if isinstance(item, grpc.RpcError):
                 err = CacheError.from_rpc(item)
+                if item.code() == grpc.StatusCode.UNAVAILABLE:
+                    moved = reroute(self._client._routes, request.pool_id, address,
+                                    item.trailing_metadata())
+                    if moved is not None:
+                        raise Moved(err, moved)
             elif item is None:
                 err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                  f"no StepStream answer within {self.step_timeout} s")

@@ -15,7 +15,7 @@ first-inserted block still present.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -24,6 +24,15 @@ from cache_service.core.hashing import external_block_hash
 
 if TYPE_CHECKING:
     from cache_service.core.request import Request
+
+
+class CacheObserver(Protocol):
+    """Told when a (group, hash) key appears in or disappears from the prefix-cache map
+    (not per duplicate block): the routing index and the miss-reason log follow the map."""
+
+    def added(self, block_hash: bytes, group_id: int) -> None: ...
+
+    def removed(self, block_hash: bytes, group_id: int) -> None: ...
 
 
 class BlockPool:
@@ -49,6 +58,7 @@ class BlockPool:
         self.null_block.is_null = True
         self.events: list[KVEvent] = []
         self.num_evictions = 0  # cached blocks evicted to make room (a statistic)
+        self.observer: CacheObserver | None = None
 
     def _materialize(self, block_id: int) -> KVCacheBlock:
         block = self.blocks.get(block_id)
@@ -91,6 +101,8 @@ class BlockPool:
         entry = m.get(block_hash)
         if entry is None:
             m[block_hash] = block
+            if self.observer is not None:
+                self.observer.added(block_hash, group_id)
         elif isinstance(entry, dict):
             entry[block.block_id] = block
         else:
@@ -106,10 +118,14 @@ class BlockPool:
         entry = m.get(block_hash)
         if entry is block:
             del m[block_hash]
+            if self.observer is not None:
+                self.observer.removed(block_hash, gid)
         elif isinstance(entry, dict) and block.block_id in entry:
             del entry[block.block_id]
             if not entry:
                 del m[block_hash]
+                if self.observer is not None:
+                    self.observer.removed(block_hash, gid)
         block.block_hash = None
         if self.enable_events:
             self.events.append(BlockRemoved([external_block_hash(block_hash)], gid))
@@ -243,7 +259,11 @@ class BlockPool:
         """Forget every cached hash; only possible while no block is in use."""
         if self.num_blocks - self.get_num_free_blocks() != 1:
             return False
-        for m in self._maps:
+        observer = self.observer
+        for gid, m in enumerate(self._maps):
+            if observer is not None:
+                for block_hash in m:
+                    observer.removed(block_hash, gid)
             for entry in m.values():
                 if isinstance(entry, dict):
                     for block in entry.values():

@@ -39,6 +39,8 @@ class Lookup:
 
     KIND: ClassVar[str] = "lookup"
     request_id: str
+    #: Also answer every group's reach and miss reason (PrefixHit.groups).
+    explain: bool = False
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 from cache_service.core.batch import (
     BatchCheck,
@@ -59,10 +59,32 @@ from cache_service.core.ops import (
 )
 from cache_service.core.quota import BlockQuota
 from cache_service.core.request import Request, RequestStatus
+from cache_service.core.residency import (
+    ExplainContext,
+    ExtraKeys,
+    GroupResidency,
+    PrefixLog,
+    Residency,
+    explain,
+    group_residency,
+)
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
 
 _TOKEN_LIMIT = 2**31
+#: A peek's checked input: (hashes or None when caching is off, hit cap, tokens or None).
+PeekInput = tuple[list[bytes] | None, int, Sequence[int] | None]
+T = TypeVar("T")
+
+
+def run_to_end(work: Generator[None, None, T]) -> T:
+    """Runs a sliced computation (``*_in_slices``) to its end in one piece; its value."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            value: T = done.value
+            return value
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,8 @@ class PrefixHit:
     hit_tokens: int
     block_ids: list[list[int]]
     shared_prefix_boundary: int = 0
+    #: Per-group reach and miss reason; only when the lookup was asked to explain.
+    groups: list[GroupResidency] | None = None
 
 
 @dataclass(slots=True)
@@ -147,6 +171,8 @@ class PoolCounters:
     account_block_quota: int = 0
     quota_refusals: int = 0
     max_account_blocks: int = 0
+    #: (group index, miss reason) -> explained lookups that answered it.
+    miss_reasons: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 class PreparedBatch:
@@ -240,6 +266,11 @@ class Pool:
         self._epoch = 0  # bumped by every operation that may reuse or unpin blocks
         self._allocation_failures = 0
         self._preemptions = 0
+        # Follows the prefix-cache map: recently removed keys and extra-key combinations
+        # for miss reasons; the routing index attaches its bits here.
+        self._log = PrefixLog(len(config.groups))
+        if options.enable_caching:
+            self._manager.pool.observer = self._log
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -259,6 +290,11 @@ class Pool:
         return self._hbs
 
     @property
+    def token_limit(self) -> int:
+        """Token ids must be below this (``vocab_size``, else 2**31)."""
+        return self._limits.token_limit
+
+    @property
     def num_groups(self) -> int:
         return len(self._config.groups)
 
@@ -266,6 +302,11 @@ class Pool:
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now (free + evictable cached ones)."""
         return self._manager.pool.get_num_free_blocks()
+
+    @property
+    def prefix_log(self) -> PrefixLog:
+        """The observer of this pool's prefix-cache map (see :mod:`residency`)."""
+        return self._log
 
     @property
     def manager(self) -> KVCacheManager:
@@ -361,7 +402,12 @@ class Pool:
             req = Request(op.request_id, tokens, hash_fn=self._hash_fn,
                           hash_block_size=self._hbs, cache_salt=op.cache_salt,
                           lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes)
+            # Long prompts arrive hashed by the batch check: only the client's own hashes
+            # may have another recipe (a miss reason checks them).
+            req.client_hashes = op.block_hashes is not None
             self._requests[op.request_id] = req
+            if op.cache_salt or op.lora_name is not None:
+                self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
             if self._quota is not None:
                 self._quota.join(op.request_id, op.account or "")
             return self._info(req)
@@ -369,7 +415,13 @@ class Pool:
             req = self._requests[op.request_id]
             blocks, hit, boundary = self._manager.get_computed_blocks(req)
             self._pending[op.request_id] = (blocks, hit, self._epoch)
-            return PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+            result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+            if op.explain:
+                result.groups = self._residency(
+                    req.block_hashes, req.num_tokens - 1, hit, req.all_token_ids,
+                    ExtraKeys(req.cache_salt, req.lora_name, req.lora_path),
+                    client_hashes=req.client_hashes, explain_misses=True).groups
+            return result
         if isinstance(op, Free):
             req = self._requests.pop(op.request_id)
             self._epoch += 1
@@ -432,10 +484,11 @@ class Pool:
         return self._manager.get_block_ids(request_id)
 
     # -- lookup / allocate ----------------------------------------------------------------
-    def lookup(self, request_id: str) -> PrefixHit:
+    def lookup(self, request_id: str, *, explain_misses: bool = False) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
-        references; remembered for the request's next ``allocate``."""
-        return self._apply_one(Lookup(request_id))
+        references; remembered for the request's next ``allocate``. ``explain_misses``
+        adds every group's reach and miss reason (costs probes and rehashing)."""
+        return self._apply_one(Lookup(request_id, explain_misses))
 
     @property
     def max_new_tokens(self) -> int:
@@ -600,12 +653,8 @@ class Pool:
         peek = self.peek_prefix_in_slices(token_ids, block_hashes=block_hashes,
                                           cache_salt=cache_salt, lora_name=lora_name,
                                           lora_path=lora_path)
-        while True:
-            try:
-                next(peek)
-            except StopIteration as done:
-                hit: int = done.value
-                return hit
+        hit: int = run_to_end(peek)
+        return hit
 
     def peek_prefix_in_slices(self, token_ids: Sequence[int] | None = None, *,
                               block_hashes: Sequence[bytes] | None = None,
@@ -616,36 +665,93 @@ class Pool:
         between (hashing is the cost of a long prompt); the generator returns the hit. The
         input is checked before the first yield; the cache is read after the last one, in
         one piece, so the answer is the hit at that moment."""
+        residency = yield from self.prefix_residency_in_slices(
+            token_ids, block_hashes=block_hashes, cache_salt=cache_salt, lora_name=lora_name,
+            lora_path=lora_path, groups=False, slice_blocks=slice_blocks)
+        return residency.hit_tokens
+
+    def peek_input_in_slices(self, token_ids: Sequence[int] | None,
+                             block_hashes: Sequence[bytes] | None, keys: ExtraKeys, *,
+                             slice_blocks: int = 1 << 62
+                             ) -> Generator[None, None, PeekInput]:
+        """The checked input of a peek, hashing ``slice_blocks`` blocks at a time: (the
+        prompt's hashes at this pool's recipe, or None when caching is off; the hit cap in
+        tokens, the hashed length when only hashes are given; the checked tokens or
+        None). Reads nothing of the cache: the routing index hashes a prompt once per
+        hash identity with it."""
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
-        check_extra_keys(cache_salt, lora_name, lora_path)
+        check_extra_keys(keys.cache_salt, keys.lora_name, keys.lora_path)
         hashes: list[bytes] | None
-        num_tokens: int | None
+        tokens: Sequence[int] | None
         if (token_ids is not None and block_hashes is None
                 and len(token_ids) > slice_blocks * self._hbs):
             # A long prompt: checked and hashed a slice at a time (converting or checking
             # a million token ids at once would hold the caller for a long time too).
-            hashes = yield from self._hash_in_slices(token_ids, slice_blocks, cache_salt,
-                                                     lora_name, lora_path)
-            num_tokens = len(token_ids)
+            hashes = yield from self._hash_in_slices(token_ids, slice_blocks, keys.cache_salt,
+                                                     keys.lora_name, keys.lora_path)
+            tokens = token_ids
         else:
             tokens = None if token_ids is None else check_tokens(token_ids,
                                                                  self._limits.token_limit)
-            num_tokens = None if tokens is None else len(tokens)
             hashes = None if block_hashes is None else check_hashes(
-                block_hashes, num_tokens, self._limits)
-            if self._hash_fn is None:
-                return 0
-            if hashes is None:
-                assert tokens is not None  # no block_hashes, so token_ids were given
+                block_hashes, None if tokens is None else len(tokens), self._limits)
+            if hashes is None and tokens is not None and self._hash_fn is not None:
                 hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                             lora_name=lora_name, lora_path=lora_path,
-                                             cache_salt=cache_salt)
-        if self._hash_fn is None:
-            return 0
-        max_len = num_tokens - 1 if num_tokens is not None else len(hashes) * self._hbs
+                                             lora_name=keys.lora_name,
+                                             lora_path=keys.lora_path,
+                                             cache_salt=keys.cache_salt)
+        if self._hash_fn is None or hashes is None:
+            return None, 0, tokens
+        max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
+        return hashes, max_len, tokens
+
+    def prefix_residency(self, token_ids: Sequence[int] | None = None, *,
+                         block_hashes: Sequence[bytes] | None = None,
+                         cache_salt: str | None = None, lora_name: str | None = None,
+                         lora_path: str | None = None, groups: bool = True,
+                         explain_misses: bool = False) -> Residency:
+        """:meth:`peek_prefix` with every group's reach (``groups``) and miss reason
+        (``explain_misses``), probing this pool. Tokens and client hashes may be given
+        together: then the hashes are looked up and checked against the pool's recipe."""
+        residency: Residency = run_to_end(self.prefix_residency_in_slices(
+            token_ids, block_hashes=block_hashes, cache_salt=cache_salt, lora_name=lora_name,
+            lora_path=lora_path, groups=groups, explain_misses=explain_misses))
+        return residency
+
+    def prefix_residency_in_slices(self, token_ids: Sequence[int] | None = None, *,
+                                   block_hashes: Sequence[bytes] | None = None,
+                                   cache_salt: str | None = None,
+                                   lora_name: str | None = None,
+                                   lora_path: str | None = None, groups: bool = True,
+                                   explain_misses: bool = False,
+                                   slice_blocks: int = 1 << 62
+                                   ) -> Generator[None, None, Residency]:
+        """:meth:`prefix_residency` hashing in slices (as :meth:`peek_prefix_in_slices`:
+        the cache is read after the last yield, in one piece)."""
+        keys = ExtraKeys(cache_salt, lora_name, lora_path)
+        hashes, max_len, tokens = yield from self.peek_input_in_slices(
+            token_ids, block_hashes, keys, slice_blocks=slice_blocks)
+        if hashes is None:
+            return Residency(0, group_residency(self._manager.coordinator.managers, (), 0,
+                                                self._manager.pool) if groups else [])
         _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
-        return hit
+        if not groups and not explain_misses:
+            return Residency(hit, [])
+        return self._residency(hashes, max_len, hit, tokens, keys,
+                               client_hashes=block_hashes is not None,
+                               explain_misses=explain_misses)
+
+    def _residency(self, hashes: Sequence[bytes], max_len: int, hit: int,
+                   tokens: Sequence[int] | None, keys: ExtraKeys, *, client_hashes: bool,
+                   explain_misses: bool) -> Residency:
+        managers = self._manager.coordinator.managers
+        block_pool = self._manager.pool
+        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool))
+        if explain_misses and self._hash_fn is not None:
+            explain(result, ExplainContext(managers, block_pool, self._log, self._hash_fn,
+                                           hashes, max_len, keys, tokens, client_hashes))
+        return result
 
     def _hash_in_slices(self, token_ids: Sequence[int], slice_blocks: int,
                         cache_salt: str | None, lora_name: str | None,
@@ -685,7 +791,7 @@ class Pool:
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
             num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
-            **self._quota_counters())
+            miss_reasons=dict(self._log.misses), **self._quota_counters())
 
     def _quota_counters(self) -> dict[str, int]:
         quota = self._quota
@@ -700,6 +806,21 @@ class Pool:
 
     def take_events(self) -> list[KVEvent]:
         return self._manager.take_events()
+
+    def prefix_snapshot(self) -> list[list[bytes]]:
+        """Every cached block's hash, per group: a hash appears once per block cached
+        under it (what the BlockStored / BlockRemoved events add up to)."""
+        block_pool = self._manager.pool
+        out = []
+        for gid in range(self.num_groups):
+            hashes = []
+            for h, entry in block_pool.group_map(gid).items():
+                if type(entry) is dict:
+                    hashes.extend([h] * len(entry))
+                else:
+                    hashes.append(h)
+            out.append(hashes)
+        return out
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False (nothing changes) while blocks are in use."""

@@ -29,7 +29,8 @@ class Request:
 
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
-                 "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens")
+                 "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
+                 "client_hashes")
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
@@ -50,6 +51,8 @@ class Request:
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
         self.block_hashes: list[bytes] = []
+        # The leading hashes came from the client (miss reasons check their recipe).
+        self.client_hashes = block_hashes is not None
         if hash_fn is not None:
             if block_hashes is not None:
                 # Client-computed hashes (validated by the caller); later blocks

@@ -18,7 +18,7 @@ torch_spec="${KVCACHE_TORCH_SPEC:-torch==2.13.0}"
 
 # torch comes from the pinned spec, never from the extra's range (that could pull a CUDA build).
 reqs="$(python3 "$repo/scripts/docker/requirements.py" "$repo/pyproject.toml" \
-    --extra executor --torch-spec "$torch_spec" --build-system)"
+    --extra executor --extra cluster --torch-spec "$torch_spec" --build-system)"
 stamp_value="$(printf '%s\n' "$reqs" "${PIP_EXTRA_INDEX_URL:-}" "$(python3 -c 'import sys; print(sys.version_info[:2])')" | sha256sum | cut -c1-16)"
 
 if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$stamp_value" ]; then

@@ -34,7 +34,6 @@ from cache_service.replay import load_config
 SAMPLES = Path(__file__).resolve().parents[2] / "cache_service" / "replay_samples"
 SAMPLE_CONFIGS = sorted(p.stem for p in SAMPLES.glob("*.json"))
 
-
 def full(bs: int = 16, *, head: int = 1, **kw: Any) -> FullAttentionSpec:
     """One KV head of ``head`` dims (bfloat16); ``kw``: sliding_window / attention_chunk_size."""
     return FullAttentionSpec(block_size=bs, head_size=head, **kw)
@@ -75,10 +74,11 @@ def dummy_request(request_id: str = "r", hashes: Sequence[bytes] = ()) -> Reques
 
 
 def place_cached(pool: BlockPool, pattern: Sequence[bool], group_ids: Sequence[int] = (0,),
-                 *, block_size: int = 1) -> list[bytes]:
-    """Cache a free block under ``fake_hash(i)`` for each ``i`` with ``pattern[i]`` true,
-    in every group of ``group_ids``; returns the hash list (one per position)."""
-    hashes = [fake_hash(i) for i in range(len(pattern))]
+                 *, block_size: int = 1, hashes: Sequence[bytes] | None = None) -> list[bytes]:
+    """Cache a free block under ``hashes[i]`` (default ``fake_hash(i)``) for each ``i``
+    with ``pattern[i]`` true, in every group of ``group_ids``; returns the hash list (one
+    per position)."""
+    hashes = [fake_hash(i) for i in range(len(pattern))] if hashes is None else list(hashes)
     req = dummy_request(hashes=hashes)
     for gid in group_ids:
         for i, cached in enumerate(pattern):

@@ -29,6 +29,8 @@ from typing import Any
 import docker
 import pytest
 
+from tests.tier_skip import fold_skip, skip_tier
+
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_BASE_IMAGE = "kvcache-local/base:bookworm-py311"  # scripts/docker/base_image.sh
 REGISTRY_BASE_IMAGE = "python:3.11-slim"
@@ -54,26 +56,14 @@ def _no_engine_reason() -> str | None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without an engine, mark every `docker` test skipped (checked once per session)."""
-    docker_items = [item for item in items if item.get_closest_marker("docker")]
-    reason = _no_engine_reason() if docker_items else None
-    if reason:
-        config.stash[_SKIP_REASON] = reason
-        for item in docker_items:
-            item.add_marker(pytest.mark.skip(reason=reason))
-
-
-_SKIP_REASON = pytest.StashKey[str]()
+    skip_tier(config, items, "docker", _no_engine_reason)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """Report every no-engine skip at one location, so `-ra` folds them into ONE line."""
     outcome = yield
-    report = outcome.get_result()
-    reason = item.config.stash.get(_SKIP_REASON, None)
-    if reason and report.skipped and isinstance(report.longrepr, tuple) \
-            and report.longrepr[2].endswith(reason):
-        report.longrepr = (__file__, 1, report.longrepr[2])
+    fold_skip(item, outcome.get_result(), __file__)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ compose's build is served from the layer cache."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -182,3 +183,53 @@ def test_gpu_profile_reserves_one_nvidia_gpu(project, docker_client):
     requests = created.attrs["HostConfig"]["DeviceRequests"]
     assert [(r["Driver"], r["Count"], r["Capabilities"]) for r in requests] == \
         [("nvidia", 1, [["gpu"]])]
+
+
+ETCD_IMAGE = os.environ.get("KVCACHE_ETCD_IMAGE", "quay.io/coreos/etcd:v3.5.17")
+REPLICAS = ("cache-0", "cache-1", "cache-2")
+
+
+@pytest.fixture
+def etcd_image(docker_client) -> str:
+    """The compose profile's etcd image, pulled if absent; the test skips (one line) on a
+    machine that has neither the image nor a registry."""
+    import docker.errors
+
+    try:
+        docker_client.images.get(ETCD_IMAGE)
+    except docker.errors.ImageNotFound:
+        try:
+            docker_client.images.pull(ETCD_IMAGE)
+        except docker.errors.APIError as exc:
+            pytest.skip(f"docker tier: the etcd image {ETCD_IMAGE} is not here and cannot be "
+                        f"pulled ({type(exc).__name__}); set KVCACHE_ETCD_IMAGE")
+    return ETCD_IMAGE
+
+
+def test_cluster_profile_runs_the_demo_over_three_replicas(project, docker_client, etcd_image):
+    """The documented `--profile cluster up demo-cluster`: etcd, three replicas that join
+    it, two executors whose pools are placed through it, and the demo against both."""
+    project.env.update(KVCACHE_ETCD_IMAGE=etcd_image, KVCACHE_CLUSTER_PUBLISH_PORT="")
+    try:
+        up = project.run("--profile", "cluster", "up", "--no-build", "--exit-code-from",
+                         "demo-cluster", "demo-cluster", timeout=900, check=False)
+        demo_logs = project.run("logs", "--no-color", "demo-cluster").stdout
+        assert up.returncode == 0, f"demo exit {up.returncode}\n{up.stdout[-4000:]}"
+        summary = demo_summary(demo_logs)  # the second run's table (executor-b)
+        assert summary["requests"] == DEMO_REQUESTS, demo_logs[-3000:]
+        assert summary["output tokens"] == DEMO_REQUESTS * DEMO_MAX_TOKENS
+        placed: dict[str, str] = {}
+        for service in REPLICAS:
+            logs = project.run("--profile", "cluster", "logs", "--no-color", service).stdout
+            records = [json.loads(line[line.index("{"):]) for line in logs.splitlines()
+                       if '"event"' in line]
+            assert any(r["event"] == "member_joined" for r in records), (service, logs[-2000:])
+            placed.update((r["pool_id"], r["owner"]) for r in records
+                          if r["event"] == "pool_placed")
+        # Each executor's pool was placed once, on a replica of the cluster.
+        assert {"executor-a", "executor-b"} <= set(placed), placed
+        assert set(placed.values()) <= set(REPLICAS), placed
+    finally:
+        project.run("--profile", "cluster", "down", "--volumes", "--remove-orphans",
+                    "--timeout", "20", check=False)
+    assert project.leftovers(docker_client) == []

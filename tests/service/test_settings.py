@@ -32,7 +32,8 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
                                   ["--event-buffer", "0"], ["--tls-cert", "c.pem"],
                                   ["--lease-ttl-seconds", "0"],
                                   ["--log-level", "loud"], ["--fsync", "sometimes"],
-                                  ["--fsync-interval-ms", "0"], ["--snapshot-every", "0"]])
+                                  ["--fsync-interval-ms", "0"], ["--snapshot-every", "0"],
+                                  ["--etcd-lease-ttl", "1"], ["--cluster-name", "a/b"]])
 def test_bad_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_settings(argv)

@@ -1,15 +1,17 @@
 """``ServiceState.apply``, the one mutation entry point: deterministic (the same records give
-the same answers and state), logs only accepted records (before changing anything), and
-expires a session's requests exactly as frees would."""
+the same answers and state), logs only accepted records (before changing anything), asks the
+registry's fence last before logging a pool's record, and expires a session's requests
+exactly as frees would."""
 
 from __future__ import annotations
 
 import pytest
 
-from cache_service.client import ops, register_request
+from cache_service.client import StepBuilder, ops, register_request
 from cache_service.core.errors import KVCacheError, NotFound, UnknownRequest
 from cache_service.registry import PoolRegistry
 from cache_service.state import Durability, ServiceState, WalRecord
+from cache_service.status import Unavailable
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -153,3 +155,48 @@ def test_deleting_a_pool_drops_its_requests_from_their_sessions() -> None:
                                                                       max_requests=100)))
     assert (done.num_requests_freed, done.num_requests_left) == (5, 0)
     assert state.registry.get("p").pool.request_ids() == ["b", "f"]
+
+
+class FencedRegistry(PoolRegistry):
+    """A registry whose fence refuses the pools in ``lost`` (as a cluster member's does for
+    pools it no longer owns), counting the asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost: set[str] = set()
+        self.asked = 0
+
+    def fence(self, pool_id: str) -> None:
+        self.asked += 1
+        if pool_id in self.lost:
+            raise Unavailable(f"pool {pool_id!r} is owned elsewhere", field="pool_id")
+
+
+def test_the_fence_is_asked_after_the_last_validation_slice_and_refuses_without_a_trace(
+        ) -> None:
+    recorder = Recorder()
+    registry = FencedRegistry()
+    state = ServiceState(registry, durability=recorder)
+    for record in records()[:4]:
+        state.apply(record)
+    assert registry.asked == 2  # the pool's two records; sessions are not fenced
+    before, logged = observe(state), len(recorder.records)
+    big = StepBuilder("p", begin_step=True)
+    for i in range(40):
+        big.add(f"n{i}", [i % 5] * 8).allocate(f"n{i}", 8)
+    big.request.session_id, big.request.sequence = "s1", 2
+    work = state.apply_in_slices(WalRecord(step=big.request), 4)
+    next(work)  # validation has begun: the pool was this replica's then
+    registry.lost.add("p")  # ... and is lost before the validation ends
+    with pytest.raises(Unavailable):
+        for _ in work:
+            pass
+    assert observe(state) == before and len(recorder.records) == logged
+    # Nothing was applied: the session's next number is still 2 (a redirected call goes on).
+    registry.lost.clear()
+    assert state.apply(step(2, ops.free("a1"))).results[0].free.num_free_blocks > 0
+    # Session records are not fenced: an expiry frees requests of a lost pool's copy.
+    registry.lost.add("p")
+    expired = state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(
+        session_id="s1", max_requests=10)))
+    assert expired.num_requests_freed == 4 and expired.num_requests_left == 0

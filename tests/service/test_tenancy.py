@@ -97,6 +97,10 @@ PROBES = [
         pb.StepRequest(pool_id=p, ops=[ops.free("r")])])))),
     Probe("PeekPrefix", lambda c, p, s: c.PeekPrefix(pb.PeekPrefixRequest(
         pool_ids=[p], token_ids=list(range(40))))),
+    Probe("PeekPrefix explain", lambda c, p, s: c.PeekPrefix(pb.PeekPrefixRequest(
+        pool_ids=[p], token_ids=list(range(40)), explain=True))),
+    Probe("GetPrefixSnapshot", lambda c, p, s: c.GetPrefixSnapshot(
+        pb.GetPrefixSnapshotRequest(pool_id=p))),
     Probe("GetRequest", lambda c, p, s: c.GetRequest(pb.GetRequestRequest(pool_id=p,
                                                                           request_id="r"))),
     Probe("GetPoolStats", lambda c, p, s: c.GetPoolStats(pb.GetPoolStatsRequest(pool_id=p))),

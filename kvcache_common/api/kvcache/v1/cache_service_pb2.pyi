@@ -27,6 +27,18 @@ class HashAlgo(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HASH_ALGO_UNSPECIFIED: _ClassVar[HashAlgo]
     HASH_ALGO_SHA256: _ClassVar[HashAlgo]
     HASH_ALGO_SHA256_CBOR: _ClassVar[HashAlgo]
+
+class MissReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MISS_REASON_UNSPECIFIED: _ClassVar[MissReason]
+    MISS_REASON_NONE: _ClassVar[MissReason]
+    MISS_REASON_NEVER_CACHED: _ClassVar[MissReason]
+    MISS_REASON_EVICTED: _ClassVar[MissReason]
+    MISS_REASON_DIFFERENT_SALT_OR_LORA: _ClassVar[MissReason]
+    MISS_REASON_CUT_TO_ALIGNMENT: _ClassVar[MissReason]
+    MISS_REASON_OUTSIDE_SLIDING_WINDOW: _ClassVar[MissReason]
+    MISS_REASON_NO_MAMBA_CHECKPOINT: _ClassVar[MissReason]
+    MISS_REASON_HASH_RECIPE_MISMATCH: _ClassVar[MissReason]
 LAYER_KIND_UNSPECIFIED: LayerKind
 LAYER_KIND_FULL_ATTENTION: LayerKind
 LAYER_KIND_SLIDING_WINDOW: LayerKind
@@ -39,6 +51,15 @@ MAMBA_CACHE_MODE_ALIGN: MambaCacheMode
 HASH_ALGO_UNSPECIFIED: HashAlgo
 HASH_ALGO_SHA256: HashAlgo
 HASH_ALGO_SHA256_CBOR: HashAlgo
+MISS_REASON_UNSPECIFIED: MissReason
+MISS_REASON_NONE: MissReason
+MISS_REASON_NEVER_CACHED: MissReason
+MISS_REASON_EVICTED: MissReason
+MISS_REASON_DIFFERENT_SALT_OR_LORA: MissReason
+MISS_REASON_CUT_TO_ALIGNMENT: MissReason
+MISS_REASON_OUTSIDE_SLIDING_WINDOW: MissReason
+MISS_REASON_NO_MAMBA_CHECKPOINT: MissReason
+MISS_REASON_HASH_RECIPE_MISMATCH: MissReason
 
 class MambaState(_message.Message):
     __slots__ = ("shape", "dtype")
@@ -247,10 +268,12 @@ class AddRequestOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
 
 class LookupOp(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "explain")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    explain: bool
+    def __init__(self, request_id: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
     __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table", "append_token_ids")
@@ -353,14 +376,16 @@ class AddRequestResult(_message.Message):
     def __init__(self, num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ...) -> None: ...
 
 class LookupResult(_message.Message):
-    __slots__ = ("hit_tokens", "block_ids", "shared_prefix_boundary")
+    __slots__ = ("hit_tokens", "block_ids", "shared_prefix_boundary", "groups")
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     hit_tokens: int
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
     shared_prefix_boundary: int
-    def __init__(self, hit_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupResidency]
+    def __init__(self, hit_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., shared_prefix_boundary: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
     __slots__ = ("ok", "new_block_ids", "block_ids", "num_computed_tokens", "hit_tokens_used")
@@ -441,7 +466,7 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
 
 class PeekPrefixRequest(_message.Message):
-    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe")
+    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "explain")
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -449,6 +474,7 @@ class PeekPrefixRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_FIELD_NUMBER: _ClassVar[int]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -456,15 +482,36 @@ class PeekPrefixRequest(_message.Message):
     lora_name: str
     lora_path: str
     hash_recipe: HashRecipe
-    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
+    explain: bool
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., explain: _Optional[bool] = ...) -> None: ...
+
+class GroupResidency(_message.Message):
+    __slots__ = ("group_idx", "kind", "tokens", "blocks", "checkpoint_tokens", "miss_reason", "evicted_removals_ago")
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISS_REASON_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_REMOVALS_AGO_FIELD_NUMBER: _ClassVar[int]
+    group_idx: int
+    kind: LayerKind
+    tokens: int
+    blocks: int
+    checkpoint_tokens: _containers.RepeatedScalarFieldContainer[int]
+    miss_reason: MissReason
+    evicted_removals_ago: int
+    def __init__(self, group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., checkpoint_tokens: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., evicted_removals_ago: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "hit_tokens")
+    __slots__ = ("pool_id", "hit_tokens", "groups")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     hit_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[GroupResidency]
+    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ...) -> None: ...
 
 class PeekPrefixResponse(_message.Message):
     __slots__ = ("hits",)
@@ -667,3 +714,31 @@ class CloseSessionResponse(_message.Message):
     NUM_REQUESTS_FREED_FIELD_NUMBER: _ClassVar[int]
     num_requests_freed: int
     def __init__(self, num_requests_freed: _Optional[int] = ...) -> None: ...
+
+class GetPrefixSnapshotRequest(_message.Message):
+    __slots__ = ("pool_id",)
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    def __init__(self, pool_id: _Optional[str] = ...) -> None: ...
+
+class GroupPrefixes(_message.Message):
+    __slots__ = ("group_idx", "kind", "block_size", "block_hashes")
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    group_idx: int
+    kind: LayerKind
+    block_size: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetPrefixSnapshotResponse(_message.Message):
+    __slots__ = ("sequence", "groups", "incarnation")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupPrefixes]
+    incarnation: int
+    def __init__(self, sequence: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupPrefixes, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...

@@ -105,6 +105,11 @@ class CacheServiceStub:
                 request_serializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.GetPrefixSnapshot = channel.unary_unary(
+                '/kvcache.v1.CacheService/GetPrefixSnapshot',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -169,7 +174,9 @@ class CacheServiceServicer:
 
     def PeekPrefix(self, request, context):
         """Read-only prefix lookup for routers: the prefix-cache hit length of a token sequence
-        in each of several pools. Takes no references and changes nothing.
+        in each of several pools, and how much of it each KV-cache group holds; with explain,
+        why each group's hit stopped. Answered from one index across pools (its cost barely
+        grows with the number of pools). Takes no references and changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -235,6 +242,16 @@ class CacheServiceServicer:
 
     def CloseSession(self, request, context):
         """Ends a session now, freeing its remaining requests as an expiry would.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPrefixSnapshot(self, request, context):
+        """A consistent snapshot of the prefixes a pool holds (every cached block's hash, per
+        group) and the sequence number of the last KV event it includes: a router that
+        starts (or lost its stream) loads it, then calls SubscribeEvents with
+        from_sequence = sequence + 1 and misses no event and sees none twice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -312,6 +329,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'GetPrefixSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPrefixSnapshot,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -693,6 +715,33 @@ class CacheService:
             '/kvcache.v1.CacheService/CloseSession',
             kvcache_dot_v1_dot_cache__service__pb2.CloseSessionRequest.SerializeToString,
             kvcache_dot_v1_dot_cache__service__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPrefixSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/GetPrefixSnapshot',
+            kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""Cluster-mode benchmark: failover time, cluster overhead per Step, Steps/s of 1-3 replicas.
+
+Starts its own etcd (the ``etcd`` binary) and cache-service replicas as processes
+(``--etcd-lease-ttl 2``, the shortest etcd grants):
+
+* ``failover``: 3 replicas; one client steps a pool in a loop (add + free of a request per
+  Step); the pool's owner is SIGKILLed; the time from the kill to the first successful Step
+  sent after the owner's process was gone (the client follows redirects and, as replicas share no storage,
+  registers the pool again on NOT_FOUND) is one sample. A fresh replica replaces the dead
+  one before the next kill. p50 / p99 / max over ``--kills`` (default 5; the issue asks 20).
+* ``overhead``: the same sequential Step (a decode op over 8 requests) against a standalone
+  replica and against a one-member cluster replica that owns the pool (the fencing check on
+  every call is the difference); mean round trip each, interleaved in rounds; ratio.
+* ``scaling``: ``--clients`` client processes, one pool each, placed over 1, 2 and 3
+  replicas; each steps for ``--seconds``; total Steps/s. On a 2-core machine the clients and
+  all replicas share the cores: the shape matters, not the absolute.
+
+    python3 bench/bench_cluster.py               # about a minute
+    python3 bench/bench_cluster.py --kills 20    # the issue's sample size
+
+Prints a table and writes bench/results/cluster.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc
+
+from _common import percentile, print_table, ratio, write_results
+from cache_service.client import CacheClient, CacheError, layers, ops
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+from kvcache_common.etcd_launch import EtcdServer, etcd_binary
+from kvcache_common.launch import ServerProcess, start_cache_service
+
+TTL = 2
+LAYERS = [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_size=8)
+          for i in range(2)]
+
+
+def replica(etcd: EtcdServer | None, cluster: str) -> ServerProcess:
+    flags = ["--drain-seconds", "1"]
+    if etcd is not None:
+        flags += ["--etcd-endpoints", etcd.endpoint, "--cluster-name", cluster,
+                  "--etcd-lease-ttl", str(TTL)]
+    return start_cache_service(*flags)
+
+
+def register(client: CacheClient, pool_id: str) -> None:
+    """A pool whose 8 decoding requests can each grow by ~4,000 tokens."""
+    client.register_pool(pool_id, LAYERS, num_blocks=4096, max_model_len=8192)
+
+
+def owner_target(replicas: list[ServerProcess], pool_id: str) -> str:
+    """The replica that answers GetPool itself."""
+    for r in replicas:
+        if r.returncode is None:
+            # A raw stub: asks this replica only (a client would follow the redirect).
+            with grpc.insecure_channel(r.target) as channel:
+                try:
+                    pb_grpc.CacheServiceStub(channel).GetPool(
+                        pb.GetPoolRequest(pool_id=pool_id), timeout=10)
+                    return r.target
+                except grpc.RpcError:
+                    continue
+    raise RuntimeError(f"no replica serves {pool_id}")
+
+
+def _one_kill(client: CacheClient, pool: str, victim: ServerProcess) -> float | None:
+    """Steps ``pool`` in a thread, SIGKILLs its owner, answers the seconds from the kill to
+    the first successful Step sent after the owner's process was gone (None: none in 30 s)."""
+    state = {"killed": 0.0, "dead": 0.0, "back": 0.0, "stop": False}
+
+    def load() -> None:
+        i = 0
+        while not state["stop"]:
+            started = time.monotonic()
+            try:
+                client.step(pool, [ops.add(f"r{i}", [1, 2, 3]), ops.free(f"r{i}")])
+                # Only a Step sent after the victim was gone counts.
+                if state["dead"] and started > state["dead"] and not state["back"]:
+                    state["back"] = time.monotonic()
+            except CacheError:
+                register(client, pool)  # NOT_FOUND: no shared state; register again
+            i += 1
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    time.sleep(0.3)  # a steady stream of steps before the kill
+    state["killed"] = time.monotonic()
+    victim.signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    state["dead"] = time.monotonic()
+    while not state["back"] and time.monotonic() - state["killed"] < 30:
+        time.sleep(0.01)
+    state["stop"] = True
+    worker.join(30)
+    return state["back"] - state["killed"] if state["back"] else None
+
+
+def bench_failover(etcd: EtcdServer, kills: int) -> dict:
+    cluster = f"bench-{uuid.uuid4().hex[:6]}"
+    replicas = [replica(etcd, cluster) for _ in range(3)]
+    samples: list[float] = []
+    try:
+        for k in range(kills):
+            live = [r for r in replicas if r.returncode is None]
+            with CacheClient(",".join(r.target for r in live), default_timeout=30,
+                             backoff_base=0.02, backoff_max=0.1) as client:
+                pool = f"f{k}"
+                register(client, pool)
+                victim = next(r for r in live if r.target == owner_target(live, pool))
+                sample = _one_kill(client, pool, victim)
+            if sample is not None:
+                samples.append(sample)
+            victim.stop()
+            replicas.append(replica(etcd, cluster))
+    finally:
+        for r in replicas:
+            r.stop()
+    xs = sorted(samples)
+    return {"kills": kills, "samples_s": [round(x, 3) for x in samples],
+            "p50_s": round(percentile(xs, 50), 3), "p99_s": round(percentile(xs, 99), 3),
+            "max_s": round(xs[-1], 3) if xs else None, "lease_ttl_s": TTL}
+
+
+def _step_loop(client: CacheClient, pool: str, n: int) -> float:
+    rids = [f"d{i}" for i in range(8)]
+    start = time.perf_counter()
+    for _ in range(n):
+        client.decode(pool, rids, [7] * 8)
+    return (time.perf_counter() - start) / n
+
+
+def bench_overhead(etcd: EtcdServer, steps: int, rounds: int) -> dict:
+    standalone = replica(None, "")
+    member = replica(etcd, f"bench-{uuid.uuid4().hex[:6]}")
+    means: dict[str, list[float]] = {"standalone": [], "cluster": []}
+    try:
+        clients = {"standalone": CacheClient(standalone.target),
+                   "cluster": CacheClient(member.target)}
+        for c in clients.values():
+            register(c, "o")
+            c.step("o", [op for i in range(8) for op in (
+                ops.add(f"d{i}", [1] * 20), ops.allocate(f"d{i}", 20))])
+            _step_loop(c, "o", 50)  # warm-up
+        for _ in range(rounds):
+            for name, c in clients.items():
+                means[name].append(_step_loop(c, "o", steps))
+        for c in clients.values():
+            c.close()
+    finally:
+        standalone.stop()
+        member.stop()
+    alone = sorted(means["standalone"])[len(means["standalone"]) // 2]
+    member_s = sorted(means["cluster"])[len(means["cluster"]) // 2]
+    return {"steps_per_round": steps, "rounds": rounds, "standalone_us": round(alone * 1e6, 1),
+            "cluster_us": round(member_s * 1e6, 1), "ratio": round(member_s / alone, 3)}
+
+
+def _client_proc(targets: str, pool: str, seconds: float, out: mp.Queue) -> None:
+    with CacheClient(targets, default_timeout=30) as client:
+        register(client, pool)
+        rids = [f"d{i}" for i in range(8)]
+        client.step(pool, [op for i in range(8) for op in (
+            ops.add(f"d{i}", [1] * 20), ops.allocate(f"d{i}", 20))])
+        n = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            client.decode(pool, rids, [7] * 8)
+            n += 1
+    out.put(n)
+
+
+def bench_scaling(etcd: EtcdServer, clients: int, seconds: float) -> list[dict]:
+    rows = []
+    ctx = mp.get_context("spawn")
+    for size in (1, 2, 3):
+        cluster = f"bench-{uuid.uuid4().hex[:6]}"
+        replicas = [replica(etcd, cluster) for _ in range(size)]
+        try:
+            targets = ",".join(r.target for r in replicas)
+            out: mp.Queue = ctx.Queue()
+            procs = [ctx.Process(target=_client_proc, args=(targets, f"s{i}", seconds, out))
+                     for i in range(clients)]
+            for p in procs:
+                p.start()
+            counts = [out.get(timeout=seconds + 120) for _ in procs]
+            for p in procs:
+                p.join(30)
+            placement = Counter(owner_target(replicas, f"s{i}") for i in range(clients))
+            rows.append({"replicas": size, "clients": clients,
+                         "steps_per_s": round(sum(counts) / seconds, 1),
+                         "pools_per_replica": sorted(placement.values(), reverse=True)})
+        finally:
+            for r in replicas:
+                r.stop()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=300, help="overhead: steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--clients", type=int, default=6)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    args = parser.parse_args()
+    if etcd_binary() is None:
+        print("bench_cluster: no etcd binary (apt-get install etcd-server)")
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        etcd = EtcdServer(Path(tmp) / "etcd")
+        etcd.start()
+        try:
+            overhead = bench_overhead(etcd, args.steps, args.rounds)
+            scaling = bench_scaling(etcd, args.clients, args.seconds)
+            failover = bench_failover(etcd, args.kills)
+        finally:
+            etcd.stop()
+    one = scaling[0]["steps_per_s"]
+    rows = [
+        ["failover p50 (s)", failover["p50_s"], (f"p99 {failover['p99_s']} s, max "
+                                                 f"{failover['max_s']} s over {args.kills} "
+                                                 f"kills, lease TTL {TTL} s")],
+        ["Step, standalone (us)", overhead["standalone_us"], ""],
+        ["Step, cluster member (us)", overhead["cluster_us"],
+         f"{overhead['ratio']:.3f}x standalone (goal <= 1.05x)"],
+    ] + [[f"Steps/s, {r['replicas']} replica(s)", r["steps_per_s"],
+          (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
+           f"{r['pools_per_replica']}")] for r in scaling]
+    print_table("Cluster mode (etcd)", ["measure", "value", "notes"], rows)
+    path = write_results("cluster", {"failover": failover, "overhead": overhead,
+                                     "scaling": scaling})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Where cluster state lives in etcd, and which replica a pool is placed on.
+
+Key layout (all under ``/kvcache/<cluster-name>/``; docs/deployment.md shows it too):
+
+- ``members/<member-id>`` -> JSON ``{"address": "host:port", "lease": <lease id>}``, put
+  under the member's lease: it disappears when the replica leaves or its lease expires.
+- ``owners/<pool-id>`` -> JSON ``{"member": ..., "address": ...}``, put under the OWNER's
+  lease; its mod revision is the pool's fencing token (a new owner always has a larger one).
+- ``pools/<pool-id>`` -> the ``kvcache.v1.RegisterPoolRequest`` the pool was registered
+  with (binary protobuf), no lease: it lives until DeletePool, so a new owner can rebuild
+  the pool when the old owner is gone.
+
+Placement is rendezvous (highest-random-weight) hashing of the pool id over the live
+members: every replica computes the same owner from the same member set, and a member
+leaving moves only the pools it owned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The etcd keys of one cluster."""
+
+    cluster: str
+
+    @property
+    def root(self) -> bytes:
+        return f"/kvcache/{self.cluster}/".encode()
+
+    def member(self, member_id: str) -> bytes:
+        return self.root + b"members/" + member_id.encode()
+
+    def owner(self, pool_id: str) -> bytes:
+        return self.root + b"owners/" + pool_id.encode()
+
+    def pool(self, pool_id: str) -> bytes:
+        return self.root + b"pools/" + pool_id.encode()
+
+    def parse(self, key: bytes) -> tuple[str, str] | None:
+        """``(kind, name)`` of a key under the root (kind: members / owners / pools)."""
+        if not key.startswith(self.root):
+            return None
+        kind, _, name = key[len(self.root):].decode().partition("/")
+        return (kind, name) if name else None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """An ``owners/<pool>`` entry: who owns the pool, under which lease, since when."""
+
+    member: str
+    address: str
+    lease: int
+    token: int  # the key's mod revision: the fencing token
+
+    @staticmethod
+    def encode(member: str, address: str) -> bytes:
+        return json.dumps({"member": member, "address": address}).encode()
+
+    @classmethod
+    def decode(cls, value: bytes, lease: int, token: int) -> Owner:
+        data = json.loads(value)
+        return cls(str(data["member"]), str(data["address"]), lease, token)
+
+
+def rendezvous_owner(pool_id: str, members: Iterable[str]) -> str | None:
+    """The member with the highest hash of (member, pool); None without members."""
+    best, best_score = None, b""
+    for member in members:
+        score = hashlib.blake2b(f"{member}\0{pool_id}".encode(), digest_size=8).digest()
+        if best is None or (score, member) > (best_score, best):
+            best, best_score = member, score
+    return best

@@ -1,0 +1,194 @@
+"""A cluster member as the server sees it: the pool registry behind the fencing check,
+membership + placement started and stopped with the server, redirects and the PeekPrefix
+fan-out."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+
+from cache_service import convert
+from cache_service.calls import REQUEST_ID_KEY, request_id_metadata
+from cache_service.cluster.etcd import Etcd
+from cache_service.cluster.keys import KeyLayout
+from cache_service.cluster.membership import Membership
+from cache_service.cluster.placement import Placement
+from cache_service.cluster.registry import ClusterRegistry
+from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.registry import build_pool, check_pool_id
+from cache_service.settings import Settings
+from cache_service.state import ServiceState, WalRecord
+from cache_service.tenants import Namespace
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+
+_log = structlog.get_logger("cache_service.cluster")
+
+#: This replica's own part of a PeekPrefix: (the caller's namespace, request) -> response.
+LocalPeek = Callable[[Namespace, pb.PeekPrefixRequest], Awaitable[pb.PeekPrefixResponse]]
+
+#: Metadata on a PeekPrefix one replica sends another: answer from your own pools only.
+FORWARDED_KEY = "x-kvcache-forwarded"
+
+
+def advertised_address(settings: Settings, port: int) -> str:
+    if settings.advertise_address:
+        return settings.advertise_address
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+class ClusterNode:
+    """Built on the server's state (whose registry is a :class:`ClusterRegistry`); joins
+    the cluster with :meth:`join` once the port is known, leaves with :meth:`leave`."""
+
+    def __init__(self, settings: Settings, state: ServiceState) -> None:
+        assert settings.etcd_endpoints
+        assert isinstance(state.registry, ClusterRegistry), "build the state with cluster=True"
+        self.settings = settings
+        self.state = state
+        self.keys = KeyLayout(settings.cluster_name)
+        self.etcd = Etcd(settings.etcd_endpoints, timeout=max(1.0, settings.etcd_lease_ttl / 3))
+        self.registry: ClusterRegistry = state.registry
+        self.membership: Membership | None = None
+        self.placement: Placement | None = None
+        self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.CacheServiceStub]] = {}
+
+    async def join(self, port: int, timeout: float = 30.0) -> None:
+        """Registers this replica and acts on the cluster's current state; raises
+        ConnectionError when etcd cannot be reached within ``timeout``."""
+        address = advertised_address(self.settings, port)
+        member_id = self.settings.member_id or address
+        self.membership = Membership(self.etcd, self.keys, member_id, address,
+                                     self.settings.etcd_lease_ttl)
+        self.placement = Placement(self.etcd, self.keys, self.membership,
+                                   self.registry.has, None, self._discard,
+                                   lambda: [entry.pool_id for entry in self.registry])
+        self.registry.placement = self.placement
+        self.membership.on_new_lease = self.placement.on_new_lease
+        await self.membership.join(time.monotonic() + timeout)
+        await asyncio.wait_for(self.placement.start(), timeout)
+
+    def _discard(self, pool_id: str) -> None:
+        """Drops a pool this replica lost, through the one mutation path (so a write-ahead
+        log records it and a restart does not bring the stale copy back)."""
+        with self.registry.unfenced():
+            self.state.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id=pool_id)))
+
+    async def leave(self) -> None:
+        """Stops following etcd and revokes the lease (other replicas take the pools)."""
+        if self.placement is not None:
+            await self.placement.stop()
+        if self.membership is not None:
+            await self.membership.leave()
+        await self.etcd.close()
+        for channel, _ in self._peers.values():
+            await channel.close()
+
+    # -- servicer hooks -----------------------------------------------------------------
+
+    async def place(self, request: pb.RegisterPoolRequest) -> None:
+        """RegisterPool (its pool id already the internal one: ``tenant/pool`` for a
+        tenant's): validates the registration (nothing is written for a bad one), then
+        places it; returns if this replica owns it, else raises PoolMoved."""
+        check_pool_id(request.pool_id, qualified=True)
+        assert self.placement is not None
+        if not self.registry.has(request.pool_id):
+            build_pool(convert.description_from_proto(request))
+        await self.placement.place(request)
+
+    async def unplace(self, pool_id: str) -> None:
+        """After this replica refused to register ``pool_id`` (internal id; e.g. beyond a
+        tenant's limit or the block budget): a pool placed here but not registered here
+        has its etcd keys removed, so a rejected RegisterPool leaves nothing behind."""
+        assert self.placement is not None
+        if not self.registry.has(pool_id) and pool_id in self.placement.owned:
+            try:
+                await self.placement.delete(pool_id)
+            except KVCacheError as exc:  # lost meanwhile: the new owner's business
+                _log.warning("unplace_failed", pool_id=pool_id, error=str(exc))
+            self.placement.forget(pool_id)
+
+    async def delete(self, pool_id: str) -> None:
+        """DeletePool of ``pool_id`` (internal id): its etcd keys are removed first, so
+        nobody takes it over. A pool not here is left to the apply path, which answers a
+        session's retry from the session, redirects, or answers NOT_FOUND."""
+        assert self.placement is not None
+        if self.registry.has(pool_id):
+            await self.placement.delete(pool_id)
+
+    def _peer(self, address: str) -> pb_grpc.CacheServiceStub:
+        peer = self._peers.get(address)
+        if peer is None:
+            channel = grpc.aio.insecure_channel(address)
+            peer = self._peers[address] = (channel, pb_grpc.CacheServiceStub(channel))
+        return peer[1]
+
+    async def peek_prefix(self, request: pb.PeekPrefixRequest, ns: Namespace,
+                          context: grpc.aio.ServicerContext, local: LocalPeek
+                          ) -> pb.PeekPrefixResponse:
+        """PeekPrefix over pools on several replicas: this replica's pools answered here
+        (``local``), the others by their owners concurrently, within the caller's deadline.
+
+        Tenancy: pool ids are the caller's (``ns`` maps them); a forwarded call carries the
+        caller's ``authorization``, so the owner answers for the same tenant and an id the
+        caller cannot name is answered here (NOT_FOUND), never looked up elsewhere."""
+        assert self.placement is not None
+        metadata = dict(context.invocation_metadata() or ())
+        remote: dict[str, list[str]] = {}
+        if FORWARDED_KEY not in metadata:  # a forwarded call is answered here only
+            for pool_id in request.pool_ids:
+                internal = ns.inner(pool_id)
+                owner = self.placement.owner_of(internal) if internal is not None else None
+                if (internal not in self.placement.owned and owner is not None
+                        and owner.member != self.placement.me):
+                    remote.setdefault(owner.address, []).append(pool_id)
+        if not remote:
+            return await local(ns, request)
+        first: dict[str, int] = {}
+        for i, pid in enumerate(request.pool_ids):  # before any id is sent anywhere
+            if pid in first:
+                raise InvalidArgument(f"pool {pid!r} is named twice (first at pool_ids"
+                                      f"[{first[pid]}])", field=f"pool_ids[{i}]")
+            first[pid] = i
+        moved = {pid for pids in remote.values() for pid in pids}
+        here = [pid for pid in request.pool_ids if pid not in moved]
+        forward: list[tuple[str, str]] = [(FORWARDED_KEY, "1")]
+        if "authorization" in metadata:
+            forward.append(("authorization", metadata["authorization"]))
+        remaining = context.time_remaining()
+        timeout = remaining if remaining is not None else 10.0
+
+        def sub(pool_ids: list[str]) -> pb.PeekPrefixRequest:
+            msg = pb.PeekPrefixRequest()
+            msg.CopyFrom(request)
+            del msg.pool_ids[:]
+            msg.pool_ids.extend(pool_ids)
+            return msg
+
+        asked = [self._peer(address).PeekPrefix(sub(pids), timeout=timeout,
+                                                metadata=tuple(forward))
+                 for address, pids in remote.items()]
+        hits: dict[str, pb.PoolHit] = {}
+        try:
+            if here:
+                hits.update((h.pool_id, h) for h in (await local(ns, sub(here))).hits)
+            for answer in await asyncio.gather(*asked):
+                hits.update((h.pool_id, h) for h in answer.hits)
+        except grpc.aio.AioRpcError as exc:
+            # The owner's answer, passed on (its status details name the field), under this
+            # call's request id.
+            trailers = tuple((key, value) for key, value in exc.trailing_metadata() or ()
+                             if key != REQUEST_ID_KEY) + request_id_metadata()
+            await context.abort(exc.code(), exc.details() or "", trailers)
+        finally:
+            for call in asked:
+                call.cancel()  # e.g. a local error: the other answers are not waited for
+        return pb.PeekPrefixResponse(hits=[hits[pid] for pid in request.pool_ids])

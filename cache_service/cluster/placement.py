@@ -1,0 +1,375 @@
+"""Placement and fencing: which replica owns each pool, kept consistent through etcd.
+
+This replica keeps a view of ``members/``, ``owners/`` and ``pools/`` (one listing, then a
+watch from the listing's revision) and acts on it under one lock:
+
+- **place** (RegisterPool on any replica): the rendezvous owner among the live members gets
+  ``owners/<pool>`` under *its* lease plus ``pools/<pool>`` (the registration), in one
+  transaction that succeeds only if neither exists; the caller is redirected to the owner.
+- **take over**: a pool with a registration but no owner (its owner's lease expired or was
+  revoked) is claimed by the rendezvous owner among the live members, again by a
+  create-if-absent transaction. With a ``restore`` (state on shared storage) the pool is
+  rebuilt from it at once; without, the pool stays absent until its next RegisterPool
+  creates it anew, so clients see NOT_FOUND for the pool (state lost: re-register) instead
+  of an empty pool that silently forgot their requests.
+- **adopt**: an ownership key naming this replica under its current lease (placed by
+  another replica) is served from now on, the pool created by the RegisterPool the client
+  is redirected with.
+- **lose**: a pool whose ownership key no longer names this replica under its current lease
+  and token is dropped from this replica at once.
+
+Fencing: :meth:`Placement.check` runs before every call on a pool (every write included,
+with no await between it and the write). It passes only if this replica holds the pool
+under an ownership token it obtained AND its lease is certainly still alive
+(:meth:`Membership.lease_valid`). A replica cut off from etcd stops accepting writes before
+its lease can expire in etcd, hence before any other replica can claim its pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
+from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
+from cache_service.cluster.membership import Membership
+from cache_service.core.errors import KVCacheError, NotFound
+from cache_service.status import Unavailable
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.redirect import OWNER_ADDRESS_KEY, OWNER_MEMBER_KEY
+
+_log = structlog.get_logger("cache_service.cluster")
+
+#: Rebuilds a pool on this replica from its registration and the state the previous owner
+#: left on storage this replica can read; raises a KVCacheError if it cannot.
+Restore = Callable[[str, pb.RegisterPoolRequest], None]
+
+
+class PoolMoved(Unavailable):
+    """The pool is owned by another replica: UNAVAILABLE (nothing applied here) with the
+    owner's address in trailing metadata, so the client retries there."""
+
+    def __init__(self, pool_id: str, owner: Owner, field: str = "pool_id") -> None:
+        super().__init__(f"pool {pool_id!r} is owned by replica {owner.member} at "
+                         f"{owner.address}; retry there", field=field)
+        # A negative pushback tells a client's gRPC retry policy not to retry here: the
+        # client sends the call to the owner instead.
+        self.trailing_metadata = ((OWNER_ADDRESS_KEY, owner.address),
+                                  (OWNER_MEMBER_KEY, owner.member),
+                                  ("grpc-retry-pushback-ms", "-1"))
+
+
+@dataclass(frozen=True)
+class Member:
+    address: str
+    lease: int
+
+
+class Placement:
+    """The ownership view and the actions on it (see the module docstring)."""
+
+    def __init__(self, etcd: Etcd, keys: KeyLayout, membership: Membership,
+                 has_local: Callable[[str], bool], restore: Restore | None,
+                 discard: Callable[[str], None],
+                 local_pools: Callable[[], list[str]] = list) -> None:
+        self.etcd = etcd
+        self.keys = keys
+        self.membership = membership
+        self._has_local = has_local
+        self._restore = restore
+        self._discard = discard
+        self._local_pools = local_pools
+        self.members: dict[str, Member] = {}
+        self.owners: dict[str, Owner] = {}
+        self.registered: set[str] = set()  # pools with a pools/<id> key
+        #: pool id -> fencing token, for the pools this replica serves.
+        self.owned: dict[str, int] = {}
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self.synced = asyncio.Event()
+
+    @property
+    def me(self) -> str:
+        return self.membership.member_id
+
+    # -- fencing (hot path) -------------------------------------------------------------
+
+    def check(self, pool_id: str, field: str = "pool_id") -> int:
+        """The pool's fencing token if this replica may serve it now; otherwise raises
+        PoolMoved (another replica owns it), Unavailable (ownership in transition or not
+        confirmed) or NotFound."""
+        token = self.owned.get(pool_id)
+        if token is not None and time.monotonic() < self.membership.valid_until:
+            return token
+        owner = self.owners.get(pool_id)
+        if owner is not None and owner.member != self.me:
+            raise PoolMoved(pool_id, owner, field)
+        if token is not None or owner is not None:
+            raise Unavailable(f"replica {self.me} cannot confirm its ownership of pool "
+                              f"{pool_id!r} (etcd unreachable); retry", field=field)
+        if pool_id in self.registered:
+            raise Unavailable(f"pool {pool_id!r} is failing over to another replica; "
+                              "retry", field=field)
+        raise NotFound(f"unknown pool {pool_id!r}", field=field)
+
+    def owner_of(self, pool_id: str) -> Owner | None:
+        return self.owners.get(pool_id)
+
+    # -- view ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Starts following etcd; returns once the first listing has been acted on."""
+        self._task = asyncio.create_task(self._follow(), name="etcd-placement")
+        await self.synced.wait()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        while True:
+            events: asyncio.Queue = asyncio.Queue()
+            client = self.etcd.client
+            try:
+                revision = await self._load()
+                await self.reconcile()
+                self.synced.set()
+                watch = await client.watch_prefix(
+                    self.keys.root, start_revision=revision + 1)
+                pump = asyncio.create_task(self._pump(watch, events))
+                try:
+                    while True:
+                        try:
+                            # Reconcile at least every TTL even when nothing changes (a
+                            # claim that failed on a transient error is retried).
+                            event = await asyncio.wait_for(events.get(), self.membership.ttl)
+                        except TimeoutError:
+                            await self.reconcile()
+                            continue
+                        if isinstance(event, BaseException):
+                            raise event
+                        self._apply(event)
+                        while not events.empty():
+                            event = events.get_nowait()
+                            if isinstance(event, BaseException):
+                                raise event
+                            self._apply(event)
+                        await self.reconcile()
+                finally:
+                    pump.cancel()
+            except Exception as exc:  # noqa: BLE001 - any failure: list and watch again
+                if not isinstance(exc, ETCD_ERRORS + (RuntimeError,)):
+                    _log.exception("cluster_view_failed")
+                _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
+                await self.etcd.reconnect(client)
+                # A pause between attempts while etcd is away (a timer, not a sync).
+                await asyncio.sleep(0.2)
+
+    @staticmethod
+    async def _pump(watch, events: asyncio.Queue) -> None:
+        try:
+            async for event in watch:
+                await events.put(event)
+            await events.put(RuntimeError("etcd watch ended"))
+        except Exception as exc:  # noqa: BLE001 - delivered to the follower, which reconnects
+            await events.put(exc)
+
+    async def _load(self) -> int:
+        """Replaces the view with a full listing; answers its revision."""
+        listing = await self.etcd.client.get_prefix(self.keys.root)  # one revision
+        members: dict[str, Member] = {}
+        owners: dict[str, Owner] = {}
+        registered: set[str] = set()
+        for kv in listing:
+            self._put(kv, members, owners, registered)
+        self.members, self.owners, self.registered = members, owners, registered
+        return listing.header.revision
+
+    def _put(self, kv, members: dict, owners: dict, registered: set) -> None:
+        parsed = self.keys.parse(kv.key)
+        if parsed is None:
+            return
+        kind, name = parsed
+        try:
+            if kind == "members":
+                data = json.loads(kv.value)
+                members[name] = Member(str(data["address"]), kv.lease)
+            elif kind == "owners":
+                owners[name] = Owner.decode(kv.value, kv.lease, kv.mod_revision)
+            elif kind == "pools":
+                registered.add(name)
+        except (ValueError, KeyError, TypeError) as exc:
+            _log.error("bad_cluster_key", key=kv.key.decode(errors="replace"), error=str(exc))
+
+    def _apply(self, event) -> None:
+        if event.kind == "PUT":
+            self._put(event.kv, self.members, self.owners, self.registered)
+            return
+        parsed = self.keys.parse(event.kv.key)
+        if parsed is None:
+            return
+        kind, name = parsed
+        if kind == "members":
+            self.members.pop(name, None)
+        elif kind == "owners":
+            self.owners.pop(name, None)
+        elif kind == "pools":
+            self.registered.discard(name)
+
+    # -- actions ------------------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Lose, adopt and take over (see the module docstring) until the view and this
+        replica's pools agree."""
+        async with self._lock:
+            me, lease = self.me, self.membership.lease_id
+            for pool_id, token in list(self.owned.items()):
+                owner = self.owners.get(pool_id)
+                if owner is None or (owner.member, owner.lease, owner.token) != (me, lease,
+                                                                                  token):
+                    self._lose(pool_id, owner)
+            for pool_id in self._local_pools():
+                # Recovered from this replica's own log at start, but owned elsewhere now.
+                owner = self.owners.get(pool_id)
+                if pool_id not in self.owned and owner is not None and owner.member != me:
+                    self._lose(pool_id, owner)
+            for pool_id, owner in list(self.owners.items()):
+                if owner.member == me and owner.lease == lease and pool_id not in self.owned:
+                    await self._instantiate(pool_id, owner.token)
+            if not self.membership.lease_valid():
+                return
+            for pool_id in sorted(self.registered - self.owners.keys()):
+                if rendezvous_owner(pool_id, self.members) == me:
+                    await self._claim(pool_id)
+
+    def _lose(self, pool_id: str, owner: Owner | None) -> None:
+        self.owned.pop(pool_id, None)
+        if self._has_local(pool_id):
+            self._discard(pool_id)
+        _log.warning("ownership_lost", pool_id=pool_id,
+                     new_owner=owner.member if owner else None)
+
+    async def _claim(self, pool_id: str) -> None:
+        tx = self.etcd.client.transactions
+        ok, responses = await self.etcd.client.transaction(
+            compare=[tx.create(self.keys.owner(pool_id)) == 0,
+                     tx.create(self.keys.pool(pool_id)) > 0],
+            success=[tx.put(self.keys.owner(pool_id),
+                            Owner.encode(me := self.me, self.membership.address),
+                            lease=self.membership.lease_id)],
+            failure=[])
+        if not ok:
+            return  # someone else was faster, or the pool was deleted: the watch says which
+        token = responses[0].response_put.header.revision
+        self.owners[pool_id] = Owner(me, self.membership.address, self.membership.lease_id,
+                                     token)
+        _log.info("pool_taken_over", pool_id=pool_id, token=token)
+        await self._instantiate(pool_id, token)
+
+    async def _instantiate(self, pool_id: str, token: int) -> None:
+        """Serves an owned pool from now on: restored first when there is a ``restore``
+        and the pool is not here already."""
+        if self._restore is not None and not self._has_local(pool_id):
+            got = await self.etcd.client.get(self.keys.pool(pool_id))
+            if got is None:
+                return  # deleted meanwhile
+            request = pb.RegisterPoolRequest.FromString(got.value)
+            try:
+                self._restore(pool_id, request)
+            except KVCacheError as exc:
+                _log.error("pool_restore_failed", pool_id=pool_id, error=str(exc))
+                return
+        self.owned[pool_id] = token
+        _log.info("pool_owned", pool_id=pool_id, token=token)
+
+    async def place(self, request: pb.RegisterPoolRequest) -> None:
+        """Places a pool being registered here (its registration already validated).
+        Returns when this replica owns it (the caller registers it locally); raises
+        PoolMoved when another replica owns it or was chosen."""
+        pool_id = request.pool_id
+        if pool_id in self.owned:
+            self.check(pool_id)
+            return
+        tx = self.etcd.client.transactions
+        async with self._lock:
+            for _ in range(3):
+                got = await self.etcd.client.get(self.keys.owner(pool_id))
+                if got is not None:
+                    owner = Owner.decode(got.value, got.lease, got.mod_revision)
+                    self.owners[pool_id] = owner
+                    if owner.member != self.me or owner.lease != self.membership.lease_id:
+                        raise PoolMoved(pool_id, owner)
+                    self.owned[pool_id] = owner.token
+                    return
+                if not self.membership.lease_valid():
+                    break
+                target = rendezvous_owner(pool_id, self.members)
+                if target is None or (member := self.members.get(target)) is None:
+                    break
+                try:
+                    ok, responses = await self.etcd.client.transaction(
+                        compare=[tx.create(self.keys.owner(pool_id)) == 0,
+                                 tx.create(self.keys.pool(pool_id)) == 0],
+                        success=[tx.put(self.keys.owner(pool_id),
+                                        Owner.encode(target, member.address),
+                                        lease=member.lease),
+                                 tx.put(self.keys.pool(pool_id),
+                                        request.SerializeToString())],
+                        failure=[])
+                except ETCD_ERRORS as exc:  # e.g. the chosen member's lease just expired
+                    _log.warning("placement_failed", pool_id=pool_id, target=target,
+                                 error=str(exc))
+                    continue
+                if not ok:
+                    # Owned meanwhile (the loop redirects there), or registered without an
+                    # owner: its owner died and the takeover has not happened yet.
+                    if await self.etcd.client.get(self.keys.owner(pool_id)) is None:
+                        raise Unavailable(f"pool {pool_id!r} is failing over to another "
+                                          "replica; retry", field="pool_id")
+                    continue
+                token = responses[0].response_put.header.revision
+                owner = Owner(target, member.address, member.lease, token)
+                self.owners[pool_id] = owner
+                self.registered.add(pool_id)
+                _log.info("pool_placed", pool_id=pool_id, owner=target, token=token)
+                if target != self.me:
+                    raise PoolMoved(pool_id, owner)
+                self.owned[pool_id] = token
+                return
+        raise Unavailable(f"cannot place pool {pool_id!r} now (no live replica or etcd "
+                          "unreachable); retry", field="pool_id")
+
+    async def delete(self, pool_id: str) -> None:
+        """Removes the pool's ownership and registration keys (this replica owns it):
+        nobody takes a deleted pool over."""
+        token = self.check(pool_id)
+        tx = self.etcd.client.transactions
+        async with self._lock:
+            ok, _ = await self.etcd.client.transaction(
+                compare=[tx.mod(self.keys.owner(pool_id)) == token],
+                success=[tx.delete(self.keys.owner(pool_id)),
+                         tx.delete(self.keys.pool(pool_id))],
+                failure=[])
+            if not ok:
+                raise Unavailable(f"replica {self.me} lost pool {pool_id!r} meanwhile; "
+                                  "retry", field="pool_id")
+            # ``owned`` keeps the pool until the registry has dropped it (forget()).
+            self.owners.pop(pool_id, None)
+            self.registered.discard(pool_id)
+
+    def forget(self, pool_id: str) -> None:
+        """The pool was deleted here: no longer served."""
+        self.owned.pop(pool_id, None)
+
+    async def on_new_lease(self) -> None:
+        """After the lease was granted again every ownership under the old one is gone."""
+        async with self._lock:
+            for pool_id in list(self.owned):
+                self._lose(pool_id, self.owners.get(pool_id))
+        await self.reconcile()
