@@ -45,6 +45,7 @@ from cache_service.client._results import (
     BlockCopy,
     DecodeResult,
     Event,
+    FillResult,
     FreeResult,
     GroupInfo,
     LookupResult,
@@ -62,7 +63,7 @@ from cache_service.client._sync import CacheClient, StepStream
 __all__ = [
     "AddResult", "AllocateResult", "AppendResult", "AsyncCacheClient", "AsyncStepStream",
     "BlockCopy",
-    "CacheClient", "CacheError", "DecodeResult", "Event", "FreeResult", "GroupInfo",
+    "CacheClient", "CacheError", "DecodeResult", "Event", "FillResult", "FreeResult", "GroupInfo",
     "LookupResult", "NewStepResult", "OpResult", "PoolInfo", "PoolStats", "PreemptResult",
     "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",
     "register_request", "step_result",
