@@ -8,21 +8,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError, UnknownRequest
+from cache_service.core.kv_cache_manager import BlockCopy
+from cache_service.core.ops import Allocate, AppendTokens, Op
 from cache_service.core.pool import Pool
 
 from builders import SAMPLE_CONFIGS, full, make_pool, snapshot_with_events, swa, twin_pools
 
 
-def loop_decode(pool: Pool, rids: list[str], tokens: list[int]) -> tuple[list[bool], dict]:
-    """The reference: append + allocate per request, as a generic Step would."""
-    ok, grown = [], {}
-    for i, (rid, token) in enumerate(zip(rids, tokens)):
-        pool.append_tokens(rid, [token])
-        r = pool.allocate(rid, 1, include_tables=False)
+def loop_decode(pool: Pool, rids: list[str], tokens: list[int]
+                ) -> tuple[list[bool], dict, list[BlockCopy]]:
+    """The reference: append + allocate per request in one batch, as a generic Step would
+    (copy-on-write copies keep their blocks until the batch ends)."""
+    ops: list[Op] = []
+    for rid, token in zip(rids, tokens):
+        ops += [AppendTokens(rid, [token]), Allocate(rid, 1, include_table=False)]
+    ok, grown, copies = [], {}, []
+    for i, r in enumerate(pool.apply_batch(ops)[1::2]):
         ok.append(r.ok)
         if r.ok and r.new_block_ids and any(r.new_block_ids):
             grown[i] = r.new_block_ids
-    return ok, grown
+        copies += r.block_copies
+    return ok, grown, copies
 
 
 @pytest.mark.parametrize("name", SAMPLE_CONFIGS)
@@ -57,7 +63,8 @@ def test_decode_equals_append_then_allocate(name: str, data: st.DataObject) -> N
         fast.new_step()
         ref.new_step()
         result = fast.decode(rids, tokens)
-        assert (result.ok, result.new_block_ids) == loop_decode(ref, rids, tokens)
+        assert (result.ok, result.new_block_ids, result.block_copies) == \
+            loop_decode(ref, rids, tokens)
         assert snapshot_with_events(fast) == snapshot_with_events(ref)
         fast.check_invariants()
 
