@@ -142,6 +142,19 @@ def draw_batch(data: st.DataObject, pool: Pool, fresh: list[int]) -> list:
     return ops
 
 
+def stricter_rule(ops: list, bad: int, exc: KVCacheError) -> bool:
+    """Whether ``ops[bad]`` was refused by a rule only a whole batch has (see the test)."""
+    op = ops[bad]
+    if isinstance(exc, FailedPrecondition) and isinstance(op, Lookup):
+        return True
+    moved = (Allocate, Decode, Free, Preempt)
+    return (isinstance(exc, InvalidArgument) and isinstance(op, Allocate)
+            and op.num_new_tokens == 0
+            and any(isinstance(o, moved) or (isinstance(o, Lookup)
+                                             and o.request_id == op.request_id)
+                    for o in ops[:bad]))
+
+
 def op_index(exc: KVCacheError) -> tuple[int, str]:
     """(i, field relative to the op) of a batch error ``ops[i].<kind>.<field>``."""
     head, _, rest = exc.field.partition(".")
@@ -176,9 +189,11 @@ def test_a_batch_equals_its_ops_one_by_one(name: str, data: st.DataObject) -> No
                     assert op_index(one)[1] == field
                     break
             else:
-                # The batch's only stricter rule: a lookup after an allocate of the same
-                # request (which may have computed tokens) is refused without running it.
-                assert isinstance(exc, FailedPrecondition) and isinstance(ops[bad], Lookup)
+                # The batch's two stricter rules (core/batch.py's docstring): a lookup after
+                # an allocate of the same request (which may have computed tokens) is refused
+                # without running it, and an allocate of 0 tokens adopts only a hit known
+                # before the batch (no lookup of it nor block-changing op earlier in it).
+                assert stricter_rule(ops, bad, exc), (bad, exc)
             # The twin applied the ops before ``bad``: rebuild it from the accepted batches.
             _, single = twin_pools(name)
             for old_ops, old_begin in history:
