@@ -27,6 +27,7 @@ file and line) and on an entry no doc shows any more.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -101,7 +102,9 @@ class Run:
     """Run as written from the root of a copy of the checkout by ``tests/<tier>``'s
     doc-command test: exit status ``rc``, each of ``stdout`` in its output, each of ``files``
     (relative to the root) written. ``serve``: a server; the test waits for this output line,
-    sends SIGTERM and expects exit 0."""
+    sends SIGTERM and expects exit 0. ``shrink``: size flags appended to a benchmark that takes
+    minutes as written (its argparse takes the last value), so the run checks the command's
+    code path and outputs but not its sizes: the one departure from "as written"."""
 
     tier: str
     rc: int = 0
@@ -109,6 +112,7 @@ class Run:
     files: tuple[str, ...] = ()
     serve: str | None = None
     timeout: float = 120.0
+    shrink: str = ""
 
 
 @dataclass(frozen=True)
@@ -151,9 +155,9 @@ _BY_DOCKER_TIER = "tests/docker runs it when an engine answers (scripts/docker_e
 _GPU = "a CUDA GPU"
 
 
-def _bench(name: str, timeout: float = 240.0) -> Run:
-    """A benchmark: exit 0, its table printed, bench/results/<name>.json written."""
-    return Run("bench", files=(f"bench/results/{name}.json",), timeout=timeout)
+def _bench(name: str, shrink: str = "", tier: str = "bench") -> Run:
+    """A benchmark: exit 0 and bench/results/<name>.json written."""
+    return Run(tier, files=(f"bench/results/{name}.json",), timeout=300, shrink=shrink)
 
 REGISTRY: dict[str, Entry] = {
     # README.md
@@ -186,21 +190,24 @@ REGISTRY: dict[str, Entry] = {
     "pip install": Prose("names the tool in a sentence"),
     "python -m cache_service": Run("service", serve=_SERVING),
     # docs/benchmarks.md
-    "python3 bench/bench_core.py": _bench("core"),
-    "python3 bench/bench_service.py": _bench("service"),
-    "python3 bench/bench_cluster.py": _bench("cluster"),
-    "python3 bench/bench_durability.py": _bench("durability"),
+    "python3 bench/bench_core.py": _bench("core", "--num-requests 200"),
+    "python3 bench/bench_service.py": _bench("service", "--steps 20 --warmup 2 --clients 2"),
+    "python3 bench/bench_cluster.py": _bench(  # needs etcd: the cluster tier
+        "cluster", "--kills 1 --steps 30 --rounds 1 --clients 2 --seconds 1", tier="cluster"),
+    "python3 bench/bench_durability.py": _bench(
+        "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
     "python3 bench/bench_fairness.py --seconds 6": _bench("fairness"),
-    "python3 bench/bench_fuzz.py --seeds 1,2,3 --calls 3000": _bench("fuzz"),
+    "python3 bench/bench_fuzz.py --seeds 1,2,3 --calls 3000":
+        _bench("fuzz", "--seeds 1 --calls 300"),
     "python3 bench/bench_leases.py": _bench("leases"),
     "PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out bench/results/gpu_check.json": Gated(
         _GPU, "the device run of bench/gpu_check.py; its --dry-run runs in tests/bench"),
     "python3 bench/gpu_check.py --dry-run": RunBy("tests/bench/test_gpu_check.py"),
     "python3 bench/gpu_check.py": Gated(_GPU, "the device run; its --dry-run runs in tests/bench"),
-    "python3 bench/bench_executor.py": _bench("executor"),
+    "python3 bench/bench_executor.py": _bench("executor", "--requests 8 --max-tokens 4"),
     "python3 bench/bench_executor.py --simulated-forward-ms 5 2 --requests 128 --concurrency 64 "
-    "--max-tokens 32": _bench("executor_simulated"),
-    "python3 bench/bench_routing.py": _bench("routing"),
+    "--max-tokens 32": _bench("executor_simulated", "--requests 16 --repeats 1 --max-tokens 4"),
+    "python3 bench/bench_routing.py": _bench("routing", "--quick"),
     # docs/conformance.md
     "python -m cache_service.conformance --target HOST:PORT":
         RunBy("tests/service/test_conformance.py"),
@@ -246,7 +253,8 @@ REGISTRY: dict[str, Entry] = {
         "the test suite itself", "the kernels tier; a test cannot run the run it is part of"),
     'OMP_NUM_THREADS=1 python3 -m pytest tests/kernels -q -m "not triton"': Gated(
         "the test suite itself", "the kernels tier without the interpreter tests"),
-    "OMP_NUM_THREADS=1 python3 bench/bench_kernels_attention.py": _bench("kernels_attention"),
+    "OMP_NUM_THREADS=1 python3 bench/bench_kernels_attention.py":
+        _bench("kernels_attention", "--quick"),
     "PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --out $OUT/gpu_check.json 2>&1 "
     "| tee $OUT/gpu_check.log": Gated(_GPU, "the device machine's run of the GPU check"),
     "OMP_NUM_THREADS=1 python3 -m pytest tests/kernels/test_conv1d.py tests/kernels/test_ssd.py "
@@ -316,10 +324,12 @@ def shell(command: str, root: Path, timeout: float,
 def run_as_written(text: str, entry: Run, root: Path) -> None:
     """Runs the registered command ``text`` with bash from ``root`` and checks what its
     :class:`Run` entry promises."""
-    command = text
+    command = f"{text} {entry.shrink}".strip()
     if entry.serve:
         _serve(command, root, entry)
         return
+    for name in entry.files:  # the copy is shared: an earlier run's file must not count
+        (root / name).unlink(missing_ok=True)
     done = shell(command, root, entry.timeout)
     tail = (done.stdout + done.stderr)[-3000:]
     assert done.returncode == entry.rc, f"{command}: exit {done.returncode}\n{tail}"
@@ -327,6 +337,8 @@ def run_as_written(text: str, entry: Run, root: Path) -> None:
         assert expected in done.stdout, f"{command}: no {expected!r} in its output\n{tail}"
     for name in entry.files:
         assert (root / name).is_file(), f"{command}: did not write {name}\n{tail}"
+        if name.endswith(".json"):
+            json.loads((root / name).read_text())
 
 
 def _serve(command: str, root: Path, entry: Run) -> None:
