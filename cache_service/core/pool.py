@@ -639,7 +639,7 @@ class Pool:
                       lo: int, hi: int, outcome: DecodeOutcome) -> None:
         """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``
         (with ``placeholders`` each appends a placeholder instead of ``token_ids[i]``)."""
-        allocate_slots = self._manager.allocate_slots
+        decode_slot = self._manager.decode_slot
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
@@ -652,7 +652,7 @@ class Pool:
             else:
                 req.append_token(token_ids[i])
             if fast and req.status == running and req.num_computed_tokens:
-                new = allocate_slots(req, 1)
+                new = decode_slot(req)
                 if new is None:
                     self._allocation_failures += 1
                     ok[i] = False
