@@ -208,6 +208,10 @@ REGISTRY: dict[str, Entry] = {
     "python3 bench/bench_executor.py --simulated-forward-ms 5 2 --requests 128 --concurrency 64 "
     "--max-tokens 32": _bench("executor_simulated", "--requests 16 --repeats 1 --max-tokens 4"),
     "python3 bench/bench_routing.py": _bench("routing", "--quick"),
+    "python3 bench/bench_service.py --sizes 256 --clients 1 --steps 300 --baseline-tree ../main":
+        Gated("a second checkout at ../main", "the before side of a before/after comparison; "
+              "`python3 bench/bench_service.py` runs in tests/bench"),
+    "python3 bench/profile_step.py": _bench("profile_step"),
     # docs/conformance.md
     "python -m cache_service.conformance --target HOST:PORT":
         RunBy("tests/service/test_conformance.py"),
