@@ -27,6 +27,7 @@ file and line) and on an entry no doc shows any more.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,7 +106,8 @@ class Run:
     (relative to the root) written. ``serve``: a server; the test waits for this output line,
     sends SIGTERM and expects exit 0. ``shrink``: size flags appended to a benchmark that takes
     minutes as written (its argparse takes the last value), so the run checks the command's
-    code path and outputs but not its sizes: the one departure from "as written"."""
+    code path and outputs but not its sizes: the one departure from "as written". ``after``:
+    servers it needs, each started first by bash from the root and stopped after it."""
 
     tier: str
     rc: int = 0
@@ -113,6 +116,7 @@ class Run:
     serve: str | None = None
     timeout: float = 120.0
     shrink: str = ""
+    after: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -173,7 +177,8 @@ REGISTRY: dict[str, Entry] = {
     "kvcache-server --port 50051 --metrics-port 9400": Run("service", serve=_SERVING),
     "kvcache-executor --help": Run("executor", stdout=("--preset", "--mamba-cache-mode")),
     "kvcache-demo --target 127.0.0.1:50061": Gated(
-        "an executor serving on 127.0.0.1:50061", "a fixed port another run may hold; "
+        "an executor serving on 127.0.0.1:50061", "a fixed port in the ephemeral range, which "
+        "other runs on a shared machine take (seen: an etcd of the cluster tier); "
         "tests/executor/test_cli.py runs `kvcache-demo --target` against an executor"),
     "kvcache-demo --target": Prose("names the flag in a sentence"),
     "docker compose up --build": Gated(_DOCKER, _BY_DOCKER_TIER + " (test_compose.py)"),
@@ -191,9 +196,10 @@ REGISTRY: dict[str, Entry] = {
     "python -m cache_service": Run("service", serve=_SERVING),
     # docs/benchmarks.md
     "python3 bench/bench_core.py": _bench("core", "--num-requests 200"),
-    "python3 bench/bench_service.py": _bench("service", "--steps 20 --warmup 2 --clients 2"),
+    "python3 bench/bench_service.py":
+        _bench("service", "--steps 10 --warmup 1 --clients 1 --sizes 8"),
     "python3 bench/bench_cluster.py": _bench(  # needs etcd: the cluster tier
-        "cluster", "--kills 1 --steps 30 --rounds 1 --clients 2 --seconds 1", tier="cluster"),
+        "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5", tier="cluster"),
     "python3 bench/bench_durability.py": _bench(
         "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
     "python3 bench/bench_fairness.py --seconds 6": _bench("fairness"),
@@ -204,7 +210,7 @@ REGISTRY: dict[str, Entry] = {
         _GPU, "the device run of bench/gpu_check.py; its --dry-run runs in tests/bench"),
     "python3 bench/gpu_check.py --dry-run": RunBy("tests/bench/test_gpu_check.py"),
     "python3 bench/gpu_check.py": Gated(_GPU, "the device run; its --dry-run runs in tests/bench"),
-    "python3 bench/bench_executor.py": _bench("executor", "--requests 8 --max-tokens 4"),
+    "python3 bench/bench_executor.py": _bench("executor", "--requests 4 --max-tokens 2"),
     "python3 bench/bench_executor.py --simulated-forward-ms 5 2 --requests 128 --concurrency 64 "
     "--max-tokens 32": _bench("executor_simulated", "--requests 16 --repeats 1 --max-tokens 4"),
     "python3 bench/bench_routing.py": _bench("routing", "--quick"),
@@ -329,9 +335,16 @@ def run_as_written(text: str, entry: Run, root: Path) -> None:
     """Runs the registered command ``text`` with bash from ``root`` and checks what its
     :class:`Run` entry promises."""
     command = f"{text} {entry.shrink}".strip()
-    if entry.serve:
-        _serve(command, root, entry)
-        return
+    with contextlib.ExitStack() as servers:
+        for server in entry.after:
+            servers.enter_context(serving(server, root, _SERVING, entry.timeout))
+        if entry.serve:
+            with serving(command, root, entry.serve, entry.timeout):
+                return
+        _check(command, entry, root)
+
+
+def _check(command: str, entry: Run, root: Path) -> None:
     for name in entry.files:  # the copy is shared: an earlier run's file must not count
         (root / name).unlink(missing_ok=True)
     done = shell(command, root, entry.timeout)
@@ -345,23 +358,35 @@ def run_as_written(text: str, entry: Run, root: Path) -> None:
             json.loads((root / name).read_text())
 
 
-def _serve(command: str, root: Path, entry: Run) -> None:
-    assert entry.serve is not None
+@contextlib.contextmanager
+def serving(command: str, root: Path, ready: str, timeout: float) -> Iterator[None]:
+    """Runs the server ``command`` with bash from ``root`` until its output has the line
+    ``ready``; on leaving, SIGTERM, and it must exit 0 (the documented shutdown)."""
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=root, env=_env(root),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: list[str] = []
-    try:
-        deadline = time.monotonic() + entry.timeout
+    up = threading.Event()
+
+    def drain() -> None:  # also after `ready`: a full pipe would block the server
         assert proc.stdout is not None
-        for line in proc.stdout:  # ends when the process exits
+        for line in proc.stdout:
             seen.append(line)
-            if entry.serve in line:
-                break
-            assert time.monotonic() < deadline, f"{command}: no {entry.serve!r} in time"
-        assert seen and entry.serve in seen[-1], f"{command} exited:\n{''.join(seen)[-3000:]}"
+            if ready in line:
+                up.set()
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not up.wait(0.1):
+            assert proc.poll() is None, f"{command} exited:\n{''.join(seen)[-3000:]}"
+            assert time.monotonic() < deadline, f"{command}: no {ready!r} in {timeout} s"
+        yield
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0, f"{command}: exit {proc.returncode} after SIGTERM"
+        assert proc.wait(timeout=30) == 0, \
+            f"{command}: exit {proc.returncode} after SIGTERM\n{''.join(seen)[-3000:]}"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        reader.join(timeout=10)
