@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -109,3 +110,12 @@ def gate() -> Iterator[Gate]:
     g = Gate()
     yield g
     g.close()
+
+
+@pytest.fixture(scope="session")
+def checkout_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout's tracked files: the docs' commands run from its root, so what
+    they write (bench/results/, ...) never lands in the checkout."""
+    from tests.doc_commands import copy_checkout
+
+    return copy_checkout(tmp_path_factory.mktemp("checkout"))

@@ -12,17 +12,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from tests.doc_commands import shell
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "bench" / "gpu_check.py"
+DRY_RUN = "python3 bench/gpu_check.py --dry-run"
 
 
 def _load(name: str) -> ModuleType:
@@ -34,16 +32,17 @@ def _load(name: str) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
-    """The report and stdout of one ``gpu_check.py --dry-run`` (about a minute on one core)."""
-    out = tmp_path_factory.mktemp("gpu_check") / "gpu_check.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("KERNELS_TEST_DEVICE", None)
-    env.pop("TRITON_INTERPRET", None)  # the script must set it itself on CPU
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+def dry_run(checkout_copy: Path) -> tuple[dict[str, Any], str]:
+    """The report and stdout of one ``gpu_check.py --dry-run`` (about a minute on one core),
+    docs/benchmarks.md's command run as written from a copy of the checkout (the report goes
+    to its bench/results/)."""
+    env: dict[str, str | None] = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                  # the script must choose these itself on CPU
+                                  "KERNELS_TEST_DEVICE": None, "TRITON_INTERPRET": None}
+    proc = shell(DRY_RUN, checkout_copy, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(out.read_text()), proc.stdout
+    report = checkout_copy / "bench" / "results" / "gpu_check.json"
+    return json.loads(report.read_text()), proc.stdout
 
 
 @pytest.fixture(scope="module")

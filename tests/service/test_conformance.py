@@ -1,5 +1,7 @@
 """The conformance kit: `python -m cache_service.conformance` against a real server
-subprocess, as docs/conformance.md shows it; the bundled answers carry their provenance."""
+subprocess; docs/conformance.md's two commands run as written (HOST:PORT, C.json and T.jsonl
+filled in through tests/doc_commands.py's substitution table); the bundled answers carry
+their provenance."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ import pytest
 from cache_service.conformance import SAMPLES, bundled
 from cache_service.replay import read_expected
 from kvcache_common.launch import ServerProcess
+from tests.doc_commands import ROOT, shell, substitute
+
+BUNDLED = "python -m cache_service.conformance --target HOST:PORT"
+ANY_TRACE = "python -m cache_service.conformance --target HOST:PORT --config C.json --trace T.jsonl"
 
 
 def conformance(server: ServerProcess, *args: str) -> subprocess.CompletedProcess:
@@ -41,7 +47,7 @@ def test_every_expected_file_is_stamped_with_its_provenance() -> None:
 
 
 def test_the_bundled_samples_conform(server: ServerProcess) -> None:
-    proc = conformance(server)
+    proc = shell(substitute(BUNDLED, {"target": server.target}), ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[-1] == f"{len(bundled())}/{len(bundled())} traces conform"
@@ -76,7 +82,8 @@ def test_any_trace_without_answers_is_checked_against_the_replay_tool(
         {"op": "add", "req": "b", "tokens": list(range(9))}, {"op": "lookup", "req": "b"},
         {"op": "allocate", "req": "b", "num_new_tokens": 1}, {"op": "usage"},
         {"op": "frobnicate"}]) + "\n")
-    proc = conformance(server, "--config", str(config), "--trace", str(trace))
+    proc = shell(substitute(ANY_TRACE, {"target": server.target, "config": str(config),
+                                        "trace": str(trace)}), ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == ["t: 9 ops vs replay tool: ok", "1/1 traces conform"]
 

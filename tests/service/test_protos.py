@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_commands import shell
+
 REPO = Path(__file__).resolve().parents[2]
 GENERATED = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GEN_PROTOS = "bash scripts/gen_protos.sh"
 
 
 def _generated_files(root: Path) -> dict[str, Path]:
@@ -25,8 +28,8 @@ def test_generated_stubs_have_not_drifted(tmp_path: Path) -> None:
     (work / "scripts").mkdir(parents=True)
     shutil.copy(script, work / "scripts" / "gen_protos.sh")
     shutil.copytree(REPO / "proto", work / "proto")
-    subprocess.run(["bash", "scripts/gen_protos.sh", "kvcache_common/api"], cwd=work,
-                   check=True, capture_output=True, text=True)
+    done = shell(GEN_PROTOS, work, timeout=300)  # docs/protocol.md's command, as written
+    assert done.returncode == 0, done.stdout + done.stderr
     out = work / "kvcache_common" / "api"
     fresh = _generated_files(out)
     committed = _generated_files(REPO / "kvcache_common" / "api")
