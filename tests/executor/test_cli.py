@@ -73,7 +73,8 @@ def test_an_unknown_preset_is_one_line_from_a_flag_or_the_environment() -> None:
 def test_a_setting_that_cannot_work_stops_the_start() -> None:
     """Mamba align blocks of 48 tokens cannot be prefilled 24 at a time: refused before
     listening."""
-    done = run("-m", "executor", "--preset", "hybrid-fsm", "--max-tokens-per-step", "24")
+    done = run("-m", "executor", "--port", "0", "--preset", "hybrid-fsm",
+               "--max-tokens-per-step", "24")
     assert done.returncode == 2
     line = one_error_line(done, "kvcache-executor")
     assert line.startswith("kvcache-executor: error: --max-tokens-per-step: 24 is below the Mamba "

@@ -118,6 +118,8 @@ CASES = [
          Code.INVALID_ARGUMENT, "ops[0].decode.token_ids"),
     Case("decode op token beyond vocab", "Step", step(ops.decode([LIVE], [VOCAB])),
          Code.INVALID_ARGUMENT, "ops[0].decode.token_ids[0]"),
+    Case("fill of a request without placeholders", "Step", step(ops.fill([LIVE], [1])),
+         Code.INVALID_ARGUMENT, "ops[0].fill_placeholders.token_ids[0]"),
     Case("lookup on a running request", "Step", step(ops.lookup(LIVE)),
          Code.FAILED_PRECONDITION, "ops[0].lookup.request_id"),
     Case("lookup after allocate in the batch", "Step",
