@@ -88,15 +88,21 @@ def _restore_message(full_name: str, data: bytes) -> Message:
     return cls.FromString(data)
 
 
-def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
-    """Pickles ``state`` as the snapshot through WAL index ``last_index`` (atomic)."""
+def dumps_state(state: Any) -> bytes:
+    """``state`` (the service state, or part of it) pickled as snapshots pickle it;
+    ``pickle.loads`` reads it back."""
     buffer = io.BytesIO()
     gc.disable()  # pickling allocates nothing the collector could free; it only slows down
     try:
         _StatePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
     finally:
         gc.enable()
-    payload = buffer.getbuffer()
+    return buffer.getvalue()
+
+
+def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
+    """Pickles ``state`` as the snapshot through WAL index ``last_index`` (atomic)."""
+    payload = dumps_state(state)
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, last_index, len(payload), zlib.crc32(payload))
     final = directory / snapshot_name(last_index)
     tmp = final.with_suffix(".tmp")
