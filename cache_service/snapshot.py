@@ -116,8 +116,9 @@ def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
     return final
 
 
-def read_snapshot(path: Path) -> tuple[Any, int]:
-    """``(state, last WAL index)`` of one snapshot file."""
+def read_snapshot(path: Path, *, freeze: bool = True) -> tuple[Any, int]:
+    """``(state, last WAL index)`` of one snapshot file; ``freeze``: the state lives as long
+    as the server (see below)."""
     data = path.read_bytes()
     if len(data) < _HEADER.size:
         raise SnapshotCorruption(path, "shorter than its header")
@@ -141,21 +142,25 @@ def read_snapshot(path: Path) -> tuple[Any, int]:
     gc.disable()
     try:
         state = pickle.loads(payload)
-        gc.freeze()
+        if freeze:
+            gc.freeze()
     finally:
         gc.enable()
     return state, last_index
 
 
-def load_latest(directory: Path) -> tuple[Any, int] | None:
+def load_latest(directory: Path, *, read_only: bool = False) -> tuple[Any, int] | None:
     """The newest snapshot's ``(state, last index)``, or None if there is none. Leftover
-    ``.tmp`` files (a crash while writing) are deleted: they were never committed."""
-    for tmp in directory.glob(f"{_PREFIX}*.tmp"):
-        tmp.unlink()
+    ``.tmp`` files (a crash while writing) are deleted, unless ``read_only`` (another
+    server's directory): they were never committed. A ``read_only`` load is not frozen
+    out of the collector (it is a temporary copy, see :func:`read_snapshot`)."""
+    if not read_only:
+        for tmp in directory.glob(f"{_PREFIX}*.tmp"):
+            tmp.unlink()
     snapshots = list_snapshots(directory)
     if not snapshots:
         return None
-    return read_snapshot(snapshots[-1][1])
+    return read_snapshot(snapshots[-1][1], freeze=not read_only)
 
 
 def delete_before(directory: Path, last_index: int) -> None:

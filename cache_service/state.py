@@ -475,7 +475,7 @@ class ServiceState:
                             "owners": owners, "sessions": sessions})
 
     def _prepare_adopt(self, request: wal_pb2.AdoptPool
-                       ) -> Callable[[], wal_pb2.AdoptPool]:
+                       ) -> Callable[[], wal_pb2.AdoptPoolResult]:
         check_pool_id(request.pool_id, qualified=True)
         if request.pool_id in self.registry:
             raise AlreadyExists(f"pool {request.pool_id!r} exists", field="pool_id")
@@ -490,7 +490,7 @@ class ServiceState:
         if entry.pool_id != request.pool_id:
             raise InvalidArgument(f"the state is of pool {entry.pool_id!r}", field="state")
 
-        def commit() -> wal_pb2.AdoptPool:
+        def commit() -> wal_pb2.AdoptPoolResult:
             self.registry.adopt(entry)
             if data["tables"] is not None:
                 self._tables[entry.pool_id] = data["tables"]
@@ -502,8 +502,7 @@ class ServiceState:
                 session = self.sessions.setdefault(adopted.session_id, adopted)
                 if session is not adopted:
                     session.requests.update(adopted.requests)
-            return wal_pb2.AdoptPool(pool_id=entry.pool_id,
-                                     from_member=request.from_member)
+            return wal_pb2.AdoptPoolResult(session_ids=[s.session_id for s in sessions])
         return commit
 
     # -- sessions (changes) ---------------------------------------------------------------------

@@ -1,7 +1,8 @@
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as _cache_service_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -73,3 +74,9 @@ class AdoptPool(_message.Message):
     from_member: str
     state: bytes
     def __init__(self, pool_id: _Optional[str] = ..., from_member: _Optional[str] = ..., state: _Optional[bytes] = ...) -> None: ...
+
+class AdoptPoolResult(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
