@@ -55,4 +55,5 @@ def test_on_shared_storage_an_executor_goes_on_without_registering_again(
     assert not any(r.get("event") == "pool_lost" for r in executor.records), executor.output()
     heir = shared.by_target(owner_of(shared, POOL))
     adopted = heir.wait_for(lambda r: r.get("event") == "pool_adopted", 10)
+    assert owner.ready_record is not None
     assert adopted["holder"] == owner.ready_record["member"]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from cache_service.client import CacheClient, ops
+from cache_service.client import AllocateResult, CacheClient, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import start_cache_service
 from tests.cluster.conftest import (
@@ -46,7 +46,7 @@ def test_sigkill_of_an_owner_under_load_loses_no_acknowledged_step(shared: Clust
                     rid = f"r{i}"
                     result = client.step("hot", [ops.add(rid, [i, i + 1, i + 2]),
                                                  ops.allocate(rid, 3)])
-                    acked[rid] = result.results[1].block_ids
+                    acked[rid] = result.result(1, AllocateResult).block_ids
                     if lost_at and not back_at:
                         back_at.append(time.monotonic())
                     i += 1
@@ -74,7 +74,9 @@ def test_sigkill_of_an_owner_under_load_loses_no_acknowledged_step(shared: Clust
         heir = shared.by_target(owner_of(shared, "hot"))
         assert heir is not victim
         adopted = heir.wait_for(lambda r: r.get("event") == "pool_adopted", 10)
-        assert adopted["holder"] == victim.ready_record["member"]
+        assert victim.ready_record is not None
+        member = victim.ready_record["member"]
+        assert adopted["holder"] == member
         assert raw_stub(heir.target).Step(stamped, timeout=5) == first
         after = client.get_pool("hot")
         assert after.incarnation == before.incarnation
@@ -96,7 +98,6 @@ def test_sigkill_of_an_owner_under_load_loses_no_acknowledged_step(shared: Clust
 
         # The dead owner restarted on its own directory recovers the pool from its log,
         # finds it owned elsewhere and drops it (a logged DeletePool): it never serves it.
-        member = victim.ready_record["member"]
         back = start_cache_service(
             "--etcd-endpoints", shared.etcd.endpoint, "--cluster-name", shared.name,
             "--etcd-lease-ttl", str(LEASE_TTL), "--drain-seconds", "1",
