@@ -97,9 +97,10 @@ class Settings(BaseSettings):
                                   "in-memory (a restart loses every pool)")
     shared_data_root: Path | None = Field(
         None, description="cluster mode: a directory every replica mounts (a shared "
-        "volume); this replica's data directory is <root>/<member-id> (needs --member-id, "
-        "excludes --data-dir), and a replica taking a dead one's pools over restores them "
-        "from that one's directory, read-only: same incarnation, no acknowledged Step lost")
+        "volume); this replica's data directory is <root>/<member-id> (needs --member-id; "
+        "--data-dir unset or that directory), and a replica taking a dead one's pools over "
+        "restores them from that one's directory, read-only: same incarnation, no "
+        "acknowledged Step lost")
     fsync: Literal["always", "batch", "never"] = Field(
         "batch", description="with --data-dir: when the log is flushed to disk. always = "
         "before each answer (nothing answered is lost, even on power loss); batch = every "
@@ -122,8 +123,10 @@ class Settings(BaseSettings):
         if self.shared_data_root is not None:
             if not (self.etcd_endpoints and self.member_id):
                 raise ValueError("--shared-data-root needs --etcd-endpoints and --member-id")
-            if self.data_dir is not None:
-                raise ValueError("--shared-data-root and --data-dir exclude each other")
+            own = self.shared_data_root / self.member_id
+            if self.data_dir is not None and self.data_dir != own:
+                raise ValueError(f"with --shared-data-root, --data-dir must be {own} "
+                                 "(<root>/<member-id>, where the others look) or unset")
         return self
 
     @property
