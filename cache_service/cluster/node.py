@@ -99,8 +99,9 @@ class ClusterNode:
         directory = root / holder
         started = time.perf_counter()
         try:
-            dead = await asyncio.to_thread(self.read_peer, self.settings, directory)
-            payload = dead.export_pool(pool_id)
+            # Off the event loop: replaying another replica's log takes a while.
+            payload = await asyncio.to_thread(
+                lambda: self.read_peer(self.settings, directory).export_pool(pool_id))
         except KVCacheError:
             _log.warning("pool_not_adopted", pool_id=pool_id, holder=holder,
                          reason="not in the holder's state (never registered there)")

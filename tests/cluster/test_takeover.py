@@ -5,13 +5,14 @@ on without registering again; the dead owner, restarted, does not serve the pool
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
 
 import pytest
 
-from cache_service.client import AllocateResult, CacheClient, ops
+from cache_service.client import AllocateResult, AsyncCacheClient, CacheClient, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import start_cache_service
 from tests.cluster.conftest import (
@@ -109,3 +110,27 @@ def test_sigkill_of_an_owner_under_load_loses_no_acknowledged_step(shared: Clust
         assert client.get_pool("hot").incarnation == before.incarnation
         client.step("hot", [ops.append("r0", [7])])
         assert client.get_request("hot", "r0").num_tokens == 4
+
+
+def test_the_async_client_goes_on_after_a_takeover_under_its_carried_session(shared: Cluster):
+    """The asyncio client follows the same rules: the Step after the owner's death goes to
+    the heir under the dead owner's session, and that session is kept alive there."""
+    targets = ",".join(r.target for r in shared.replicas)
+
+    async def run() -> None:
+        async with AsyncCacheClient(targets, default_timeout=20, backoff_max=0.2) as client:
+            before = await client.register_pool("async", small_layers(), num_blocks=256,
+                                                max_model_len=256)
+            for i in range(10):
+                await client.step("async", [ops.add(f"a{i}", [i, 1, 2]),
+                                            ops.allocate(f"a{i}", 3)])
+            victim = shared.by_target(owner_of(shared, "async"))
+            victim.signal(signal.SIGKILL)
+            await client.step("async", [ops.add("after", [5, 6]), ops.allocate("after", 2)])
+            assert (await client.get_pool("async")).incarnation == before.incarnation
+            window = time.monotonic() + 3 * SESSION_TTL
+            while time.monotonic() < window:  # an observation window, polled
+                assert (await client.stats("async")).num_requests == 11
+                await asyncio.sleep(0.2)
+
+    asyncio.run(run())
