@@ -113,15 +113,17 @@ def test_a_registration_the_owner_refuses_leaves_nothing_in_etcd(cluster: Cluste
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.field == "num_blocks"
 
-    def unknown(replica) -> bool:
-        with pytest.raises(grpc.RpcError) as missing:
-            raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id="huge"), timeout=5)
-        return missing.value.code() == grpc.StatusCode.NOT_FOUND
+    def all_unknown() -> bool:
+        codes = []
+        for replica in cluster.replicas:
+            with pytest.raises(grpc.RpcError) as missing:
+                raw_stub(replica.target).GetPool(pb.GetPoolRequest(pool_id="huge"), timeout=5)
+            codes.append(missing.value.code())
+        return codes == [grpc.StatusCode.NOT_FOUND] * len(codes)
 
     # The other replicas learn of the undone placement through their etcd watch (a redirect
     # to the refusing owner until then, milliseconds later; longer on a loaded machine).
-    for replica in cluster.replicas:
-        wait_until(lambda r=replica: unknown(r), 10, f"{replica.target} forgetting the pool")
+    wait_until(all_unknown, 10, "every replica forgetting the pool")
 
 
 def test_step_streams_and_peek_prefix_span_replicas(three: Cluster):
