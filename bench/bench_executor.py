@@ -6,32 +6,63 @@
   throughput, time to first token p50/p99, prefix hit rate, and the ratio on/off;
 * two executors with caching on, loaded at the same time on ONE cache service;
 
-and, for every executor, the share of engine-step time spent in cache-service calls (scraped
-from its /metrics: ``kvcache_executor_cache_call_seconds / kvcache_executor_step_seconds``).
+* the executor with caching on and ``--no-async-cache-step`` (each step's cache call after
+  the forward pass instead of during it);
+
+and, for every executor, the share of engine-step time spent in cache-service calls and the
+share the engine waited on them with no forward pass running (the exposed wait), scraped from
+its /metrics (``kvcache_executor_cache_call_seconds`` and ``..._cache_wait_seconds`` over
+``..._step_seconds``).
+
+``--simulated-forward-ms 5 2`` measures instead, in process, an engine whose model is replaced
+by a TIMED STAND-IN: a forward pass that takes the same batch (token lists, chunks, tables) and
+sleeps the given milliseconds, as a GPU forward pass of a real model would take, returning
+made-up logits (the tokens mean nothing). Per duration: the exposed cache wait share, tokens/s
+and TTFT p50/p99 with the overlap on and off, against a real cache service process and against
+the core in process (the same protobuf Step applied to a ``ServiceState`` without the wire: the
+floor).
 
     python3 bench/bench_executor.py                       # ~1-2 minutes on 2 cores
     python3 bench/bench_executor.py --requests 32 --preset gemma3-like
+    python3 bench/bench_executor.py --simulated-forward-ms 5 2
 
-Prints a table and writes bench/results/executor.json.
+Prints a table and writes bench/results/executor.json (executor_simulated.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import re
 import sys
+import time
 import urllib.request
+import uuid
+from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 # We start servers after using grpc.aio; gRPC's fork handlers can deadlock that fork().
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from _common import print_table, ratio, write_results
+import torch
+
+from _common import percentile, print_table, ratio, write_results
+from cache_service.client import StepResult, step_result
+from cache_service.client._builders import register_request
+from cache_service.client._results import pool_info_from
+from cache_service.registry import PoolRegistry
+from cache_service.state import ServiceState, WalRecord
+from executor.batch import GroupLayout, SeqChunk
+from executor.cache import model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.demo import make_workload, run_workload
+from executor.engine import Engine, EngineConfig, EngineRequest
 from executor.launch import start_cache_service, start_executor
 from executor.presets import DEFAULT_PRESET, PRESETS
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 
 def scrape(metrics_port: int) -> dict[str, float]:
@@ -48,9 +79,132 @@ def cache_share(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"steps": d.get("kvcache_executor_steps", 0.0),
             "cache_calls": d.get("kvcache_executor_cache_calls", 0.0),
             "cache_call_share": d.get("kvcache_executor_cache_call_seconds", 0.0) / step if step else 0.0,
+            "cache_wait_share": d.get("kvcache_executor_cache_wait_seconds", 0.0) / step if step else 0.0,
             "forward_share": d.get("kvcache_executor_forward_seconds", 0.0) / step if step else 0.0,
             "cache_calls_per_step": (d.get("kvcache_executor_cache_calls", 0.0) / d["kvcache_executor_steps"])
             if d.get("kvcache_executor_steps") else 0.0}
+
+
+class TimedStandIn:
+    """The model replaced by a timed stand-in: ``forward`` takes the engine's batch as the
+    real runner does, sleeps ``forward_ms`` (the GIL is released, as while a GPU computes)
+    and returns logits that pick a token from the batch's inputs."""
+
+    def __init__(self, preset: str, layout: list[GroupLayout], forward_ms: float) -> None:
+        self.model = SimpleNamespace(config=PRESETS[preset])
+        self.layout = layout
+        self.seconds = forward_ms / 1e3
+
+    def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        time.sleep(self.seconds)
+        vocab = self.model.config.vocab_size
+        logits = torch.zeros(len(tokens), vocab)
+        for b, t in enumerate(tokens):
+            logits[b, (t[-1] * 31 + len(chunks[b].block_tables[0])) % vocab] = 1.0
+        return logits
+
+
+class InProcessLink:
+    """The engine's link with the wire taken out: each Step (the same protobuf request) is
+    applied to a ServiceState in this process; the floor of what the cache can cost."""
+
+    def __init__(self, plan: PoolPlan) -> None:
+        self.plan = plan
+        self.state = ServiceState(PoolRegistry(16, instance_id="bench"), lease_ttl_seconds=60.0)
+        self.calls = 0
+        self.call_seconds = 0.0
+        self.stream_retries = 0
+        self.intervals: list[tuple[float, float]] = []
+        self.info = None
+
+    def register(self):
+        resp = self.state.apply(WalRecord(register_pool=register_request(
+            self.plan.pool_id, self.plan.layer_protos(), num_blocks=self.plan.num_blocks,
+            max_model_len=self.plan.max_model_len, vocab_size=self.plan.vocab_size)))
+        self.info = pool_info_from(resp.config, resp.created)
+        return self.info
+
+    def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        start = time.perf_counter()
+        resp = self.state.apply(WalRecord(step=pb.StepRequest(
+            pool_id=self.plan.pool_id, begin_step=begin_step, ops=ops)))
+        result = step_result(resp)
+        end = time.perf_counter()
+        self.calls += 1
+        self.call_seconds += end - start
+        self.intervals.append((start, end))
+        return result
+
+    def close(self) -> None:
+        pass
+
+
+def run_simulated(target: str | None, args: argparse.Namespace, forward_ms: float, overlap: bool,
+                  prompts: list[list[int]]) -> dict[str, Any]:
+    """The workload through an in-process engine over the stand-in; ``target`` None = the
+    in-process core."""
+    cfg = PRESETS[args.preset]
+    plan = PoolPlan(pool_id=f"sim-{uuid.uuid4().hex[:8]}", specs=model_layer_specs(cfg),
+                    max_model_len=cfg.max_model_len, num_blocks=args.sim_blocks,
+                    vocab_size=cfg.vocab_size)
+    link: Any = InProcessLink(plan) if target is None else CacheLink(target, plan)
+    info = link.register()
+    runner = TimedStandIn(args.preset, group_layouts(info), forward_ms)
+    engine = Engine(runner, link, EngineConfig(max_num_seqs=args.concurrency,  # type: ignore[arg-type]
+                                               async_cache_step=overlap))
+    reqs = [EngineRequest(engine.new_request_id(), p, args.max_tokens) for p in prompts]
+    t0 = time.perf_counter()
+    for r in reqs:
+        r.arrival = t0
+        engine.submit(r)
+    engine._drain_inbox(block=False)
+    while engine.has_work:
+        engine.step()
+    wall = time.perf_counter() - t0
+    link.close()
+    m = engine.metrics
+    ttft = sorted(r.stats.time_to_first_token_s for r in reqs)
+    return {"forward_ms": forward_ms, "overlap": overlap, "steps": m.steps,
+            "cache_wait_share": m.cache_wait_seconds / m.step_seconds,
+            "cache_call_share": m.cache_call_seconds / m.step_seconds,
+            "step_ms": m.step_seconds / m.steps * 1e3,
+            "tokens_per_s": m.generated_tokens / wall, "wall_s": wall,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "generated_tokens": m.generated_tokens, "cache_wait_s": m.cache_wait_seconds,
+            "cache_call_s": m.cache_call_seconds,
+            # equal with the overlap on and off: the stand-in's logits follow from its inputs
+            "outputs_digest": hashlib.sha256(repr([r.outputs for r in reqs]).encode()).hexdigest()}
+
+
+def simulated(args: argparse.Namespace) -> int:
+    # The stand-in does no math: torch's worker threads would only contend for the CPUs.
+    torch.set_num_threads(1)
+    prompts = make_workload(args.requests, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                            num_prefixes=args.num_prefixes, vocab=PRESETS[args.preset].vocab_size, seed=0)
+    cache = start_cache_service()
+    rows, runs = [], []
+    try:
+        for ms in args.simulated_forward_ms:
+            for where, target in (("cache service", cache.target), ("in-process core", None)):
+                for overlap in (False, True):
+                    # The least disturbed of a few runs: on a shared 2-core machine other
+                    # processes take the CPU for tens of ms at a time.
+                    tries = [run_simulated(target, args, ms, overlap, prompts)
+                             for _ in range(args.repeats)]
+                    r = min(tries, key=lambda t: t["wall_s"])
+                    runs.append({"cache": where, "tries_wall_s": [t["wall_s"] for t in tries], **r})
+                    rows.append([f"{ms:g} ms", where, "on" if overlap else "off", r["step_ms"],
+                                 f"{r['cache_wait_share']:.1%}", f"{r['cache_call_share']:.1%}",
+                                 r["tokens_per_s"], r["ttft_p50_s"] * 1e3, r["ttft_p99_s"] * 1e3])
+    finally:
+        cache.stop()
+    print_table(f"timed stand-in forward pass ({args.preset} shapes, {args.requests} requests, "
+                f"{args.max_tokens} output tokens, {args.concurrency} in flight)",
+                ["forward", "cache", "overlap", "step ms", "exposed wait", "cache-call share",
+                 "tokens/s", "TTFT p50 ms", "TTFT p99 ms"], rows)
+    out = write_results("executor_simulated", {"preset": args.preset, "args": vars(args), "runs": runs})
+    print(f"wrote {out}")
+    return 0
 
 
 def main() -> int:
@@ -62,7 +216,14 @@ def main() -> int:
     ap.add_argument("--num-prefixes", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--simulated-forward-ms", type=float, nargs="+", default=None,
+                    help="replace the model by a timed stand-in of these durations (in process)")
+    ap.add_argument("--sim-blocks", type=int, default=4096, help="pool size of the simulated runs")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="simulated runs per configuration; the fastest is reported")
     args = ap.parse_args()
+    if args.simulated_forward_ms:
+        return simulated(args)
     prompts = make_workload(args.requests, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                             num_prefixes=args.num_prefixes, vocab=PRESETS[args.preset].vocab_size, seed=0)
     kw = dict(max_tokens=args.max_tokens, concurrency=args.concurrency)
@@ -78,7 +239,9 @@ def main() -> int:
             return p
 
         on, off = executor(), executor("--no-enable-prefix-caching")
-        for label, p in (("caching on", on), ("caching off", off)):
+        sequential = executor("--no-async-cache-step")
+        for label, p in (("caching on", on), ("caching on, no overlap", sequential),
+                         ("caching off", off)):
             asyncio.run(run_workload(p.target, prompts[:4], label="warm-up", **kw))  # first-call costs
             before = scrape(p.metrics_port)
             run = asyncio.run(run_workload(p.target, prompts, label=label, **kw))
@@ -100,11 +263,12 @@ def main() -> int:
             p.stop()
     for label, r in results.items():
         rows.append([label, r["requests"], r["hit_rate"], r["ttft_p50_s"] * 1e3, r["ttft_p99_s"] * 1e3,
-                     r["tokens_per_s"], r["wall_s"], r["cache_call_share"], r["cache_calls_per_step"]])
+                     r["tokens_per_s"], r["wall_s"], f"{r['cache_call_share']:.1%}",
+                     f"{r['cache_wait_share']:.1%}", r["cache_calls_per_step"]])
     print_table(f"executor end to end ({args.preset}, {args.requests} requests, prefix {args.prefix_len}, "
                 f"concurrency {args.concurrency})",
                 ["run", "requests", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "tokens/s", "wall s",
-                 "cache-call share", "cache calls/step"], rows)
+                 "cache-call share", "exposed wait", "cache calls/step"], rows)
     on_r, off_r = results["caching on"], results["caching off"]
     summary = {"ttft_p50_speedup": off_r["ttft_p50_s"] / max(on_r["ttft_p50_s"], 1e-9),
                "throughput_ratio": on_r["tokens_per_s"] / max(off_r["tokens_per_s"], 1e-9)}

@@ -24,6 +24,17 @@ Sides:
 * ``servicer, no gRPC``: ``CacheServicer.step`` in this process on serialized requests
   (validation + apply + response), to separate the servicer's cost from the transport's.
 * ``8 clients``: 8 concurrent asyncio clients, one pool each, N = 64; aggregate ops/s.
+* ``echo floor``: what the transport alone costs. A bare grpc.aio server (its own process,
+  one generic handler, no interceptor, no parsing) answers every call with a payload of
+  the serialized size of the decode Step's response; the client sends a payload of the
+  request's size, over a blocking channel set up as the cache client's, unary and over a
+  stream driven as the client's ``StepStream`` (a queue and a reader thread). The decode
+  Step and StepStream and the two echoes run in interleaved rounds (machine noise hits
+  them alike), and the table adds each one's p50 over its echo's (``vs echo``) and the
+  CPU time the server process spent per call (all its threads; load inflates it much
+  less than wall time).
+  ``--baseline-tree DIR`` adds a second server started from another checkout (e.g. main)
+  to the same rounds: before/after in one run.
 
 ops/s counts scheduler operations: 2 per request per step (append + allocate), on both
 sides. The ratios compare ops/s to the in-process core's (same N, same run): to its
@@ -31,6 +42,7 @@ append+allocate loop and to ``Pool.decode``.
 
     python3 bench/bench_service.py                 # about a minute
     python3 bench/bench_service.py --steps 50      # quicker
+    python3 bench/bench_service.py --sizes 256 --clients 1 --baseline-tree ../main
 
 Prints a table and writes bench/results/service.json.
 """
@@ -39,10 +51,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import queue
 import sys
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from _common import print_table, ratio, summarize_ns, write_results
 from cache_service import convert
@@ -55,11 +74,12 @@ from cache_service.client import (
     layers,
     register_request,
 )
+from cache_service.client._channel import CHANNEL_OPTIONS
 from cache_service.registry import PoolRegistry, build_pool
 from cache_service.servicer import CacheServicer
 from cache_service.state import ServiceState
 from kvcache_common.api.kvcache.v1.cache_service_pb2 import StepRequest
-from kvcache_common.launch import start_cache_service
+from kvcache_common.launch import ServerProcess, start_cache_service, start_process
 
 PROMPT = 512
 MAX_MODEL_LEN = 4096
@@ -206,6 +226,207 @@ def bench_servicer(n: int, steps: int, warmup: int, *, mode: str) -> list[int]:
     return samples
 
 
+# -- the interleaved decode rounds: service vs the echo floor (vs a baseline server) --------
+
+class DecodeSteps:
+    """N-request decode Steps (one decode op) on a pool of its own on one server, unary
+    or over one StepStream, run a chunk at a time (interleaved with other cases)."""
+
+    def __init__(self, client: CacheClient, n: int, total_steps: int, *, stream: bool,
+                 tag: str) -> None:
+        self.client, self.n, self.stream = client, n, stream
+        self.pool_id = f"bench-{tag}-{'stream' if stream else 'unary'}-{n}"
+        client.register_pool(self.pool_id, model(), **pool_kwargs(n, total_steps))
+        admit(client, self.pool_id, n)
+        self.step = 0
+        self._stream = client.step_stream() if stream else None
+
+    def probe(self) -> tuple[bytes, bytes]:
+        """One Step sent raw: the request as sent (session-stamped) and the response,
+        serialized (the payloads the echo reproduces). Call it after the warm-up: all
+        requests cross a block boundary together every 16 steps (step 0 is one), and the
+        probe should be a typical step."""
+        request = decode_batch(self.pool_id, self.n, self.step, DECODE).request
+        response = (self._stream.step_raw(request) if self._stream is not None
+                    else self.client.step_raw(request))
+        self.step += 1
+        return request.SerializeToString(), response.SerializeToString()
+
+    def run(self, steps: int) -> list[int]:
+        samples = []
+        for _ in range(steps):
+            t0 = time.perf_counter_ns()
+            batch = decode_batch(self.pool_id, self.n, self.step, DECODE)
+            if self._stream is not None:
+                req = batch.request
+                result = self._stream.step(req.pool_id, req.ops, begin_step=True)
+            else:
+                result = self.client.step_batch(batch)
+            decoded = result.results[0]
+            assert isinstance(decoded, DecodeResult)
+            ok = decoded.all_ok
+            _ = decoded.new_block_ids  # a scheduler reads the new blocks
+            samples.append(time.perf_counter_ns() - t0)
+            assert ok, "a decode allocation found no room; enlarge the pool"
+            self.step += 1
+        return samples
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+        self.client.delete_pool(self.pool_id)
+
+
+ECHO_SERVICE = "bench.Echo"
+
+
+async def _serve_echo() -> None:
+    """The echo server's process: a bare grpc.aio server (no interceptor, no parsing)
+    answering every Unary call and Stream message with the bytes last given to SetReply."""
+    reply = [b""]
+
+    async def unary(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return reply[0]
+
+    async def stream(requests: AsyncIterator[bytes],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async for _ in requests:
+            yield reply[0]
+
+    async def set_reply(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        reply[0] = request
+        return b""
+
+    handler = grpc.method_handlers_generic_handler(ECHO_SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary),
+        "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        "SetReply": grpc.unary_unary_rpc_method_handler(set_reply)})
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(json.dumps({"event": "serving", "port": port}), flush=True)
+    await server.wait_for_termination()
+
+
+def start_echo_server() -> ServerProcess:
+    return start_process([sys.executable, str(Path(__file__).resolve()), "--echo-server"])
+
+
+class EchoCalls:
+    """Echo calls of a fixed payload, unary or over one stream driven as the blocking
+    client's StepStream drives its own (a request queue, a reader thread, a response
+    queue): the same client-side machinery, without messages to build or parse."""
+
+    _END = object()
+
+    def __init__(self, target: str, request: bytes, response: bytes, *,
+                 stream: bool) -> None:
+        self.channel = grpc.insecure_channel(target, options=list(CHANNEL_OPTIONS))
+        self.channel.unary_unary(f"/{ECHO_SERVICE}/SetReply")(response, timeout=60)
+        self.payload = request
+        self.response_size = len(response)
+        self._unary = self.channel.unary_unary(f"/{ECHO_SERVICE}/Unary")
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._responses: queue.SimpleQueue = queue.SimpleQueue()
+        self._call: Any = None
+        if stream:
+            self._call = self.channel.stream_stream(f"/{ECHO_SERVICE}/Stream")(
+                iter(self._requests.get, self._END))
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        responses: Iterator[bytes] = self._call
+        # close() cancels the call; any other end shows as a step's timeout.
+        with contextlib.suppress(grpc.RpcError):
+            for response in responses:
+                self._responses.put(response)
+
+    def run(self, steps: int) -> list[int]:
+        samples = []
+        for _ in range(steps):
+            t0 = time.perf_counter_ns()
+            if self._call is not None:
+                self._requests.put(self.payload)
+                answer = self._responses.get(timeout=60)
+            else:
+                answer = self._unary(self.payload, timeout=60)
+            samples.append(time.perf_counter_ns() - t0)
+            assert len(answer) == self.response_size
+        return samples
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._requests.put(self._END)
+            self._call.cancel()
+        self.channel.close()
+
+
+#: The interleaved cases: (result key, row label, the key of the echo it is compared to).
+FLOOR_CASES = (("service_decode", "Step decode op", "echo_unary"),
+               ("stream_decode", "StepStream decode op", "echo_stream"),
+               ("echo_unary", "echo floor, unary", None),
+               ("echo_stream", "echo floor, stream", None),
+               ("baseline_service_decode", "baseline tree: Step decode op", "echo_unary"),
+               ("baseline_stream_decode", "baseline tree: StepStream decode op",
+                "echo_stream"))
+
+
+def process_cpu_ns(pid: int) -> int:
+    """CPU time a process has run so far, all its threads (Linux schedstat), in ns."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # a thread ended
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def bench_floor(client: CacheClient, echo: ServerProcess, n: int, steps: int, warmup: int,
+                rounds: int, baseline: CacheClient | None,
+                pids: dict[str, int]) -> dict[str, Any]:
+    """Samples of the decode Step and StepStream (and the baseline server's) and of
+    the echoes of the same payload sizes, in ``rounds`` interleaved rounds; and the CPU
+    time each case's server process spent per call (``server_cpu_us``, from the pids of
+    ``pids``: "service", "echo", "baseline"), which the load of a shared machine
+    inflates much less than wall time."""
+    echo_target = echo.target
+    total = steps + warmup + 2
+    runners: dict[str, Any] = {
+        "service_decode": DecodeSteps(client, n, total, stream=False, tag="floor"),
+        "stream_decode": DecodeSteps(client, n, total, stream=True, tag="floor"),
+    }
+    if baseline is not None:
+        runners["baseline_service_decode"] = DecodeSteps(baseline, n, total, stream=False,
+                                                         tag="baseline")
+        runners["baseline_stream_decode"] = DecodeSteps(baseline, n, total, stream=True,
+                                                        tag="baseline")
+    samples: dict[str, list[int]] = {}
+    try:
+        for runner in runners.values():
+            runner.run(warmup)
+        request, response = runners["service_decode"].probe()
+        sizes = {"request_bytes": len(request), "response_bytes": len(response)}
+        for key, stream in (("echo_unary", False), ("echo_stream", True)):
+            runners[key] = calls = EchoCalls(echo_target, request, response, stream=stream)
+            calls.run(warmup)
+        samples = {key: [] for key in runners}
+        cpu = dict.fromkeys(runners, 0)
+        per_round = max(1, steps // rounds)
+        for _ in range(rounds):
+            for key, runner in runners.items():
+                pid = pids["echo" if key.startswith("echo") else
+                           "baseline" if key.startswith("baseline") else "service"]
+                before = process_cpu_ns(pid)
+                samples[key] += runner.run(per_round)
+                cpu[key] += process_cpu_ns(pid) - before
+    finally:
+        for runner in runners.values():
+            runner.close()
+    server_cpu_us = {key: round(ns / len(samples[key]) / 1e3, 1) for key, ns in cpu.items()}
+    return {"payload": sizes, "server_cpu_us": server_cpu_us, **samples}
+
+
 async def bench_concurrent(target: str, clients: int, n: int, steps: int, mode: str) -> float:
     """Aggregate scheduler ops/s of ``clients`` concurrent clients (one pool each)."""
     setup = CacheClient(target)
@@ -230,16 +451,23 @@ async def bench_concurrent(target: str, clients: int, n: int, steps: int, mode: 
     return clients * steps * 2 * n / elapsed
 
 
-#: (result key, row label) of every per-size case, in table order.
+#: (result key, row label) of the per-size cases run one after the other, in table order
+#: (then the interleaved FLOOR_CASES).
 CASES = (("core", "in-process Pool, append+allocate loop"),
          ("core_decode", "in-process Pool.decode"),
          ("servicer_in_process", "servicer, no gRPC, generic (tables)"),
          ("servicer_decode", "servicer, no gRPC, decode op"),
          ("service_tables", "Step generic (block tables)"),
          ("service_no_tables", "Step generic (no tables)"),
-         ("service_decode", "Step decode op"),
-         ("stream_tables", "StepStream generic (block tables)"),
-         ("stream_decode", "StepStream decode op"))
+         ("stream_tables", "StepStream generic (block tables)"))
+
+
+def start_baseline(tree: Path) -> ServerProcess:
+    """A cache server started from another checkout (its own code, this run's flags)."""
+    tree = tree.resolve()
+    return start_process([sys.executable, "-m", "cache_service", "--host", "127.0.0.1",
+                          "--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
+                         env={"PYTHONPATH": str(tree)}, cwd=str(tree))
 
 
 def main() -> int:
@@ -248,18 +476,35 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--sizes", default="8,64,256", help="running requests per Step")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="interleaved rounds of the decode cases and the echo floor")
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="also run the decode cases against a server started from "
+                             "this checkout (e.g. main), in the same rounds")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
+    parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.echo_server:
+        asyncio.run(_serve_echo())
+        return 0
     sizes = [int(x) for x in args.sizes.split(",")]
 
     server = start_cache_service("--log-level", "warning")
+    echo = start_echo_server()
+    base_server = start_baseline(args.baseline_tree) if args.baseline_tree else None
     target = server.target
+    pids = {"service": server.proc.pid, "echo": echo.proc.pid}
+    if base_server is not None:
+        pids["baseline"] = base_server.proc.pid
     rows = []
     results: dict = {"workload": {"prompt_tokens": PROMPT, "ops_per_request_per_step": 2,
                                   "model": "1 full + 1 sliding-window (1024) layer, bs 16"},
+                     "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
                      "cases": []}
     try:
         with CacheClient(target, default_timeout=60) as client:
+            base_client = (CacheClient(base_server.target, default_timeout=60)
+                           if base_server is not None else None)
             for n in sizes:
                 case: dict[str, Any] = {
                     "running_requests": n,
@@ -272,23 +517,45 @@ def main() -> int:
                                                     mode=TABLES),
                     "service_no_tables": bench_service(client, n, args.steps, args.warmup,
                                                        mode=NO_TABLES),
-                    "service_decode": bench_service(client, n, args.steps, args.warmup,
-                                                    mode=DECODE),
                     "stream_tables": bench_stream(client, n, args.steps, args.warmup,
                                                   mode=TABLES),
-                    "stream_decode": bench_stream(client, n, args.steps, args.warmup,
-                                                  mode=DECODE),
+                    **bench_floor(client, echo, n, args.steps, args.warmup,
+                                  args.rounds, base_client, pids),
                 }
                 ops = 2 * n
-                for key, _ in CASES:
+                keys = [key for key, _ in CASES] + [key for key, _, _ in FLOOR_CASES
+                                                     if key in case]
+                for key in keys:
                     case[key] = c = summarize_ns(case[key])
                     c["ops_per_s"] = round(ops / (c["p50_us"] / 1e6))
-                for key, label in CASES:
+                for key, _, floor in FLOOR_CASES:
+                    if floor is not None and key in case:
+                        case[key]["p50_vs_echo"] = round(
+                            case[key]["p50_us"] / case[floor]["p50_us"], 3)
+                for key in ("service_decode", "stream_decode"):
+                    if f"baseline_{key}" in case:
+                        case[key]["p50_vs_baseline"] = round(
+                            case[key]["p50_us"] / case[f"baseline_{key}"]["p50_us"], 3)
+                size = case["payload"]
+                labels = dict((key, label) for key, label in CASES)
+                labels.update((key, label) for key, label, _ in FLOOR_CASES)
+                labels["echo_unary"] += f" ({size['request_bytes']} B in, " \
+                    f"{size['response_bytes']} B out)"
+                labels["echo_stream"] += " (same payloads)"
+                for key in keys:
                     c = case[key]
-                    rows.append([f"{n} req: {label}", c["p50_us"] / 1e3, c["p99_us"] / 1e3,
-                                 c["ops_per_s"], ratio(c["ops_per_s"], case["core"]["ops_per_s"]),
-                                 ratio(c["ops_per_s"], case["core_decode"]["ops_per_s"])])
+                    cpu = case["server_cpu_us"].get(key)
+                    if cpu is not None:
+                        c["server_cpu_us"] = cpu
+                    rows.append([f"{n} req: {labels[key]}", c["p50_us"] / 1e3,
+                                 c["p99_us"] / 1e3, c["ops_per_s"],
+                                 ratio(c["ops_per_s"], case["core"]["ops_per_s"]),
+                                 ratio(c["ops_per_s"], case["core_decode"]["ops_per_s"]),
+                                 f"{c['p50_vs_echo']:.2f}x" if "p50_vs_echo" in c else "-",
+                                 cpu])
                 results["cases"].append(case)
+            if base_client is not None:
+                base_client.close()
         conc_n = 64
         case64 = next((c for c in results["cases"] if c["running_requests"] == conc_n), None)
         core64 = case64 and case64["core"]["ops_per_s"]
@@ -303,12 +570,26 @@ def main() -> int:
                                               "ops_per_s": round(conc),
                                               "core_ops_per_s": core64})
                 rows.append([f"{clients} client(s) x {conc_n} req: {label}", None, None,
-                             round(conc), ratio(conc, core64), ratio(conc, decode64)])
+                             round(conc), ratio(conc, core64), ratio(conc, decode64), None,
+                             None])
     finally:
         server.stop()
+        echo.stop()
+        if base_server is not None:
+            base_server.stop()
     print_table("Batched decode Step (append + allocate per request): service vs in-process "
-                "core (ops/s at p50 / the in-process loop's, and / Pool.decode's)",
-                ["case", "p50 ms", "p99 ms", "ops/s", "vs core loop", "vs Pool.decode"], rows)
+                "core (ops/s at p50 / the in-process loop's, and / Pool.decode's) and vs the "
+                "echo floor (p50 / the echo's of the same payload sizes)",
+                ["case", "p50 ms", "p99 ms", "ops/s", "vs core loop", "vs Pool.decode",
+                 "vs echo", "server CPU us/call"], rows)
+    for case in results["cases"]:
+        for key in ("service_decode", "stream_decode"):
+            if "p50_vs_baseline" in case[key]:
+                base = case[f"baseline_{key}"]
+                print(f"{case['running_requests']} req: {key} p50 / baseline tree's: "
+                      f"{case[key]['p50_vs_baseline']:.2f}x; server CPU per call "
+                      f"{case[key]['server_cpu_us']} vs {base['server_cpu_us']} us "
+                      f"({case[key]['server_cpu_us'] / base['server_cpu_us']:.2f}x)")
     out = write_results("service", results, args.out)
     print(f"wrote {out}")
     return 0

@@ -362,12 +362,16 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
         m = op.decode
         # Each read of a repeated string field builds new str objects, whose hashes every
         # dict lookup would compute again: convert once.
-        return ops.Decode(list(m.request_ids), list(m.token_ids))
+        return ops.Decode(list(m.request_ids), list(m.token_ids), m.placeholders)
     if kind == "allocate":
         m = op.allocate
         return ops.Allocate(m.request_id, m.num_new_tokens, m.num_lookahead_tokens,
                             m.full_sequence_must_fit, not m.skip_lookup,
-                            m.delay_cache_blocks, not m.skip_block_table, m.append_token_ids)
+                            m.delay_cache_blocks, not m.skip_block_table, m.append_token_ids,
+                            0, m.num_placeholder_tokens)
+    if kind == "fill_placeholders":
+        m = op.fill_placeholders
+        return ops.FillPlaceholders(list(m.request_ids), list(m.token_ids))
     if kind == "append_tokens":
         return ops.AppendTokens(op.append_tokens.request_id, op.append_tokens.token_ids)
     if kind == "add_request":
@@ -496,6 +500,8 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
             table_cache.forget(op.request_id)
         elif isinstance(op, ops.Preempt):
             add_result().preempt.num_free_blocks = r
+        elif isinstance(op, ops.FillPlaceholders):
+            add_result().fill_placeholders.num_filled = r
         else:
             add_result().new_step.SetInParent()
     return response

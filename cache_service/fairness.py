@@ -57,6 +57,9 @@ class PoolGate:
 
     def __init__(self) -> None:
         self._busy: dict[str, asyncio.Event] = {}
+        #: Tasks finishing the work of cancelled callers (referenced until they end).
+        self._orphans: set[asyncio.Task] = set()
+        self._waiting = 0  # calls in wait_idle, waiting for a busy pool
 
     async def wait_idle(self, pools: Iterable[str]) -> None:
         """Returns once none of ``pools`` is being worked on by a sliced call. Nothing
@@ -66,7 +69,11 @@ class PoolGate:
             busy = next((self._busy[p] for p in pools if p in self._busy), None)
             if busy is None:
                 return
-            await busy.wait()
+            self._waiting += 1
+            try:
+                await busy.wait()
+            finally:
+                self._waiting -= 1
 
     async def run(self, work: Generator[None, None, T], pools: list[str]) -> T:
         """Runs a sliced mutation of ``pools``: once they are idle, a first turn at once
@@ -78,25 +85,52 @@ class PoolGate:
 
     async def finish(self, work: Generator[None, None, T], pools: Iterable[str]) -> T:
         """Runs a started sliced mutation to its end, with ``pools`` marked busy and the
-        loop free between slices. Shielded: a cancelled caller does not stop it (its
-        first slice is applied and logged, so the rest must follow)."""
+        loop free between slices. A cancelled caller does not stop it (its first slice is
+        applied and logged, so the rest must follow): the rest then runs in a task of its
+        own, the pools still marked busy until it ends. The usual case (not cancelled)
+        runs in the caller's task: no task and no future per call."""
         pools = [p for p in pools if p not in self._busy]
         done = asyncio.Event()
         for pool in pools:
             self._busy[pool] = done
-
-        async def run() -> T:
-            try:
-                while True:
+        handed_off = False
+        try:
+            while True:
+                try:
                     await asyncio.sleep(0)
-                    value = _turn(work)
-                    if value is not _PENDING:
-                        return value
-            finally:
-                for pool in pools:
-                    del self._busy[pool]
-                done.set()
-        return await asyncio.shield(asyncio.ensure_future(run()))
+                except asyncio.CancelledError:
+                    handed_off = True
+                    task = asyncio.ensure_future(self._finish_alone(work, pools, done))
+                    self._orphans.add(task)
+                    task.add_done_callback(self._orphans.discard)
+                    raise
+                value = _turn(work)
+                if value is not _PENDING:
+                    break
+        finally:
+            if not handed_off:
+                self._release(pools, done)
+        if self._waiting:
+            # Calls that waited for these pools go first (their wake-ups are queued
+            # already), as when the work ended in a task of its own.
+            await asyncio.sleep(0)
+        return value
+
+    async def _finish_alone(self, work: Generator[None, None, T], pools: list[str],
+                            done: asyncio.Event) -> None:
+        """The rest of a sliced mutation whose caller was cancelled (see :meth:`finish`)."""
+        try:
+            while True:
+                await asyncio.sleep(0)
+                if _turn(work) is not _PENDING:
+                    return
+        finally:
+            self._release(pools, done)
+
+    def _release(self, pools: list[str], done: asyncio.Event) -> None:
+        for pool in pools:
+            del self._busy[pool]
+        done.set()
 
     async def read(self, work: Generator[None, None, T], pool: str | Sequence[str]) -> T:
         """Runs a sliced read of ``pool`` (or of several pools), each slice only while no

@@ -243,9 +243,13 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
         async def counted(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
             """A request stream that counts each message (a long-lived StepStream would
-            otherwise show up in the metrics only when it ends)."""
+            otherwise show up in the metrics only when it ends) and raises at the first
+            undecodable one (:func:`_checked` and the count in one generator: each layer
+            costs every message a resumption)."""
             async for request in requests:
                 received.inc()
+                if type(request) is Undecodable:
+                    raise _UndecodableInStream(request)
                 yield request
 
         def enter(context: grpc.aio.ServicerContext) -> float:
@@ -279,7 +283,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
             if tenant is None or interceptor.draining:
                 await deny(context)
             if streaming:
-                return _checked(counted(request))
+                return counted(request)
             received.inc()
             if type(request) is Undecodable:
                 await undecodable(context, request)

@@ -46,6 +46,7 @@ class RpcMetrics:
             "kvcache_undecodable_messages_total", "Request messages that did not parse "
             "(answered INVALID_ARGUMENT).", ["grpc_service", "grpc_method"], registry=registry)
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._handled: dict[tuple[str, str, str, str], Any] = {}
 
     def of(self, grpc_type: str, service: str, method: str) -> tuple[Any, Any, Any, Any]:
         """(started, seconds, received, sent) children of one method (label lookups are slow:
@@ -66,7 +67,11 @@ class RpcMetrics:
                 seconds: float) -> None:
         """Records one finished call (handled + latency; ``started`` counts at its start)."""
         self.of(grpc_type, service, method)[1].observe(seconds)
-        self.handled.labels(grpc_type, service, method, code).inc()
+        key = (grpc_type, service, method, code)
+        handled = self._handled.get(key)
+        if handled is None:  # a label lookup takes a lock and builds a key: once per code
+            handled = self._handled[key] = self.handled.labels(*key)
+        handled.inc()
 
 
 class PoolCollector:

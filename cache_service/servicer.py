@@ -447,7 +447,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 block_ids=convert.tables(pool.block_ids(request.request_id)),
                 num_computed_tokens=info.num_computed_tokens, num_tokens=info.num_tokens,
                 num_block_hashes=info.num_block_hashes, status=info.status,
-                num_preemptions=info.num_preemptions)
+                num_preemptions=info.num_preemptions,
+                num_placeholder_tokens=info.num_placeholders)
         return await self._unary(context, run)
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,

@@ -312,7 +312,7 @@ class ServiceState:
         cost = 0
         for op in step_ops:
             kind = op.KIND
-            if kind == "decode":
+            if kind in ("decode", "fill_placeholders"):
                 cost += len(op.request_ids)
             elif kind == "add_request":
                 cost += 1 + len(op.token_ids) // 16
@@ -359,6 +359,9 @@ class ServiceState:
                 n = len(op.decode.request_ids)
                 ops += n
                 tokens += len(op.decode.token_ids)
+            elif kind == "fill_placeholders":
+                ops += len(op.fill_placeholders.request_ids)
+                tokens += len(op.fill_placeholders.token_ids)
             else:
                 ops += 1
                 if kind == "add_request":

@@ -99,6 +99,9 @@ class CacheLink:
         self.info: PoolInfo | None = None
         self.call_seconds = 0.0
         self.calls = 0
+        #: (start, end) of each step call since the engine last cleared it (the engine
+        #: tells the part of a call that outlasted its forward pass).
+        self.intervals: list[tuple[float, float]] = []
         self.stream_retries = 0
         self.in_doubt_retry_s = in_doubt_retry_s
 
@@ -177,8 +180,10 @@ class CacheLink:
                 raise CacheUnavailable(exc.message) from None
             raise
         finally:
-            self.call_seconds += time.perf_counter() - start
+            end = time.perf_counter()
+            self.call_seconds += end - start
             self.calls += 1
+            self.intervals.append((start, end))
 
     def stats(self) -> PoolStats:
         return self.client.stats(self.plan.pool_id)

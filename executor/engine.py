@@ -41,15 +41,18 @@ lookup reported (so the state at the end of a prefix shared with cached data get
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import structlog
+from torch import Tensor
 
 from cache_service.client import AllocateResult, DecodeResult, LookupResult, StepResult, ops
 from executor.batch import GroupLayout, SeqChunk
@@ -65,6 +68,9 @@ log = structlog.get_logger("executor.engine")
 class EngineConfig:
     max_num_seqs: int = 64  # running requests at most
     max_tokens_per_step: int = 256  # token budget of one forward pass (chunked prefill)
+    # Send each step's cache calls while the previous forward pass runs (see the module
+    # docstring); the executor's --async-cache-step, on by default there.
+    async_cache_step: bool = False
 
 
 @dataclass
@@ -104,8 +110,14 @@ class EngineRequest:
     tables: list[list[int]] = field(default_factory=list)
     added: bool = False  # registered with the cache service
     pending_append: list[int] = field(default_factory=list)  # outputs the service has not seen
+    # async cache steps: sampled ids of placeholders the service holds, not sent yet
+    pending_fill: list[int] = field(default_factory=list)
+    placeholders_sent: int = 0  # placeholders sent whose ids are still being sampled
+    sampling_now: bool = False  # the forward pass in flight samples its next token
+    finishing: bool = False  # that token is its last (it reaches max_tokens / the model length)
     boundary: int = 0  # shared-prefix boundary from the last lookup
     admitted_once: bool = False
+    done: bool = False  # finished or aborted: a forward pass in flight samples nothing for it
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     stats: RequestStats = field(default_factory=RequestStats)
@@ -155,21 +167,37 @@ class StepRollback:
     lists it sends, and ``added`` / ``pending_append`` of the requests it touches. A failed
     call applied nothing on the service, so :meth:`restore` makes the engine agree again."""
 
-    def __init__(self, to_free: list[str], to_preempt: list[str]) -> None:
+    def __init__(self, to_free: list[str], to_preempt: list[str],
+                 fill_queue: list[EngineRequest]) -> None:
         self.to_free = to_free
         self.to_preempt = to_preempt
-        self._requests: list[tuple[EngineRequest, bool, list[int]]] = []
+        self.fill_queue = fill_queue
+        self._requests: list[tuple[EngineRequest, bool, list[int], list[int], int]] = []
 
     def touch(self, req: EngineRequest) -> None:
         """Remember ``req``'s sync state before the step changes it."""
-        self._requests.append((req, req.added, req.pending_append))
+        self._requests.append((req, req.added, req.pending_append, req.pending_fill,
+                               req.placeholders_sent))
 
     def restore(self, engine: Engine) -> None:
         engine.to_free = self.to_free + engine.to_free
         engine.to_preempt = self.to_preempt + engine.to_preempt
-        for req, added, pending in reversed(self._requests):
+        engine.fill_queue = self.fill_queue + engine.fill_queue
+        for req, added, pending, fill, sent in reversed(self._requests):
             req.added = added
             req.pending_append = pending
+            req.pending_fill = fill
+            req.placeholders_sent = sent
+
+
+@dataclass
+class InflightForward:
+    """A forward pass running on the engine's worker thread (``--async-cache-step``)."""
+
+    scheduled: list[ScheduledChunk]
+    future: Future[Tensor]
+    started_at: float
+    done_at: float | None = None  # set by the worker when the pass ends
 
 
 @dataclass
@@ -178,6 +206,9 @@ class EngineMetrics:
     step_seconds: float = 0.0
     forward_seconds: float = 0.0
     cache_call_seconds: float = 0.0
+    # Of cache_call_seconds, the time no forward pass ran meanwhile (the engine blocked on
+    # the cache service): all of it without --async-cache-step.
+    cache_wait_seconds: float = 0.0
     cache_calls: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -211,6 +242,10 @@ class Engine:
         self.to_free: list[str] = []
         # Requests the engine moved to waiting whose preempt has not reached the service yet.
         self.to_preempt: list[str] = []
+        # Requests with sampled ids of placeholders to send (async cache steps).
+        self.fill_queue: list[EngineRequest] = []
+        self.inflight: InflightForward | None = None
+        self._worker: ThreadPoolExecutor | None = None
         self.inbox: queue.Queue[tuple[str, EngineRequest | str | None]] = queue.Queue()
         self.metrics = EngineMetrics()
         self.free_blocks_hint: int | None = None
@@ -249,7 +284,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.to_free or self.to_preempt)
+        return bool(self.waiting or self.running or self.to_free or self.to_preempt
+                    or self.inflight is not None)
 
     def run(self) -> None:
         """Loop until ``stop()``: drain the inbox, step while there is work."""
@@ -273,6 +309,8 @@ class Engine:
 
     def fail_all(self, error: str) -> None:
         """Drop every request with ``error`` and free whatever the service holds for them."""
+        self._discard_inflight()
+        self.fill_queue = []  # their placeholders go with them
         for req in list(self.running) + list(self.waiting):
             if req.added:
                 self.to_free.append(req.request_id)
@@ -304,6 +342,7 @@ class Engine:
             for req in list(coll):
                 if req.request_id == rid:
                     coll.remove(req)
+                    req.done = True
                     if req.added:
                         self.to_free.append(rid)
                         if rid in self.to_preempt:  # freed instead
@@ -312,7 +351,7 @@ class Engine:
 
     def chunk_len(self, req: EngineRequest, start: int, budget: int) -> int:
         """Tokens to compute from ``start`` under ``budget`` (0: cannot progress now)."""
-        return plan_chunk(start, len(req.tokens), budget, boundary=req.boundary,
+        return plan_chunk(start, len(req.tokens) + req.sampling_now, budget, boundary=req.boundary,
                           align_block=self.mamba_align_block)
 
     def _blocks_estimate(self, req: EngineRequest) -> int:
@@ -327,13 +366,52 @@ class Engine:
         return total
 
     def step(self) -> None:
+        """One engine step: its cache calls, then its forward pass. With
+        ``async_cache_step`` the calls run while the previous step's forward pass (launched
+        on the worker thread) computes, then that pass is finished (sampling) and this
+        step's is launched; the engine waits on the cache only for the part of a call that
+        outlasts the forward pass."""
         t0 = time.perf_counter()
         calls0, secs0 = self.link.calls, self.link.call_seconds
-        step_ops = [ops.free(rid) for rid in self.to_free]
+        self.link.intervals = []
+        overlapped = self.inflight
+        scheduled = self._schedule()
+        self.metrics.cache_calls += self.link.calls - calls0
+        self.metrics.cache_call_seconds += self.link.call_seconds - secs0
+        if self.inflight is not None:
+            self._join()
+        done_at = overlapped.done_at if overlapped is not None else None
+        self.metrics.cache_wait_seconds += exposed_wait(self.link.intervals, done_at)
+        if self.config.async_cache_step:
+            scheduled = [c for c in scheduled if not c.req.done]
+            if scheduled:
+                self._launch(scheduled)
+        elif scheduled:
+            tf = time.perf_counter()
+            self._execute(scheduled)
+            self.metrics.forward_seconds += time.perf_counter() - tf
+        self.metrics.steps += 1
+        self.metrics.step_seconds += time.perf_counter() - t0
+
+    def _schedule(self) -> list[ScheduledChunk]:
+        """This step's cache calls (see the module docstring); the chunks to compute."""
+        step_ops = []
+        fill_queue = self.fill_queue
+        if fill_queue:  # first: frees, preempts and decodes come after their fills
+            rids: list[str] = []
+            toks: list[int] = []
+            for req in fill_queue:
+                rids += [req.request_id] * len(req.pending_fill)
+                toks += req.pending_fill
+            step_ops.append(ops.fill(rids, toks))
+        step_ops += [ops.free(rid) for rid in self.to_free]
         step_ops += [ops.preempt(rid) for rid in self.to_preempt]
         # Nothing below is committed unless call 1 succeeds (a failed Step applied nothing).
-        rollback = StepRollback(self.to_free, self.to_preempt)
-        self.to_free, self.to_preempt = [], []
+        rollback = StepRollback(self.to_free, self.to_preempt, fill_queue)
+        for req in fill_queue:
+            rollback.touch(req)
+            req.pending_fill = []
+        self.to_free, self.to_preempt, self.fill_queue = [], [], []
         budget = self.config.max_tokens_per_step
         decoding, planned, budget = self._plan_running(step_ops, rollback, budget)
         candidates = self._plan_candidates(step_ops, rollback, budget)
@@ -359,19 +437,18 @@ class Engine:
                 scheduled.append(ScheduledChunk(req, req.num_computed, 1))
         failed += self._take_allocations(planned, result, scheduled)
         if failed:
-            scheduled = self._preempt_and_retry(scheduled, failed)
+            if self.inflight is not None:
+                # The victim's sampled token must reach the service before its preempt
+                # (else the block it completes is freed uncached): finish the pass first.
+                self._join()
+                failed = [a for a in failed if not a.req.done]
+                scheduled = [c for c in scheduled if not c.req.done]
+            if failed:
+                scheduled = self._preempt_and_retry(scheduled, failed)
         elif candidates:
             budget = self.config.max_tokens_per_step - sum(c.n for c in scheduled)
             scheduled += self._admit(candidates, result.results, budget)
-        self.metrics.cache_calls += self.link.calls - calls0
-        cache_secs = self.link.call_seconds - secs0
-        if scheduled:
-            tf = time.perf_counter()
-            self._execute(scheduled)
-            self.metrics.forward_seconds += time.perf_counter() - tf
-        self.metrics.cache_call_seconds += cache_secs
-        self.metrics.steps += 1
-        self.metrics.step_seconds += time.perf_counter() - t0
+        return scheduled
 
     def _plan_running(self, step_ops: list, rollback: StepRollback, budget: int
                       ) -> tuple[DecodeBatch | None, list[PendingAllocate], int]:
@@ -394,23 +471,34 @@ class Engine:
                 continue
             budget -= n
             pending = req.pending_append
-            if pending:
+            if pending or req.sampling_now:
                 rollback.touch(req)
                 req.pending_append = []
-            if n == 1 and len(pending) == 1 and not generic:
+            if req.sampling_now:
+                # Its token is being sampled by the forward pass in flight: a placeholder.
+                req.placeholders_sent += 1
+                if not generic:
+                    decode.requests.append(req)
+                else:
+                    generic.append((req, pending, n))
+            elif n == 1 and len(pending) == 1 and not generic \
+                    and not self.config.async_cache_step:
                 decode.requests.append(req)
                 decode.token_ids.append(pending[0])
             else:
                 generic.append((req, pending, n))
         if decode.requests:
             decode.op_index = len(step_ops)
-            step_ops.append(ops.decode([r.request_id for r in decode.requests], decode.token_ids))
+            rids = [r.request_id for r in decode.requests]
+            step_ops.append(ops.decode(rids, placeholders=True) if self.config.async_cache_step
+                            else ops.decode(rids, decode.token_ids))
         planned: list[PendingAllocate] = []
         for req, pending, n in generic:
             if pending:
                 step_ops.append(ops.append(req.request_id, pending))
             planned.append(PendingAllocate(req, n, len(step_ops)))
-            step_ops.append(ops.allocate(req.request_id, n))
+            step_ops.append(ops.allocate(req.request_id, n,
+                                         num_placeholder_tokens=1 if req.sampling_now else 0))
         return (decode if decode.requests else None), planned, budget
 
     def _plan_candidates(self, step_ops: list, rollback: StepRollback,
@@ -463,17 +551,26 @@ class Engine:
         room wait for the next step (their tokens are appended; they only need slots)."""
         while failed:
             victim = self.running[-1]
-            round_ops = [ops.preempt(victim.request_id)]
+            fill = victim.pending_fill  # async: its last sampled id, sent before the preempt
+            round_ops = [ops.fill([victim.request_id] * len(fill), fill)] if fill else []
+            if fill:
+                victim.pending_fill = []
+                self.fill_queue.remove(victim)
+            round_ops.append(ops.preempt(victim.request_id))
             self._to_waiting(victim)
             scheduled = [c for c in scheduled if c.req is not victim]
             survivors = [a for a in failed if a.req is not victim]
-            retry = [PendingAllocate(a.req, a.n, i) for i, a in enumerate(survivors, start=1)]
+            retry = [PendingAllocate(a.req, a.n, i)
+                     for i, a in enumerate(survivors, start=len(round_ops))]
             round_ops += [ops.allocate(a.req.request_id, a.n) for a in retry]
             try:
                 result = self.link.step(round_ops)
             except CacheUnavailable as exc:
                 log.warning("preempt_call_failed", error=str(exc))
                 self.to_preempt.append(victim.request_id)
+                if fill:  # the next step's call 1 fills it before the preempt
+                    victim.pending_fill = fill
+                    self.fill_queue.append(victim)
                 break
             self.free_blocks_hint = result.num_free_blocks
             failed = self._take_allocations(retry, result, scheduled)
@@ -556,17 +653,75 @@ class Engine:
         return admitted
 
     def _execute(self, scheduled: list[ScheduledChunk]) -> None:
-        tokens, chunks = [], []
-        for c in scheduled:
-            tokens.append(c.req.tokens[c.start:c.start + c.n])
-            chunks.append(SeqChunk(c.start, c.n, c.req.tables))
+        """The forward pass of ``scheduled`` in this thread, then sampling."""
+        tokens, chunks = _inputs(scheduled)
         logits = self.runner.forward(tokens, chunks)
+        self._computed(scheduled)
+        self._sample(scheduled, logits)
+
+    def _launch(self, scheduled: list[ScheduledChunk]) -> None:
+        """Starts the forward pass of ``scheduled`` on the worker thread and records now what
+        it will have done (computed tokens; which requests sample, and which of those
+        finish by length), so that the next step can be planned while it runs."""
+        tokens, chunks = _inputs(scheduled)
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        forward = self.runner.forward
+
+        def run() -> Tensor:
+            try:
+                return forward(tokens, chunks)
+            finally:
+                inflight.done_at = time.perf_counter()
+
+        inflight = InflightForward(scheduled, None, time.perf_counter())  # type: ignore[arg-type]
+        inflight.future = self._worker.submit(run)
+        self.inflight = inflight
+        self._computed(scheduled)
+        for c in scheduled:
+            req = c.req
+            if req.sampling_now and (len(req.outputs) + 1 >= req.max_tokens
+                                 or len(req.tokens) + 1 >= self.max_model_len):
+                # Its next token is its last: freed by the next step's call, as it would be
+                # after this pass without the overlap.
+                req.finishing = True
+                self.running.remove(req)
+                self.to_free.append(req.request_id)
+
+    def _join(self) -> None:
+        """Waits for the forward pass in flight, then samples."""
+        inflight, self.inflight = self.inflight, None
+        assert inflight is not None
+        logits = inflight.future.result()
+        assert inflight.done_at is not None  # set before the future completes
+        self.metrics.forward_seconds += inflight.done_at - inflight.started_at
+        self._sample(inflight.scheduled, logits)
+
+    def _discard_inflight(self) -> None:
+        """Lets a forward pass in flight end, keeping nothing of it (its requests are being
+        dropped or recomputed)."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            with contextlib.suppress(Exception):
+                inflight.future.result()
+            for c in inflight.scheduled:
+                c.req.sampling_now = False
+
+    def _computed(self, scheduled: list[ScheduledChunk]) -> None:
         self.metrics.computed_tokens += sum(c.n for c in scheduled)
+        for c in scheduled:
+            req = c.req
+            req.num_computed = c.start + c.n
+            req.sampling_now = req.num_computed == len(req.tokens)
+
+    def _sample(self, scheduled: list[ScheduledChunk], logits: Tensor) -> None:
         rows, params, positions = [], [], []
         for b, c in enumerate(scheduled):
             req = c.req
-            req.num_computed = c.start + c.n
-            if req.num_computed == len(req.tokens):
+            if req.sampling_now:
+                req.sampling_now = False
+                if req.done:  # aborted meanwhile
+                    continue
                 rows.append(b)
                 params.append(req.sampling)
                 positions.append(req.num_computed)
@@ -577,7 +732,6 @@ class Engine:
         for b, tok in zip(rows, picks):
             req = scheduled[b].req
             req.outputs.append(tok)
-            req.pending_append = [tok]
             self.metrics.generated_tokens += 1
             if req.first_token_at is None:
                 req.first_token_at = now
@@ -587,9 +741,21 @@ class Engine:
                 finish = "stop"
             elif len(req.outputs) >= req.max_tokens or len(req.tokens) >= self.max_model_len:
                 finish = "length"
+            if req.placeholders_sent:
+                # The service holds a placeholder for it: its id goes with the next call
+                # (not for a last token: the request is freed instead).
+                req.placeholders_sent -= 1
+                if not finish:
+                    if not req.pending_fill:
+                        self.fill_queue.append(req)
+                    req.pending_fill.append(tok)
+            else:
+                req.pending_append = [tok]
             if finish:
-                self.running.remove(req)
-                self.to_free.append(req.request_id)
+                req.done = True
+                if not req.finishing:
+                    self.running.remove(req)
+                    self.to_free.append(req.request_id)
                 self.metrics.finished += 1
             self._emit(req, [tok], finish=finish)
 
@@ -608,6 +774,8 @@ class Engine:
         """The cache service forgot our pool: every request goes back to waiting (in arrival
         order, outputs kept and recomputed), then we register again."""
         log.warning("pool_lost", running=len(self.running), waiting=len(self.waiting))
+        if self.inflight is not None:
+            self._join()  # its tokens are real; only the service's view is gone
         for req in self.running:
             req.stats.num_preemptions += 1  # its computed tokens are gone: it is recomputed
         everyone = sorted(list(self.running) + list(self.waiting), key=lambda r: r.arrival)
@@ -615,11 +783,14 @@ class Engine:
         self.waiting = deque(everyone)
         self.to_free = []
         self.to_preempt = []
+        self.fill_queue = []
         for req in everyone:
             req.added = False
             req.num_computed = 0
             req.tables = []
             req.pending_append = []
+            req.pending_fill = []
+            req.placeholders_sent = 0
             req.boundary = 0
         self.free_blocks_hint = None
         self.metrics.reregistrations += 1
@@ -660,6 +831,22 @@ def plan_chunk(start: int, total: int, budget: int, *, boundary: int = 0,
         if end < total or aligned > start:
             end = aligned
     return max(0, end - start)
+
+
+def _inputs(scheduled: list[ScheduledChunk]) -> tuple[list[list[int]], list[SeqChunk]]:
+    """The forward pass's token lists and chunks (the tables as they are now: the engine
+    replaces a request's table lists, never changes them in place)."""
+    return ([c.req.tokens[c.start:c.start + c.n] for c in scheduled],
+            [SeqChunk(c.start, c.n, c.req.tables) for c in scheduled])
+
+
+def exposed_wait(intervals: list[tuple[float, float]], forward_done: float | None) -> float:
+    """Seconds of the cache calls ``intervals`` during which no forward pass ran: all of
+    each call, except the part before ``forward_done`` (the end of the pass they overlapped;
+    None = none did)."""
+    if forward_done is None:
+        return sum(end - start for start, end in intervals)
+    return sum(max(0.0, end - max(start, forward_done)) for start, end in intervals)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

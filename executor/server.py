@@ -152,7 +152,8 @@ def pool_plan(model: HybridModel, settings: ExecutorSettings) -> PoolPlan:
 
 def engine_config(settings: ExecutorSettings) -> EngineConfig:
     return EngineConfig(max_num_seqs=settings.max_num_seqs,
-                        max_tokens_per_step=settings.max_tokens_per_step)
+                        max_tokens_per_step=settings.max_tokens_per_step,
+                        async_cache_step=settings.async_cache_step)
 
 
 def _sampling(msg: epb.SamplingParams) -> SamplingParams:
@@ -345,6 +346,8 @@ class EngineCollector:
                 ("step_seconds", m.step_seconds, "time in engine steps"),
                 ("forward_seconds", m.forward_seconds, "time in forward passes"),
                 ("cache_call_seconds", m.cache_call_seconds, "time in cache-service calls"),
+                ("cache_wait_seconds", m.cache_wait_seconds,
+                 "time blocked on cache-service calls with no forward pass running"),
                 ("cache_calls", m.cache_calls, "cache-service calls"),
                 ("prompt_tokens", m.prompt_tokens, "prompt tokens admitted"),
                 ("cached_tokens", m.cached_tokens, "prompt tokens served from the prefix cache"),

@@ -57,6 +57,10 @@ class ExecutorSettings(BaseSettings):
         "align", description="Mamba prefix caching mode (align = checkpoints per block)")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
     max_tokens_per_step: int = Field(256, ge=1, description="token budget of one forward pass")
+    async_cache_step: bool = Field(True, description="send each step's cache call while the "
+                                   "previous forward pass runs (decode slots as placeholder "
+                                   "tokens, their ids one call later); off = one after the "
+                                   "other, for debugging and comparison")
     drain_seconds: float = Field(10.0, ge=0, description="on SIGTERM: time for running "
                                  "requests to finish")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")

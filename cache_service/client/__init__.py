@@ -44,6 +44,7 @@ from cache_service.client._results import (
     AppendResult,
     DecodeResult,
     Event,
+    FillResult,
     FreeResult,
     GroupInfo,
     LookupResult,
@@ -60,7 +61,7 @@ from cache_service.client._sync import CacheClient, StepStream
 
 __all__ = [
     "AddResult", "AllocateResult", "AppendResult", "AsyncCacheClient", "AsyncStepStream",
-    "CacheClient", "CacheError", "DecodeResult", "Event", "FreeResult", "GroupInfo",
+    "CacheClient", "CacheError", "DecodeResult", "Event", "FillResult", "FreeResult", "GroupInfo",
     "LookupResult", "NewStepResult", "OpResult", "PoolInfo", "PoolStats", "PreemptResult",
     "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",
     "register_request", "step_result",

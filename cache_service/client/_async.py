@@ -286,14 +286,14 @@ class AsyncCacheClient:
                            explain: bool = False,
                            timeout: float | None = None) -> pb.PeekPrefixResponse:
         """The whole PeekPrefixResponse: per-pool hit, per-group reach, miss reasons."""
-        return await self._call(self._stub.PeekPrefix, peek_request(
+        return await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
             timeout)
 
     async def prefix_snapshot(self, pool_id: str, *,
                               timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
         """Cached block hashes per group and the event sequence they match."""
-        return await self._call(self._stub.GetPrefixSnapshot,
+        return await self._call("GetPrefixSnapshot",
                                 pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
 
     async def get_request(self, pool_id: str, request_id: str, *,

@@ -129,12 +129,15 @@ class StepBuilder:
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, block_table: bool = True,
-                 append_token_ids: Sequence[int] = ()) -> StepBuilder:
+                 append_token_ids: Sequence[int] = (),
+                 num_placeholder_tokens: int = 0) -> StepBuilder:
         m = self._add().allocate
         m.request_id = request_id
         m.num_new_tokens = num_new_tokens
         if append_token_ids:
             m.append_token_ids.extend(append_token_ids)
+        if num_placeholder_tokens:
+            m.num_placeholder_tokens = num_placeholder_tokens
         if num_lookahead_tokens:
             m.num_lookahead_tokens = num_lookahead_tokens
         if full_sequence_must_fit:
@@ -165,9 +168,19 @@ class StepBuilder:
         self._add().new_step.SetInParent()
         return self
 
-    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> StepBuilder:
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int] = (), *,
+               placeholders: bool = False) -> StepBuilder:
         """See :meth:`ops.decode`."""
         m = self._add().decode
+        m.request_ids.extend(request_ids)
+        m.token_ids.extend(token_ids)
+        if placeholders:
+            m.placeholders = True
+        return self
+
+    def fill(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> StepBuilder:
+        """See :meth:`ops.fill`."""
+        m = self._add().fill_placeholders
         m.request_ids.extend(request_ids)
         m.token_ids.extend(token_ids)
         return self
@@ -199,15 +212,18 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     def allocate(request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, block_table: bool = True,
-                 append_token_ids: Sequence[int] = ()) -> pb.Op:
+                 append_token_ids: Sequence[int] = (),
+                 num_placeholder_tokens: int = 0) -> pb.Op:
         """Allocate slots for ``num_new_tokens``; ``block_table=False`` omits the whole
         table from the result (only the new blocks come back); ``append_token_ids`` are
-        appended first (a decode step in one op)."""
+        appended first (a decode step in one op), then ``num_placeholder_tokens`` tokens
+        whose ids come later (:meth:`fill`)."""
         return _one().allocate(
             request_id, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
             full_sequence_must_fit=full_sequence_must_fit, use_lookup=use_lookup,
             delay_cache_blocks=delay_cache_blocks, block_table=block_table,
-            append_token_ids=append_token_ids).request.ops[0]
+            append_token_ids=append_token_ids,
+            num_placeholder_tokens=num_placeholder_tokens).request.ops[0]
 
     @staticmethod
     def append(request_id: str, token_ids: Sequence[int]) -> pb.Op:
@@ -230,12 +246,23 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         return _one().new_step().request.ops[0]
 
     @staticmethod
-    def decode(request_ids: Sequence[str], token_ids: Sequence[int]) -> pb.Op:
+    def decode(request_ids: Sequence[str], token_ids: Sequence[int] = (), *,
+               placeholders: bool = False) -> pb.Op:
         """The decode step of many running requests: ``token_ids[i]`` is appended to
         ``request_ids[i]`` and one slot allocated (as ``allocate(rid, 1, block_table=False,
         append_token_ids=[token])`` each), in one compact op. Answered by a
-        :class:`DecodeResult`."""
-        return _one().decode(request_ids, token_ids).request.ops[0]
+        :class:`DecodeResult`. ``placeholders=True`` (no token ids): each request appends
+        a placeholder instead, the token its running forward pass samples; its id follows
+        in a later :meth:`fill`."""
+        return _one().decode(request_ids, token_ids,
+                             placeholders=placeholders).request.ops[0]
+
+    @staticmethod
+    def fill(request_ids: Sequence[str], token_ids: Sequence[int]) -> pb.Op:
+        """``token_ids[i]`` becomes the id of the oldest unfilled placeholder of
+        ``request_ids[i]`` (an id may repeat); blocks whose tokens are then all known are
+        cached. Answered by a :class:`FillResult`."""
+        return _one().fill(request_ids, token_ids).request.ops[0]
 
 
 def _one() -> StepBuilder:

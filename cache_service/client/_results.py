@@ -153,8 +153,13 @@ class NewStepResult:
     pass
 
 
+@dataclass(frozen=True)
+class FillResult:
+    num_filled: int
+
+
 OpResult = (AddResult | LookupResult | AllocateResult | AppendResult | FreeResult
-            | PreemptResult | NewStepResult | DecodeResult)
+            | PreemptResult | NewStepResult | DecodeResult | FillResult)
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,8 @@ class RequestState:
     num_block_hashes: int
     status: str
     num_preemptions: int
+    #: Of ``num_tokens``, the trailing placeholders not filled yet.
+    num_placeholder_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,8 @@ def op_result_from(r: pb.OpResult) -> OpResult:
         return FreeResult(r.free.num_free_blocks)
     if kind == "preempt":
         return PreemptResult(r.preempt.num_free_blocks)
+    if kind == "fill_placeholders":
+        return FillResult(r.fill_placeholders.num_filled)
     return NewStepResult()
 
 
@@ -315,7 +324,8 @@ def _event_from(e: pb.KVEvent) -> Event:
 
 def request_state_from(r: pb.GetRequestResponse) -> RequestState:
     return RequestState(tables_from(r.block_ids), r.num_computed_tokens, r.num_tokens,
-                        r.num_block_hashes, r.status, r.num_preemptions)
+                        r.num_block_hashes, r.status, r.num_preemptions,
+                        r.num_placeholder_tokens)
 
 
 def hits_from(resp: pb.PeekPrefixResponse) -> dict[str, int]:

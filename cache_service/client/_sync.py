@@ -273,7 +273,7 @@ class CacheClient:
                      timeout: float | None = None) -> pb.PeekPrefixResponse:
         """:meth:`peek_prefix` with every pool's per-group reach (and, with ``explain``,
         miss reasons): the whole PeekPrefixResponse."""
-        return self._call(self._stub.PeekPrefix, peek_request(
+        return self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
             timeout)
 
@@ -281,7 +281,7 @@ class CacheClient:
                         timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
         """The pool's cached block hashes per group and the event sequence they match:
         resume :meth:`subscribe_events` at ``sequence + 1``."""
-        return self._call(self._stub.GetPrefixSnapshot,
+        return self._call("GetPrefixSnapshot",
                           pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
 
     def get_request(self, pool_id: str, request_id: str, *,

@@ -12,6 +12,13 @@ op can fail once application has started. Two rules keep the simulation exact:
 * a ``lookup`` may not follow an ``allocate`` of the same request in one batch (the
   allocate's outcome would decide whether the lookup is legal).
 
+Placeholder tokens (slots allocated before their ids are known, filled by a later
+``fill_placeholders``) follow the known tokens: known tokens cannot be appended behind
+them; they are added only to a request in decode (every token computed, as far as the
+batch can know: after an allocate of it earlier in the batch, whose outcome is unknown,
+it is taken as computed); a request with nothing computed (admission) must have them
+filled before it is looked up or allocated.
+
 Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` prefixes
 ``ops[i].<kind>``. Every value is type-checked: replay traces deliver arbitrary JSON.
 """
@@ -37,6 +44,7 @@ from cache_service.core.ops import (
     Allocate,
     AppendTokens,
     Decode,
+    FillPlaceholders,
     Free,
     Lookup,
     NewStep,
@@ -128,10 +136,8 @@ def check_request_id(rid: object, name: str = "request_id") -> str:
     return rid
 
 
-def check_decode_args(request_ids: Any, token_ids: Any,
-                      limit: int) -> tuple[list[Any], list[int]]:
-    """The checks of a decode op that need no request state: at least one request,
-    distinct string ids, one token id in range per request. Answers them as lists."""
+def _id_list(request_ids: Any) -> list[Any]:
+    """``request_ids`` as a non-empty list (its items are checked where they are used)."""
     if isinstance(request_ids, (str, bytes)):
         raise InvalidArgument("request_ids must be a non-empty sequence of ids",
                               field="request_ids")
@@ -143,6 +149,14 @@ def check_decode_args(request_ids: Any, token_ids: Any,
     if not rids:
         raise InvalidArgument("request_ids must be a non-empty sequence of ids",
                               field="request_ids")
+    return rids
+
+
+def check_decode_args(request_ids: Any, token_ids: Any,
+                      limit: int) -> tuple[list[Any], list[int]]:
+    """The checks of a decode op that need no request state: at least one request,
+    distinct string ids, one token id in range per request. Answers them as lists."""
+    rids = _id_list(request_ids)
     n = len(rids)
     try:
         num_tokens = len(token_ids)
@@ -170,6 +184,37 @@ def check_decode_args(request_ids: Any, token_ids: Any,
     return rids, tokens
 
 
+def check_placeholder_decode_args(request_ids: Any, token_ids: Any) -> list[Any]:
+    """A placeholder decode op's distinct request ids; ``token_ids`` must be empty."""
+    try:
+        num_tokens = len(token_ids)
+    except TypeError:
+        num_tokens = -1
+    if num_tokens != 0:
+        raise InvalidArgument("token_ids must be empty with placeholders (each request "
+                              "appends one placeholder token)", field="token_ids")
+    rids, _ = check_decode_args(request_ids, [0] * _len_or_zero(request_ids), 1)
+    return rids
+
+
+def _len_or_zero(values: Any) -> int:
+    try:
+        return len(values)
+    except TypeError:
+        return 0
+
+
+def check_fill_args(request_ids: Any, token_ids: Any, limit: int) -> tuple[list[Any], list[int]]:
+    """A fill op's request ids (a non-empty sequence; repeats allowed) and one token id in
+    range per entry."""
+    rids = _id_list(request_ids)
+    tokens = check_tokens(token_ids, limit)
+    if len(tokens) != len(rids):
+        raise InvalidArgument(f"expected one token per entry of request_ids ({len(rids)}), "
+                              f"got {len(tokens)}", field="token_ids")
+    return rids, tokens
+
+
 class BatchCheck:
     """Checks one batch against a pool's requests without changing anything.
 
@@ -182,8 +227,9 @@ class BatchCheck:
         self.requests = requests
         self.limits = limits
         self.pending_hit = pending_hit
-        # request id -> [exists, num_tokens, may_have_computed_tokens] as the batch goes
-        # (the two flags are bools, hence ints)
+        # request id -> [exists, num_tokens (placeholders included),
+        # may_have_computed_tokens, num_placeholders, num_computed_tokens (-1: unknown,
+        # after an allocate)] as the batch goes (the two flags are bools, hence ints)
         self.state: dict[str, list[int]] = {}
         self.blocks_moved = False  # a block-changing op came earlier in the batch
         self.last = False  # the op being checked is the batch's last (nothing reads after)
@@ -192,8 +238,10 @@ class BatchCheck:
         st = self.state.get(rid)
         if st is None:
             req = self.requests.get(rid)
-            st = ([False, 0, False] if req is None
-                  else [True, len(req.all_token_ids), req.num_computed_tokens > 0])
+            st = ([False, 0, False, 0, 0] if req is None
+                  else [True, len(req.all_token_ids) + req.num_placeholders,
+                        req.num_computed_tokens > 0, req.num_placeholders,
+                        req.num_computed_tokens])
             self.state[rid] = st
         return st
 
@@ -207,12 +255,37 @@ class BatchCheck:
 
     def _append(self, st: list[int], rid: str, tokens: Any, name: str) -> list[int]:
         checked = check_tokens(tokens, self.limits.token_limit, name)
+        if st[3]:
+            raise InvalidArgument(f"request {rid!r} ends in {st[3]} placeholder token(s); "
+                                  "fill them (fill_placeholders) before appending known "
+                                  "tokens", field=name)
         st[1] += len(checked)
         limit = self.limits.max_model_len
         if st[1] > limit:
             raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
                                   f"max_model_len {limit}", field=name)
         return checked
+
+    def _add_placeholders(self, st: list[int], rid: str, n: int, name: str) -> None:
+        """``n`` placeholders on a request in decode (see the module docstring)."""
+        if st[4] >= 0 and st[4] != st[1]:
+            raise InvalidArgument(
+                f"placeholder tokens are for a request in decode (every token computed); "
+                f"request {rid!r} has {st[4]} of {st[1]} tokens computed", field=name)
+        st[1] += n
+        st[3] += n
+        limit = self.limits.max_model_len
+        if st[1] > limit:
+            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
+                                  f"max_model_len {limit}", field=name)
+
+    @staticmethod
+    def _no_unfilled_admission(st: list[int], rid: str) -> None:
+        if st[3] and not st[2]:
+            raise InvalidArgument(
+                f"request {rid!r} has nothing computed and {st[3]} placeholder token(s) "
+                "unfilled; fill them (fill_placeholders) before its lookup or allocate",
+                field="request_id")
 
     def check(self, op: Any) -> Any:
         """One op; answers what the apply step needs (see :meth:`Pool.apply_batch`)."""
@@ -225,8 +298,15 @@ class BatchCheck:
             st = self.state.get(rid) if type(rid) is str else None
             if st is None or not st[0]:
                 st = self._require(rid)
+            if st[3] and not st[2]:
+                self._no_unfilled_admission(st, rid)
             tokens = op.append_token_ids
             appended = self._append(st, rid, tokens, "append_token_ids") if tokens else None
+            if op.num_placeholder_tokens:
+                name = "num_placeholder_tokens"
+                self._add_placeholders(st, rid, check_int(op.num_placeholder_tokens, name,
+                                                          minimum=0,
+                                                          maximum=limits.max_model_len), name)
             n = op.num_new_tokens
             maximum = limits.max_model_len
             if type(n) is not int or not 1 <= n <= limits.max_new_tokens:
@@ -247,8 +327,11 @@ class BatchCheck:
                 if type(getattr(op, flag)) is not bool:
                     raise InvalidArgument(f"{flag} must be true or false", field=flag)
             st[2] = True
+            st[4] = -1
             self.blocks_moved = True
             return appended
+        if kind is FillPlaceholders:
+            return self._check_fill(op)
         if kind is AppendTokens:
             return self._append(self._require(op.request_id), op.request_id, op.token_ids,
                                 "token_ids")
@@ -274,7 +357,7 @@ class BatchCheck:
                     raise InvalidArgument("the pool has prefix caching off; send no block "
                                           "hashes", field="block_hashes")
                 hashes = check_hashes(op.block_hashes, len(tokens), limits)
-            st[:] = [True, len(tokens), False]
+            st[:] = [True, len(tokens), False, 0, 0]
             return tokens, hashes
         if kind is Lookup:
             st = self._require(op.request_id)
@@ -283,13 +366,16 @@ class BatchCheck:
                     f"lookup on request {op.request_id!r}, which has (or may have, after an "
                     "allocate earlier in this batch) computed tokens; only requests with "
                     "nothing computed can look up", field="request_id")
+            self._no_unfilled_admission(st, op.request_id)
             return None
         if kind is Preempt:
-            self._require(op.request_id)[2] = False
+            st = self._require(op.request_id)
+            st[2] = False
+            st[4] = 0
             self.blocks_moved = True
             return None
         if kind is Free:
-            self._require(op.request_id)[:] = [False, 0, False]
+            self._require(op.request_id)[:] = [False, 0, False, 0, 0]
             self.blocks_moved = True
             return None
         if kind is NewStep:
@@ -303,6 +389,18 @@ class BatchCheck:
             return False
         hit = self.pending_hit(op.request_id)
         return bool(hit)
+
+    def _check_fill(self, op: FillPlaceholders) -> list[int]:
+        """Each entry fills its request's oldest placeholder not filled by an earlier one;
+        answers the token ids."""
+        rids, tokens = check_fill_args(op.request_ids, op.token_ids, self.limits.token_limit)
+        for i, rid in enumerate(rids):
+            st = self._require(rid, f"request_ids[{i}]")
+            if st[3] <= 0:
+                raise InvalidArgument(f"request {rid!r} has no placeholder token left to "
+                                      "fill", field=f"token_ids[{i}]")
+            st[3] -= 1
+        return tokens
 
     def _check_decode(self, op: Decode) -> list[Request] | None:
         """Per request, an allocate of 1 token with 1 appended. The pool's request
@@ -318,7 +416,13 @@ class BatchCheck:
                       ) -> Generator[None, None, list[Request] | None]:
         """:meth:`_check_decode` yielding after every ``slice_cost`` requests (same answer,
         same errors), so that a caller can do other work in between (on other pools)."""
-        rids, _ = check_decode_args(op.request_ids, op.token_ids, self.limits.token_limit)
+        placeholders = op.placeholders
+        if type(placeholders) is not bool:
+            raise InvalidArgument("placeholders must be true or false", field="placeholders")
+        if placeholders:
+            rids = check_placeholder_decode_args(op.request_ids, op.token_ids)
+        else:
+            rids, _ = check_decode_args(op.request_ids, op.token_ids, self.limits.token_limit)
         self.blocks_moved = True
         state = self.state
         limit = self.limits.max_model_len
@@ -335,15 +439,22 @@ class BatchCheck:
                     part = [requests[rid] for rid in part_ids]
                 except KeyError:
                     part = None
-                if part is None or max(map(len, [r.all_token_ids for r in part])) >= limit:
+                if part is None or (
+                        max([len(r.all_token_ids) + r.num_placeholders for r in part]) >= limit
+                        if placeholders else
+                        max(map(len, [r.all_token_ids for r in part])) >= limit
+                        or any([r.num_placeholders for r in part])) or (
+                        placeholders and any([r.num_computed_tokens != len(r.all_token_ids)
+                                              + r.num_placeholders for r in part])):
                     if simulate:
                         for rid in rids[:lo]:  # undo: the loop below starts from scratch
                             del state[rid]
                     reqs = None
                     break
                 if simulate:
-                    state.update(zip(part_ids, [[True, len(r.all_token_ids) + 1, True]
-                                                for r in part]))
+                    state.update(zip(part_ids, [
+                        [True, len(r.all_token_ids) + r.num_placeholders + 1, True,
+                         r.num_placeholders + placeholders, -1] for r in part]))
                 reqs += part  # type: ignore[operator]
                 if lo + slice_cost < n:
                     yield
@@ -359,11 +470,21 @@ class BatchCheck:
                 st = self._state(rid)
             if not st[0]:
                 raise UnknownRequest(f"unknown request {rid!r}", field=name)
-            st[1] += 1
+            if placeholders:
+                self._add_placeholders(st, rid, 1, name)
+            else:
+                if st[3]:
+                    raise InvalidArgument(
+                        f"request {rid!r} ends in {st[3]} placeholder token(s); fill them "
+                        "(fill_placeholders) before appending known tokens",
+                        field=f"token_ids[{i}]")
+                st[1] += 1
+                if st[1] > limit:
+                    raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, "
+                                          f"beyond max_model_len {limit}",
+                                          field=f"token_ids[{i}]")
             st[2] = True
-            if st[1] > limit:
-                raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
-                                      f"max_model_len {limit}", field=f"token_ids[{i}]")
+            st[4] = -1
         return None
 
 

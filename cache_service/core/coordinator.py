@@ -96,6 +96,11 @@ class KVCacheCoordinator:
         self._stepping = tuple(m for m in managers if isinstance(m, MambaManager))
         self._has_cross = any(type(m) is CrossAttentionManager for m in managers)
         self._caching_managers = tuple(m for m in managers if m.enable_caching)
+        # allocation_is_noop runs for every decode token: the managers that keep the base
+        # class's check are checked inline there (a call per group was most of its cost).
+        base = SingleTypeKVCacheManager.allocation_is_noop
+        self._inline_noop = tuple(m for m in managers if type(m).allocation_is_noop is base)
+        self._own_noop = tuple(m for m in managers if type(m).allocation_is_noop is not base)
         # Cacheable token counts are rounded down to this (the hybrid hit alignment).
         self._cache_alignment = 1
         self.empty_blocks: HitBlocks = tuple(() for _ in managers)  # type: ignore[misc]
@@ -186,7 +191,14 @@ class KVCacheCoordinator:
             hashed = len(request.block_hashes) * self.hash_block_size
             if n > hashed:
                 n = hashed
-        for manager in self.managers:
+        for manager in self._inline_noop:  # SingleTypeKVCacheManager.allocation_is_noop
+            table = manager.req_to_blocks.get(rid)
+            bs = manager.block_size
+            if table is None or -(-num_tokens // bs) > len(table):
+                return False
+            if manager.num_cached_block.get(rid, 0) < n // bs:
+                return False
+        for manager in self._own_noop:
             if not manager.allocation_is_noop(rid, num_tokens, num_tokens_main_model, n):
                 return False
         return True

@@ -9,7 +9,7 @@ requests; for waiting ones ``get_computed_blocks`` immediately followed by
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache_service.core.block import KVCacheBlock
@@ -196,10 +196,51 @@ class KVCacheManager:
                 n_cache = min(main, len(request.all_token_ids))
             if coordinator.allocation_is_noop(request, need_slots, main, n_cache):
                 return [[] for _ in range(self.num_groups)]
+        return self._grow(request, num_new_tokens, hits, num_local,
+                          num_external_computed_tokens, num_encoder_tokens, need_slots, main,
+                          total_computed, watermark + reserved_blocks, max_new_blocks,
+                          delay_cache_blocks)
+
+    def decode_slot(self, request: Request) -> Sequence[Sequence[KVCacheBlock]] | None:
+        """``allocate_slots(request, 1)`` of a RUNNING request (the decode step's one new
+        slot): the same effects and answer, except that the usual no-op answer is ``()``
+        rather than one empty list per group (both are falsy to ``any``). Its arguments
+        are folded in: a RUNNING request has no watermark, hits, lookahead, external or
+        encoder tokens, reserve or quota."""
+        coordinator = self.coordinator
+        max_len = self.max_model_len
+        total_computed = request.num_computed_tokens
+        if total_computed > max_len:
+            total_computed = max_len
+        main = total_computed + 1
+        need_slots = main if main <= max_len else max_len
+        if coordinator.has_skipping_groups:
+            processed = total_computed - request.num_in_flight_tokens
+            coordinator.remove_skipped_blocks(request.request_id,
+                                              processed if processed > 0 else 0)
+        if self.fast_path:
+            n_cache = 0
+            if self.enable_caching:
+                num_tokens = len(request.all_token_ids)
+                n_cache = main if main < num_tokens else num_tokens
+            if coordinator.allocation_is_noop(request, need_slots, main, n_cache):
+                return ()
+        return self._grow(request, 1, self.empty_blocks, request.num_computed_tokens, 0, 0,
+                          need_slots, main, total_computed, 0, None, False)
+
+    def _grow(self, request: Request, num_new_tokens: int, hits: HitBlocks, num_local: int,
+              num_external_computed_tokens: int, num_encoder_tokens: int, need_slots: int,
+              main: int, total_computed: int, keep_free: int, max_new_blocks: int | None,
+              delay_cache_blocks: bool) -> list[list[KVCacheBlock]] | None:
+        """The general path of :meth:`allocate_slots` once out-of-window blocks are
+        released: count, check room (``keep_free``: watermark + reserve), pin hits,
+        grow the tables, cache the full blocks."""
+        coordinator = self.coordinator
+        rid = request.request_id
         needed = coordinator.get_num_blocks_to_allocate(
             rid, need_slots, hits, num_encoder_tokens,
             num_local + num_external_computed_tokens, num_local, main)
-        if needed + watermark > free.num_free_blocks - reserved_blocks:
+        if needed + keep_free > self.pool.free_block_queue.num_free_blocks:
             return None
         if max_new_blocks is not None and needed > max_new_blocks:
             self.refused_by_quota = True

@@ -45,8 +45,10 @@ class Lookup:
 
 @dataclass(slots=True)
 class Allocate:
-    """Slots for ``num_new_tokens`` more tokens, after appending ``append_token_ids``.
-    ``include_table=False`` leaves the outcome's whole table None."""
+    """Slots for ``num_new_tokens`` more tokens, after appending ``append_token_ids`` and
+    then ``num_placeholder_tokens`` tokens whose ids are not known yet (see
+    :class:`FillPlaceholders`). ``include_table=False`` leaves the outcome's whole table
+    None."""
 
     KIND: ClassVar[str] = "allocate"
     request_id: str
@@ -58,6 +60,7 @@ class Allocate:
     include_table: bool = True
     append_token_ids: Sequence[int] = ()
     num_encoder_tokens: int = 0  # cross-attention input (not in the protocol)
+    num_placeholder_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -96,15 +99,31 @@ class NewStep:
 class Decode:
     """The decode step of many requests: for each ``i``, append ``token_ids[i]`` to
     ``request_ids[i]`` and allocate one slot (an :class:`Allocate` of 1 token without
-    table), answered compactly by a ``DecodeOutcome``."""
+    table), answered compactly by a ``DecodeOutcome``. With ``placeholders`` each request
+    appends one placeholder token instead (``token_ids`` empty): the token its running
+    forward pass is sampling, whose id a later :class:`FillPlaceholders` brings."""
 
     KIND: ClassVar[str] = "decode"
     request_ids: Sequence[str]
     token_ids: Sequence[int]
+    placeholders: bool = False
 
 
-Op = AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep | Decode
+@dataclass(slots=True)
+class FillPlaceholders:
+    """For each ``i`` in order, ``token_ids[i]`` becomes the id of the oldest placeholder
+    token of ``request_ids[i]`` (an id may repeat: its next placeholder). Blocks whose
+    tokens are then all known and computed are cached, as the allocation that computed
+    them would have cached them had the ids been known."""
+
+    KIND: ClassVar[str] = "fill_placeholders"
+    request_ids: Sequence[str]
+    token_ids: Sequence[int]
+
+
+Op = (AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep | Decode
+      | FillPlaceholders)
 #: One outcome per op: RequestInfo (add, append), PrefixHit (lookup), Allocation
 #: (allocate), int = free blocks after the op (free, preempt), None (new_step),
-#: DecodeOutcome (decode).
+#: DecodeOutcome (decode), int = placeholders filled (fill_placeholders).
 OpOutcome = Any

@@ -51,6 +51,7 @@ from cache_service.core.ops import (
     Allocate,
     AppendTokens,
     Decode,
+    FillPlaceholders,
     Free,
     Lookup,
     Op,
@@ -113,6 +114,8 @@ class RequestInfo:
     num_block_hashes: int
     status: str
     num_preemptions: int
+    #: Of ``num_tokens``, the trailing ones whose ids are not known yet.
+    num_placeholders: int = 0
 
 
 @dataclass(slots=True)
@@ -205,8 +208,7 @@ class PreparedBatch:
         spent = 0
         for op, prepared in zip(self._ops, self._plan):
             if type(op) is Decode and len(op.request_ids) > slice_cost:
-                outcome = yield from pool._decode_in_slices(op.request_ids, op.token_ids,
-                                                            prepared, slice_cost)
+                outcome = yield from pool._decode_in_slices(op, prepared, slice_cost)
                 outcomes.append(outcome)
                 spent = 0
                 continue
@@ -321,8 +323,9 @@ class Pool:
         return req
 
     def _info(self, req: Request) -> RequestInfo:
-        return RequestInfo(req.request_id, len(req.all_token_ids), req.num_computed_tokens,
-                           len(req.block_hashes), req.status, req.num_preemptions)
+        return RequestInfo(req.request_id, len(req.all_token_ids) + req.num_placeholders,
+                           req.num_computed_tokens, len(req.block_hashes), req.status,
+                           req.num_preemptions, req.num_placeholders)
 
     # -- the one entry point for changes ---------------------------------------------------
     def apply_batch(self, ops: Sequence[Op], *, begin_step: bool = False) -> list[OpOutcome]:
@@ -368,7 +371,7 @@ class Pool:
     @overload
     def _apply_one(self, op: Decode) -> DecodeOutcome: ...
     @overload
-    def _apply_one(self, op: Free | Preempt) -> int: ...
+    def _apply_one(self, op: Free | Preempt | FillPlaceholders) -> int: ...
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
@@ -384,11 +387,13 @@ class Pool:
     def _apply(self, op: Op, prepared: Any) -> OpOutcome:
         """Applies one validated op; ``prepared`` is what :class:`BatchCheck` answered."""
         if isinstance(op, Decode):
-            return self._decode(op.request_ids, op.token_ids, prepared)
+            return self._decode(op, prepared)
         if isinstance(op, Allocate):
             req = self._requests[op.request_id]
             if prepared:
                 req.append_tokens(prepared)
+            if op.num_placeholder_tokens:
+                req.num_placeholders += op.num_placeholder_tokens
             return self._allocate(req, op.num_new_tokens, op.num_lookahead_tokens,
                                   op.full_sequence_must_fit, op.use_lookup,
                                   op.delay_cache_blocks, op.num_encoder_tokens,
@@ -397,6 +402,8 @@ class Pool:
             req = self._requests[op.request_id]
             req.append_tokens(prepared)
             return self._info(req)
+        if isinstance(op, FillPlaceholders):
+            return self._fill(op.request_ids, prepared)
         if isinstance(op, AddRequest):
             tokens, hashes = prepared
             req = Request(op.request_id, tokens, hash_fn=self._hash_fn,
@@ -508,13 +515,14 @@ class Pool:
     def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
                  full_sequence_must_fit: bool = False, use_lookup: bool = True,
                  delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                 include_tables: bool = True) -> Allocation:
+                 include_tables: bool = True, num_placeholder_tokens: int = 0) -> Allocation:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
         return self._apply_one(Allocate(
             request_id, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit,
-            use_lookup, delay_cache_blocks, include_tables, (), num_encoder_tokens))
+            use_lookup, delay_cache_blocks, include_tables, (), num_encoder_tokens,
+            num_placeholder_tokens))
 
     def _allocate(self, req: Request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                   full_sequence_must_fit: bool = False, use_lookup: bool = True,
@@ -568,7 +576,8 @@ class Pool:
         holds = sum(1 for ids in self._table_ids(request_id) for b in ids if b)
         self._quota.update(request_id, holds)  # type: ignore[union-attr]
 
-    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> DecodeOutcome:
+    def decode(self, request_ids: Sequence[str], token_ids: Sequence[int], *,
+               placeholders: bool = False) -> DecodeOutcome:
         """The decode step of many requests: for each ``i`` in order, the same as
         ``append_tokens(request_ids[i], [token_ids[i]])`` then
         ``allocate(request_ids[i], 1, include_tables=False)`` (same outcome, statistics and
@@ -576,37 +585,61 @@ class Pool:
 
         Validated whole before anything changes: one token per request, distinct
         registered ids, token ids in range, no request beyond ``max_model_len``."""
-        return self._apply_one(Decode(request_ids, token_ids))
+        return self._apply_one(Decode(request_ids, token_ids, placeholders))
 
-    def _decode(self, request_ids: Sequence[str], token_ids: Sequence[int],
-                reqs: list[Request] | None) -> DecodeOutcome:
+    def fill_placeholders(self, request_ids: Sequence[str], token_ids: Sequence[int]) -> int:
+        """For each ``i`` in order, ``token_ids[i]`` fills the oldest placeholder token of
+        ``request_ids[i]``; newly known full blocks within the computed tokens are cached.
+        Answers the number of placeholders filled."""
+        return self._apply_one(FillPlaceholders(request_ids, token_ids))
+
+    def _fill(self, request_ids: Sequence[str], token_ids: list[int]) -> int:
+        """:meth:`fill_placeholders` of a validated op. Only blocks within the computed
+        tokens are cached: a preempted request (nothing computed) holds no blocks."""
+        requests = self._requests
+        touched: dict[str, Request] = {}
+        for rid, tok in zip(request_ids, token_ids):
+            req = touched.get(rid) or requests[rid]
+            req.fill_placeholder(tok)
+            touched[rid] = req
+        if self._hash_fn is not None:
+            cache_blocks = self._manager.cache_blocks
+            for req in touched.values():
+                computed = req.num_computed_tokens
+                if computed:
+                    known = len(req.all_token_ids)
+                    cache_blocks(req, computed if computed < known else known)
+        return len(token_ids)
+
+    def _decode(self, op: Decode, reqs: list[Request] | None) -> DecodeOutcome:
         """:meth:`decode` of a validated op. The usual request is RUNNING (computed tokens
         > 0, hence no pending lookup), so it goes straight to the manager; any other takes
         the general allocation path."""
         if reqs is None:
-            reqs = [self._requests[rid] for rid in request_ids]
+            reqs = [self._requests[rid] for rid in op.request_ids]
         self._epoch += 1  # as the first allocate of the equivalent op list would
         outcome = DecodeOutcome([True] * len(reqs), {})
-        self._decode_range(reqs, token_ids, 0, len(reqs), outcome)
+        self._decode_range(reqs, op.token_ids, op.placeholders, 0, len(reqs), outcome)
         return outcome
 
-    def _decode_in_slices(self, request_ids: Sequence[str], token_ids: Sequence[int],
-                          reqs: list[Request] | None, slice_cost: int
+    def _decode_in_slices(self, op: Decode, reqs: list[Request] | None, slice_cost: int
                           ) -> Generator[None, None, DecodeOutcome]:
         """:meth:`_decode` yielding after every ``slice_cost`` requests (same result)."""
         if reqs is None:
-            reqs = [self._requests[rid] for rid in request_ids]
+            reqs = [self._requests[rid] for rid in op.request_ids]
         self._epoch += 1
         outcome = DecodeOutcome([True] * len(reqs), {})
         for lo in range(0, len(reqs), slice_cost):
-            self._decode_range(reqs, token_ids, lo, min(len(reqs), lo + slice_cost), outcome)
+            self._decode_range(reqs, op.token_ids, op.placeholders, lo,
+                               min(len(reqs), lo + slice_cost), outcome)
             yield
         return outcome
 
-    def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], lo: int, hi: int,
-                      outcome: DecodeOutcome) -> None:
-        """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``."""
-        allocate_slots = self._manager.allocate_slots
+    def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], placeholders: bool,
+                      lo: int, hi: int, outcome: DecodeOutcome) -> None:
+        """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``
+        (with ``placeholders`` each appends a placeholder instead of ``token_ids[i]``)."""
+        decode_slot = self._manager.decode_slot
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
@@ -614,9 +647,12 @@ class Pool:
         fast = self._quota is None
         for i in range(lo, hi):
             req = reqs[i]
-            req.append_token(token_ids[i])
+            if placeholders:
+                req.num_placeholders += 1
+            else:
+                req.append_token(token_ids[i])
             if fast and req.status == running and req.num_computed_tokens:
-                new = allocate_slots(req, 1)
+                new = decode_slot(req)
                 if new is None:
                     self._allocation_failures += 1
                     ok[i] = False

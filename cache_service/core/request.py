@@ -3,6 +3,12 @@
 ``block_hashes`` covers every *full* ``hash_block_size`` block of ``all_token_ids``
 and is extended incrementally when tokens are appended. When prefix caching is off
 no hashes are computed (as in vLLM, whose requests then get no block hasher).
+
+``num_placeholders`` tokens follow ``all_token_ids``: slots were allocated for them
+before their ids were known (an engine overlapping its next step's cache call with the
+forward pass that samples them). Only known tokens are hashed, so a block holding a
+placeholder is never cached nor hit; :meth:`Request.fill_placeholder` makes the oldest
+one known.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ class Request:
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
                  "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
-                 "client_hashes")
+                 "client_hashes", "num_placeholders")
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
@@ -42,6 +48,8 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens scheduled but not yet processed; always 0 for synchronous callers.
         self.num_in_flight_tokens = 0
+        # Tokens after all_token_ids whose ids are not known yet.
+        self.num_placeholders = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.cache_salt = cache_salt
@@ -86,6 +94,11 @@ class Request:
         if self._hash_fn is not None and not len(tokens) % self._hash_block_size:
             self._update_block_hashes()
 
+    def fill_placeholder(self, token_id: int) -> None:
+        """The oldest placeholder becomes ``token_id`` (the caller checked there is one)."""
+        self.num_placeholders -= 1
+        self.append_token(token_id)
+
     def _update_block_hashes(self) -> None:
         hashes = self.block_hashes
         bs = self._hash_block_size
@@ -101,6 +114,7 @@ class Request:
 
 def _restore_request(state: dict[str, Any]) -> Request:
     req = Request.__new__(Request)
+    req.num_placeholders = 0  # snapshots written before placeholders existed lack it
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
         setattr(req, name, value)

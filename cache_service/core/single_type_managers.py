@@ -136,7 +136,8 @@ class SingleTypeKVCacheManager:
         would return [] and change nothing, and ``cache_blocks`` with
         ``num_cacheable_tokens`` (already capped at the hashed length; 0 = no caching)
         would hash nothing. Pure. (Out-of-window blocks are not its concern: the caller
-        has already removed them, as the general path does first.)"""
+        has already removed them, as the general path does first.) The coordinator
+        runs this check inline for managers that do not override it: keep both in step."""
         table = self.req_to_blocks.get(request_id)
         # A missing table would be created by allocate_new_blocks: not a no-op.
         if table is None or -(-num_tokens // self.block_size) > len(table):

@@ -76,7 +76,8 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
     n = 0
     for _ in range(draw(st.integers(1, 40))):
         kind = draw(st.sampled_from(["add", "add", "decode", "decode", "free", "preempt",
-                                     "reset", "open", "close", "expire", "bad"]))
+                                     "reset", "open", "close", "expire", "bad",
+                                     "decode_placeholders", "fill"]))
         if kind == "open":
             sid = f"s{len(sessions)}"
             sessions[sid] = 0
@@ -103,6 +104,11 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
         elif kind == "decode":
             rids = draw(st.lists(st.sampled_from(live), min_size=1, unique=True))
             batch.decode(rids, [draw(st.integers(0, 5)) for _ in rids])
+        elif kind == "decode_placeholders":  # rejected unless every token is computed
+            batch.decode(draw(st.lists(st.sampled_from(live), min_size=1, unique=True)),
+                         placeholders=True)
+        elif kind == "fill":  # rejected unless the request has a placeholder
+            batch.fill([draw(st.sampled_from(live))], [draw(st.integers(0, 5))])
         elif kind in ("free", "preempt"):
             rid = draw(st.sampled_from(live))
             if kind == "free":

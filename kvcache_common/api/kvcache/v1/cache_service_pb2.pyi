@@ -276,7 +276,7 @@ class LookupOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table", "append_token_ids")
+    __slots__ = ("request_id", "num_new_tokens", "num_lookahead_tokens", "full_sequence_must_fit", "skip_lookup", "delay_cache_blocks", "skip_block_table", "append_token_ids", "num_placeholder_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class AllocateOp(_message.Message):
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_new_tokens: int
     num_lookahead_tokens: int
@@ -293,7 +294,8 @@ class AllocateOp(_message.Message):
     delay_cache_blocks: bool
     skip_block_table: bool
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., skip_lookup: _Optional[bool] = ..., delay_cache_blocks: _Optional[bool] = ..., skip_block_table: _Optional[bool] = ..., append_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_placeholder_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_new_tokens: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ..., full_sequence_must_fit: _Optional[bool] = ..., skip_lookup: _Optional[bool] = ..., delay_cache_blocks: _Optional[bool] = ..., skip_block_table: _Optional[bool] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_placeholder_tokens: _Optional[int] = ...) -> None: ...
 
 class AppendTokensOp(_message.Message):
     __slots__ = ("request_id", "token_ids")
@@ -320,6 +322,16 @@ class NewStepOp(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeOp(_message.Message):
+    __slots__ = ("request_ids", "token_ids", "placeholders")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    placeholders: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., placeholders: _Optional[bool] = ...) -> None: ...
+
+class FillPlaceholdersOp(_message.Message):
     __slots__ = ("request_ids", "token_ids")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -328,7 +340,7 @@ class DecodeOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +349,7 @@ class Op(_message.Message):
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    FILL_PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestOp
     lookup: LookupOp
     allocate: AllocateOp
@@ -345,7 +358,8 @@ class Op(_message.Message):
     preempt: PreemptOp
     new_step: NewStepOp
     decode: DecodeOp
-    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ...) -> None: ...
+    fill_placeholders: FillPlaceholdersOp
+    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_id", "begin_step", "ops", "session_id", "sequence")
@@ -437,8 +451,14 @@ class DecodeResult(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ok: _Optional[_Iterable[bool]] = ..., grown: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class FillPlaceholdersResult(_message.Message):
+    __slots__ = ("num_filled",)
+    NUM_FILLED_FIELD_NUMBER: _ClassVar[int]
+    num_filled: int
+    def __init__(self, num_filled: _Optional[int] = ...) -> None: ...
+
 class OpResult(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -447,6 +467,7 @@ class OpResult(_message.Message):
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
+    FILL_PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestResult
     lookup: LookupResult
     allocate: AllocateResult
@@ -455,7 +476,8 @@ class OpResult(_message.Message):
     preempt: PreemptResult
     new_step: NewStepResult
     decode: DecodeResult
-    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ...) -> None: ...
+    fill_placeholders: FillPlaceholdersResult
+    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersResult, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "num_free_blocks")
@@ -528,20 +550,22 @@ class GetRequestRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GetRequestResponse(_message.Message):
-    __slots__ = ("block_ids", "num_computed_tokens", "num_tokens", "num_block_hashes", "status", "num_preemptions")
+    __slots__ = ("block_ids", "num_computed_tokens", "num_tokens", "num_block_hashes", "status", "num_preemptions", "num_placeholder_tokens")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLACEHOLDER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedCompositeFieldContainer[BlockTable]
     num_computed_tokens: int
     num_tokens: int
     num_block_hashes: int
     status: str
     num_preemptions: int
-    def __init__(self, block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ..., status: _Optional[str] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    num_placeholder_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[_Union[BlockTable, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_block_hashes: _Optional[int] = ..., status: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., num_placeholder_tokens: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsRequest(_message.Message):
     __slots__ = ("pool_id",)
