@@ -9,6 +9,9 @@ Starts its own etcd (the ``etcd`` binary) and cache-service replicas as processe
   sent after the owner's process was gone (the client follows redirects and, as replicas share no storage,
   registers the pool again on NOT_FOUND) is one sample. A fresh replica replaces the dead
   one before the next kill. p50 / p99 / max over ``--kills`` (default 5; the issue asks 20).
+  Measured twice: without shared storage, and with ``--shared-data-root`` (the new owner
+  restores the pool from the dead owner's log: no registration again; the number of times
+  the client had to register again is reported, 0 expected).
 * ``overhead``: the same sequential Step (a decode op over 8 requests) against a standalone
   replica and against a one-member cluster replica that owns the pool (the fencing check on
   every call is the difference); mean round trip each, interleaved in rounds; ratio.
@@ -52,11 +55,14 @@ LAYERS = [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_siz
           for i in range(2)]
 
 
-def replica(etcd: EtcdServer | None, cluster: str) -> ServerProcess:
+def replica(etcd: EtcdServer | None, cluster: str, shared: Path | None = None) -> ServerProcess:
+    """A replica; with ``shared``, on that shared data root (a fresh member id)."""
     flags = ["--drain-seconds", "1"]
     if etcd is not None:
         flags += ["--etcd-endpoints", etcd.endpoint, "--cluster-name", cluster,
                   "--etcd-lease-ttl", str(TTL)]
+    if shared is not None:
+        flags += ["--shared-data-root", str(shared), "--member-id", uuid.uuid4().hex[:8]]
     return start_cache_service(*flags)
 
 
@@ -80,10 +86,12 @@ def owner_target(replicas: list[ServerProcess], pool_id: str) -> str:
     raise RuntimeError(f"no replica serves {pool_id}")
 
 
-def _one_kill(client: CacheClient, pool: str, victim: ServerProcess) -> float | None:
+def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
+              ) -> tuple[float | None, int]:
     """Steps ``pool`` in a thread, SIGKILLs its owner, answers the seconds from the kill to
-    the first successful Step sent after the owner's process was gone (None: none in 30 s)."""
-    state = {"killed": 0.0, "dead": 0.0, "back": 0.0, "stop": False}
+    the first successful Step sent after the owner's process was gone (None: none in 30 s)
+    and how many times the pool had to be registered again."""
+    state = {"killed": 0.0, "dead": 0.0, "back": 0.0, "stop": False, "lost": 0}
 
     def load() -> None:
         i = 0
@@ -95,6 +103,7 @@ def _one_kill(client: CacheClient, pool: str, victim: ServerProcess) -> float | 
                 if state["dead"] and started > state["dead"] and not state["back"]:
                     state["back"] = time.monotonic()
             except CacheError:
+                state["lost"] += 1
                 register(client, pool)  # NOT_FOUND: no shared state; register again
             i += 1
 
@@ -109,13 +118,14 @@ def _one_kill(client: CacheClient, pool: str, victim: ServerProcess) -> float | 
         time.sleep(0.01)
     state["stop"] = True
     worker.join(30)
-    return state["back"] - state["killed"] if state["back"] else None
+    return (state["back"] - state["killed"] if state["back"] else None), int(state["lost"])
 
 
-def bench_failover(etcd: EtcdServer, kills: int) -> dict:
+def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> dict:
     cluster = f"bench-{uuid.uuid4().hex[:6]}"
-    replicas = [replica(etcd, cluster) for _ in range(3)]
+    replicas = [replica(etcd, cluster, shared) for _ in range(3)]
     samples: list[float] = []
+    registered_again = 0
     try:
         for k in range(kills):
             live = [r for r in replicas if r.returncode is None]
@@ -124,18 +134,20 @@ def bench_failover(etcd: EtcdServer, kills: int) -> dict:
                 pool = f"f{k}"
                 register(client, pool)
                 victim = next(r for r in live if r.target == owner_target(live, pool))
-                sample = _one_kill(client, pool, victim)
+                sample, lost = _one_kill(client, pool, victim)
+            registered_again += lost
             if sample is not None:
                 samples.append(sample)
             victim.stop()
-            replicas.append(replica(etcd, cluster))
+            replicas.append(replica(etcd, cluster, shared))
     finally:
         for r in replicas:
             r.stop()
     xs = sorted(samples)
     return {"kills": kills, "samples_s": [round(x, 3) for x in samples],
             "p50_s": round(percentile(xs, 50), 3), "p99_s": round(percentile(xs, 99), 3),
-            "max_s": round(xs[-1], 3) if xs else None, "lease_ttl_s": TTL}
+            "max_s": round(xs[-1], 3) if xs else None, "lease_ttl_s": TTL,
+            "shared_data_root": shared is not None, "registered_again": registered_again}
 
 
 def _step_loop(client: CacheClient, pool: str, n: int) -> float:
@@ -230,13 +242,19 @@ def main() -> int:
             overhead = bench_overhead(etcd, args.steps, args.rounds)
             scaling = bench_scaling(etcd, args.clients, args.seconds)
             failover = bench_failover(etcd, args.kills)
+            shared = bench_failover(etcd, args.kills, Path(tmp) / "shared")
         finally:
             etcd.stop()
     one = scaling[0]["steps_per_s"]
     rows = [
         ["failover p50 (s)", failover["p50_s"], (f"p99 {failover['p99_s']} s, max "
                                                  f"{failover['max_s']} s over {args.kills} "
-                                                 f"kills, lease TTL {TTL} s")],
+                                                 f"kills, lease TTL {TTL} s; no shared "
+                                                 "storage")],
+        ["failover p50, shared data root (s)", shared["p50_s"],
+         (f"p99 {shared['p99_s']} s, max {shared['max_s']} s; pool restored, registered "
+          f"again {shared['registered_again']} times (no shared storage: "
+          f"{failover['registered_again']})")],
         ["Step, standalone (us)", overhead["standalone_us"], ""],
         ["Step, cluster member (us)", overhead["cluster_us"],
          f"{overhead['ratio']:.3f}x standalone (goal <= 1.05x)"],
@@ -244,7 +262,8 @@ def main() -> int:
           (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
            f"{r['pools_per_replica']}")] for r in scaling]
     print_table("Cluster mode (etcd)", ["measure", "value", "notes"], rows)
-    path = write_results("cluster", {"failover": failover, "overhead": overhead,
+    path = write_results("cluster", {"failover": failover, "failover_shared": shared,
+                                     "overhead": overhead,
                                      "scaling": scaling})
     print(f"wrote {path}")
     return 0

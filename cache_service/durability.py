@@ -152,6 +152,39 @@ def new_instance_id() -> str:
     return secrets.token_hex(8)
 
 
+def _replay(state: S, records: list[tuple[int, bytes]], apply: Callable[[S, bytes], Any]
+            ) -> int:
+    """Applies logged records in order; answers how many apply rejected (they were
+    rejected identically when they were live, see the module docstring)."""
+    rejected = 0
+    for _, payload in records:
+        try:
+            apply(state, payload)
+        except KVCacheError:
+            rejected += 1
+    return rejected
+
+
+def read_data_dir(directory: Path, *, new_state: Callable[[str], S],
+                  apply: Callable[[S, bytes], Any]) -> S:
+    """The state another server's data directory holds (snapshot + log replay), read
+    without writing anything there: no lock, no repair of a torn tail (a torn last record
+    was never answered), no cleanup. How a cluster replica reads a dead replica's
+    directory on shared storage. Raises :class:`DataDirError` (missing),
+    :class:`~cache_service.wal.WalCorruption` or
+    :class:`~cache_service.snapshot.SnapshotCorruption`."""
+    instance = directory / "instance"
+    if not instance.is_file():
+        raise DataDirError(f"{directory} holds no data directory (no instance file)")
+    loaded = load_latest(directory, read_only=True)
+    if loaded is None:
+        state, snapshot_index = new_state(instance.read_text().strip()), 0
+    else:
+        state, snapshot_index = loaded
+    _replay(state, scan(directory, snapshot_index, repair=False).records, apply)
+    return state
+
+
 def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
                   apply: Callable[[S, bytes], Any], fsync: FsyncPolicy = "batch",
                   fsync_interval: float = 0.05, snapshot_every: int = 5000,
@@ -175,12 +208,7 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
             state, snapshot_index = loaded
         loaded_at = time.perf_counter()
         result = scan(directory, snapshot_index)
-        rejected = 0
-        for _, payload in result.records:
-            try:
-                apply(state, payload)
-            except KVCacheError:
-                rejected += 1
+        rejected = _replay(state, result.records, apply)
         # The recovered state lives as long as the server: keep the cyclic collector from
         # traversing it again and again (a full collection over a million-block pool
         # stalls the loop for a noticeable time).

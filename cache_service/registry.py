@@ -209,6 +209,13 @@ class PoolRegistry:
         assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
         entry.incarnation = self.next_incarnation()
         self._created += 1
+        self.adopt(entry)
+
+    def adopt(self, entry: PoolEntry) -> None:
+        """Registers a pool taken over from another state as it was there: its incarnation
+        is kept (no new ordinal is used) and the block budget is not checked (refusing
+        would lose the clients' state; the pool existed within the cluster's budget)."""
+        assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
         self._pools[entry.pool_id] = entry
         self.total_blocks += entry.config.num_blocks
         self.index.attach(entry.pool_id, entry.pool, keyspace_of(entry.pool,
@@ -263,6 +270,9 @@ class PoolRegistry:
 
     def __iter__(self) -> Iterator[PoolEntry]:
         return iter([self._pools[k] for k in sorted(self._pools)])
+
+    def __contains__(self, pool_id: object) -> bool:
+        return pool_id in self._pools
 
     def __len__(self) -> int:
         return len(self._pools)

@@ -17,11 +17,18 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import structlog
 
-from cache_service.durability import DataDir, DataDirError, new_instance_id, open_data_dir
+from cache_service.durability import (
+    DataDir,
+    DataDirError,
+    new_instance_id,
+    open_data_dir,
+    read_data_dir,
+)
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import new_registry
@@ -68,9 +75,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def _new_state(settings: Settings, instance_id: str) -> ServiceState:
+def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
+               ) -> ServiceState:
     registry_class = PoolRegistry
-    if settings.etcd_endpoints:  # cluster mode: pool lookups check ownership (fencing)
+    if settings.etcd_endpoints and cluster:  # pool lookups check ownership (fencing)
         from cache_service.cluster.registry import ClusterRegistry
         registry_class = ClusterRegistry
     return ServiceState(registry_class(settings.event_buffer, instance_id=instance_id,
@@ -87,14 +95,15 @@ def _replay(state: ServiceState, payload: bytes) -> None:
 def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     """The service state: empty and in memory without ``--data-dir`` (says so in one log
     line), else recovered from the directory, which then logs every accepted record."""
-    if settings.data_dir is None:
+    directory = settings.state_dir
+    if directory is None:
         lifecycle().info("in_memory", detail="no --data-dir: pools, requests and sessions "
                          "live in memory only and a restart loses them (pools come back "
                          "with new incarnations)")
         # Every start is a new instance: its pools get new incarnations.
         return _new_state(settings, new_instance_id()), None
     data_dir, state = open_data_dir(
-        settings.data_dir, new_state=lambda instance_id: _new_state(settings, instance_id),
+        directory, new_state=lambda instance_id: _new_state(settings, instance_id),
         apply=_replay, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
         snapshot_every=settings.snapshot_every)
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
@@ -104,7 +113,7 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     state.registry.max_total_blocks = settings.max_total_blocks
     state.durability = data_dir
     rec = data_dir.recovery
-    lifecycle().info("recovered", data_dir=str(settings.data_dir), fsync=settings.fsync,
+    lifecycle().info("recovered", data_dir=str(directory), fsync=settings.fsync,
                      pools=len(state.registry), sessions=len(state.sessions),
                      snapshot_index=rec.snapshot_index, records_replayed=rec.records_replayed,
                      torn_bytes_dropped=rec.torn_bytes_dropped,
@@ -113,6 +122,13 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
                      cpu_seconds=round(rec.cpu_seconds, 3),
                      replay_records_per_second=round(rec.replay_rate))
     return state, data_dir
+
+
+def read_peer_state(settings: Settings, directory: Path) -> ServiceState:
+    """The state another replica's data directory holds, read without writing there
+    (cluster mode, shared storage: a dead replica's pools are taken over from it)."""
+    return read_data_dir(directory, new_state=lambda instance_id: _new_state(
+        settings, instance_id, cluster=False), apply=_replay)
 
 
 async def serve(settings: Settings) -> int:
@@ -139,6 +155,9 @@ async def serve(settings: Settings) -> int:
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
+    if node is not None:
+        node.leases = servicer.leases  # adopted sessions get leases here
+        node.read_peer = read_peer_state
     creds = None
     if settings.tls_cert is not None and settings.tls_key is not None:
         creds = grpc.ssl_server_credentials(

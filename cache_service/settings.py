@@ -95,6 +95,12 @@ class Settings(BaseSettings):
                                   "snapshots: every accepted mutation is logged before it "
                                   "is answered and a restart restores the state; unset = "
                                   "in-memory (a restart loses every pool)")
+    shared_data_root: Path | None = Field(
+        None, description="cluster mode: a directory every replica mounts (a shared "
+        "volume); this replica's data directory is <root>/<member-id> (needs --member-id; "
+        "--data-dir unset or that directory), and a replica taking a dead one's pools over "
+        "restores them from that one's directory, read-only: same incarnation, no "
+        "acknowledged Step lost")
     fsync: Literal["always", "batch", "never"] = Field(
         "batch", description="with --data-dir: when the log is flushed to disk. always = "
         "before each answer (nothing answered is lost, even on power loss); batch = every "
@@ -114,7 +120,21 @@ class Settings(BaseSettings):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.auth_token is not None and self.auth_tokens_file is not None:
             raise ValueError("--auth-token and --auth-tokens-file exclude each other")
+        if self.shared_data_root is not None:
+            if not (self.etcd_endpoints and self.member_id):
+                raise ValueError("--shared-data-root needs --etcd-endpoints and --member-id")
+            own = self.shared_data_root / self.member_id
+            if self.data_dir is not None and self.data_dir != own:
+                raise ValueError(f"with --shared-data-root, --data-dir must be {own} "
+                                 "(<root>/<member-id>, where the others look) or unset")
         return self
+
+    @property
+    def state_dir(self) -> Path | None:
+        """This replica's data directory: --data-dir, or <--shared-data-root>/<member-id>."""
+        if self.shared_data_root is not None and self.member_id:
+            return self.shared_data_root / self.member_id
+        return self.data_dir
 
     def tenant_table(self) -> TenantTable | None:
         """The tenants of the configured auth mode (None: auth off, every caller is

@@ -88,15 +88,21 @@ def _restore_message(full_name: str, data: bytes) -> Message:
     return cls.FromString(data)
 
 
-def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
-    """Pickles ``state`` as the snapshot through WAL index ``last_index`` (atomic)."""
+def dumps_state(state: Any) -> bytes:
+    """``state`` (the service state, or part of it) pickled as snapshots pickle it;
+    ``pickle.loads`` reads it back."""
     buffer = io.BytesIO()
     gc.disable()  # pickling allocates nothing the collector could free; it only slows down
     try:
         _StatePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
     finally:
         gc.enable()
-    payload = buffer.getbuffer()
+    return buffer.getvalue()
+
+
+def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
+    """Pickles ``state`` as the snapshot through WAL index ``last_index`` (atomic)."""
+    payload = dumps_state(state)
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, last_index, len(payload), zlib.crc32(payload))
     final = directory / snapshot_name(last_index)
     tmp = final.with_suffix(".tmp")
@@ -110,8 +116,9 @@ def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
     return final
 
 
-def read_snapshot(path: Path) -> tuple[Any, int]:
-    """``(state, last WAL index)`` of one snapshot file."""
+def read_snapshot(path: Path, *, freeze: bool = True) -> tuple[Any, int]:
+    """``(state, last WAL index)`` of one snapshot file; ``freeze``: the state lives as long
+    as the server (see below)."""
     data = path.read_bytes()
     if len(data) < _HEADER.size:
         raise SnapshotCorruption(path, "shorter than its header")
@@ -135,21 +142,25 @@ def read_snapshot(path: Path) -> tuple[Any, int]:
     gc.disable()
     try:
         state = pickle.loads(payload)
-        gc.freeze()
+        if freeze:
+            gc.freeze()
     finally:
         gc.enable()
     return state, last_index
 
 
-def load_latest(directory: Path) -> tuple[Any, int] | None:
+def load_latest(directory: Path, *, read_only: bool = False) -> tuple[Any, int] | None:
     """The newest snapshot's ``(state, last index)``, or None if there is none. Leftover
-    ``.tmp`` files (a crash while writing) are deleted: they were never committed."""
-    for tmp in directory.glob(f"{_PREFIX}*.tmp"):
-        tmp.unlink()
+    ``.tmp`` files (a crash while writing) are deleted, unless ``read_only`` (another
+    server's directory): they were never committed. A ``read_only`` load is not frozen
+    out of the collector (it is a temporary copy, see :func:`read_snapshot`)."""
+    if not read_only:
+        for tmp in directory.glob(f"{_PREFIX}*.tmp"):
+            tmp.unlink()
     snapshots = list_snapshots(directory)
     if not snapshots:
         return None
-    return read_snapshot(snapshots[-1][1])
+    return read_snapshot(snapshots[-1][1], freeze=not read_only)
 
 
 def delete_before(directory: Path, last_index: int) -> None:

@@ -24,6 +24,8 @@ a session's stored response is not logged either (nothing changes).
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from itertools import islice
@@ -41,6 +43,7 @@ from cache_service.core.errors import (
 )
 from cache_service.core.ops import Free
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
+from cache_service.snapshot import dumps_state
 from cache_service.status import ResourceExhausted
 from cache_service.tenants import tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
@@ -137,6 +140,7 @@ class ServiceState:
             "open_session": self._prepare_open,
             "close_session": self._prepare_close,
             "expire_session": self._prepare_expire,
+            "adopt_pool": self._prepare_adopt,
         }
 
     def __getstate__(self) -> dict:
@@ -208,6 +212,11 @@ class ServiceState:
         session = None
         sid = getattr(request, "session_id", "") if kind in _SEQUENCED else ""
         if sid:
+            if sid not in self.sessions:
+                # A session of another replica (e.g. a call resent after its replica died):
+                # the pool's owner is named first, since that replica may know it (a pool
+                # taken over brings its sessions along; see _prepare_adopt).
+                self.registry.fence(request.pool_id)
             session = self.live_session(sid, tenant=record_tenant.name)
             seq = request.sequence
             last = session.last_sequence
@@ -445,6 +454,59 @@ class ServiceState:
                 f"the pool would have {entry.config.num_blocks} blocks; tenant {owner!r} "
                 f"holds {blocks} of its limit (max_blocks) of {limits.max_blocks}",
                 field=budget_field(entry.description))
+
+    # -- pools taken over (cluster mode) ---------------------------------------------------
+
+    def export_pool(self, pool_id: str) -> bytes:
+        """The state an ``AdoptPool`` record carries for ``pool_id`` (NotFound if absent):
+        the pool entry, its block tables, its request owners and the sessions that own
+        requests in it or whose last call was on it (their sequence state and stored
+        answer, so that a resent in-doubt call is answered, not applied twice). Reads only."""
+        entry = self.registry.entry(pool_id) if pool_id in self.registry else None
+        if entry is None:
+            raise NotFound(f"unknown pool {pool_id!r}", field="pool_id")
+        owners = self._owners.get(pool_id, {})
+        sids = set(owners.values())
+        sids.update(sid for sid, s in self.sessions.items()
+                    if getattr(s.last_request, "pool_id", None) == pool_id)
+        sessions = []
+        for sid in sorted(sids):
+            session = copy.copy(self.sessions[sid])
+            session.requests = {key: None for key in session.requests if key[0] == pool_id}
+            sessions.append(session)
+        return dumps_state({"entry": entry, "tables": self._tables.get(pool_id),
+                            "owners": owners, "sessions": sessions})
+
+    def _prepare_adopt(self, request: wal_pb2.AdoptPool
+                       ) -> Callable[[], wal_pb2.AdoptPoolResult]:
+        check_pool_id(request.pool_id, qualified=True)
+        if request.pool_id in self.registry:
+            raise AlreadyExists(f"pool {request.pool_id!r} exists", field="pool_id")
+        try:
+            # Written by export_pool on another replica of this service (trusted storage,
+            # like a snapshot), never by a client.
+            data = pickle.loads(request.state)  # noqa: S301
+            entry: PoolEntry = data["entry"]
+            sessions: list[Session] = data["sessions"]
+        except Exception as exc:  # noqa: BLE001 - any undecodable state is the same error
+            raise InvalidArgument(f"undecodable pool state: {exc}", field="state") from None
+        if entry.pool_id != request.pool_id:
+            raise InvalidArgument(f"the state is of pool {entry.pool_id!r}", field="state")
+
+        def commit() -> wal_pb2.AdoptPoolResult:
+            self.registry.adopt(entry)
+            if data["tables"] is not None:
+                self._tables[entry.pool_id] = data["tables"]
+            if data["owners"]:
+                self._owners[entry.pool_id] = dict(data["owners"])
+            for adopted in sessions:
+                # A session already here came from the same dead replica (through another
+                # of its pools) and may have moved on since: its sequence state is newer.
+                session = self.sessions.setdefault(adopted.session_id, adopted)
+                if session is not adopted:
+                    session.requests.update(adopted.requests)
+            return wal_pb2.AdoptPoolResult(session_ids=[s.session_id for s in sessions])
+        return commit
 
     # -- sessions (changes) ---------------------------------------------------------------------
 

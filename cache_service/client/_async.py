@@ -34,7 +34,12 @@ from cache_service.client._results import (
 )
 from cache_service.client._retry import OnRetry, resend_delay
 from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
-from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
+from cache_service.client._session import (
+    Carrier,
+    SessionStamp,
+    keepalive_interval,
+    session_lost,
+)
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.backoff import Backoff
@@ -75,6 +80,7 @@ class AsyncCacheClient:
         self._client_name = client_name
         #: One session per replica (sessions live in a replica's state), by address.
         self._sessions: dict[str, SessionStamp] = {}
+        self._carrier = Carrier()  # sessions carried over a failover
         self._lock = asyncio.Lock()  # one mutating call at a time (sequence numbers)
         self._keepalives: dict[str, asyncio.Task] = {}
 
@@ -89,8 +95,10 @@ class AsyncCacheClient:
         and closes the channel."""
         for task in self._keepalives.values():
             task.cancel()
-        sessions, self._sessions = self._sessions, {}
-        for address, session in sessions.items():
+        sessions = list(self._sessions.items()) + [
+            (address, session) for (address, _), session in self._carrier.adopted.items()]
+        self._sessions, self._carrier.adopted = {}, {}
+        for address, session in sessions:
             # unreachable or already expired: the lease frees them anyway
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
@@ -134,17 +142,22 @@ class AsyncCacheClient:
                                     pin=address)
             session = self._sessions[address] = SessionStamp(resp.session_id,
                                                              resp.lease_ttl_seconds)
-            old = self._keepalives.get(address)
-            if old is not None:
-                old.cancel()
-            self._keepalives[address] = asyncio.create_task(self._keep_alive(session, address))
+            self._start_keepalive(session, address)
         return session
+
+    def _start_keepalive(self, session: SessionStamp, address: str) -> None:
+        key = address if self._sessions.get(address) is session else (
+            f"{address}/{session.session_id}")
+        old = self._keepalives.get(key)
+        if old is not None:
+            old.cancel()
+        self._keepalives[key] = asyncio.create_task(self._keep_alive(session, address))
 
     async def _keep_alive(self, session: SessionStamp, address: str) -> None:
         interval = keepalive_interval(session.lease_ttl_seconds)
         request = pb.KeepAliveRequest(session_id=session.session_id)
         stub = self._routes.stub(address)
-        while self._sessions.get(address) is session:
+        while self._carrier.alive(address, session, self._sessions):
             await asyncio.sleep(interval)
             try:
                 await stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
@@ -160,31 +173,44 @@ class AsyncCacheClient:
         ``default_timeout``) has passed (see :class:`CallRoute`)."""
         route = CallRoute(self._routes, getattr(request, "pool_id", ""),
                           timeout or self.default_timeout, self._backoff)
+        carried: SessionStamp | None = None  # see Carrier
+        origin = ""
         async with self._lock:
             while True:
                 address = route.address
+                session = None
                 try:
-                    session = await self._ensure_session(address)
+                    if carried is not None and address != origin:
+                        session = self._carrier.stamp_for(address, carried, self._sessions)
+                    else:
+                        session = await self._ensure_session(address)
                     if session is not None:
                         session.stamp(request)
                     response = await send(request, address)
                 except Moved as moved:
-                    session = self._sessions.get(address)
                     if session is not None and not moved.redirect:  # a redirect: not applied
                         session.failed(moved.error)
+                        if carried is None and session is self._sessions.get(address):
+                            carried, origin = self._carrier.gave_up(address, session), address
                     await asyncio.sleep(route.moved(moved))
                     continue
                 except CacheError as err:
-                    session = self._sessions.get(address)
                     if session is None:
                         raise
                     if session.failed(err):
                         continue
                     if session_lost(err):
+                        if carried is not None and session is not self._sessions.get(address):
+                            # The carried session: not taken over with its state here.
+                            carried = None
+                            continue
                         del self._sessions[address]
                     raise
                 if session is not None:
                     session.accepted()
+                    if carried is not None and self._carrier.settled(address, session,
+                                                                      self._sessions):
+                        self._start_keepalive(session, address)
                 return response
 
     async def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:

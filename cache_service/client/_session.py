@@ -18,7 +18,7 @@ Rules (see docs/protocol.md, "Sessions and sequence numbers"):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -66,3 +66,59 @@ def keepalive_interval(ttl: float) -> float:
     """How often an idle client renews its lease: a third of the TTL, so that two lost
     keepalives in a row still leave time."""
     return max(0.05, ttl / 3)
+
+
+class Carrier:
+    """Sessions carried over a failover (cluster mode), shared by both clients (no I/O).
+
+    A replica that took a dead replica's pool over with its state (a shared data root)
+    brought along the dead replica's sessions that held requests in the pool. So when a
+    call gives a replica up (it stopped answering: not a redirect), the client carries that
+    replica's session, frozen as it was then, to the replicas the call goes next: the call
+    is resent under the same stamp there (a call in doubt is answered from the stored
+    answer, not applied twice). A replica that does not know the session answers NOT_FOUND
+    on ``session_id`` and the call is stamped for its own session instead (state lost).
+    Once a replica accepted a carried session, the client keeps it alive there (its
+    requests are owned by it) next to that replica's own session."""
+
+    def __init__(self) -> None:
+        #: address given up -> its session as it was then.
+        self.orphans: dict[str, SessionStamp] = {}
+        #: (address, session id) -> a carried session accepted there (not its own).
+        self.adopted: dict[tuple[str, str], SessionStamp] = {}
+
+    def gave_up(self, address: str, session: SessionStamp) -> SessionStamp:
+        """``address`` was given up by a call stamped with its ``session``: the session to
+        carry (a copy: the original stays with ``address``, e.g. one that comes back)."""
+        self.orphans[address] = replace(session)
+        return replace(session)
+
+    def stamp_for(self, address: str, carried: SessionStamp,
+                  sessions: dict[str, SessionStamp]) -> SessionStamp:
+        """The stamp to send ``carried``'s call with to ``address``: the one kept there if
+        the session was accepted there before, else ``carried``."""
+        own = sessions.get(address)
+        if own is not None and own.session_id == carried.session_id:
+            return own
+        return self.adopted.get((address, carried.session_id), carried)
+
+    def settled(self, address: str, session: SessionStamp,
+                sessions: dict[str, SessionStamp]) -> bool:
+        """``address`` accepted a call under the carried ``session``: keep it there (as
+        the replica's session if it has none yet). True when it needs a keep-alive."""
+        if sessions.get(address) is session:
+            return False
+        if address not in sessions:
+            sessions[address] = session
+            return True
+        key = (address, session.session_id)
+        if self.adopted.get(key) is session:
+            return False
+        self.adopted[key] = session
+        return True
+
+    def alive(self, address: str, session: SessionStamp,
+              sessions: dict[str, SessionStamp]) -> bool:
+        """Whether ``session`` is still the client's at ``address`` (its keep-alive goes on)."""
+        return (sessions.get(address) is session
+                or self.adopted.get((address, session.session_id)) is session)

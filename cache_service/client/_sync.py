@@ -37,7 +37,12 @@ from cache_service.client._results import (
 )
 from cache_service.client._retry import OnRetry, resend_delay
 from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
-from cache_service.client._session import SessionStamp, keepalive_interval, session_lost
+from cache_service.client._session import (
+    Carrier,
+    SessionStamp,
+    keepalive_interval,
+    session_lost,
+)
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.backoff import Backoff
@@ -73,6 +78,7 @@ class CacheClient:
         self._client_name = client_name
         #: One session per replica (sessions live in a replica's state), by address.
         self._sessions: dict[str, SessionStamp] = {}
+        self._carrier = Carrier()  # sessions carried over a failover
         self._lock = threading.RLock()  # one mutating call at a time (sequence numbers)
         self._keepalive_stop = threading.Event()
 
@@ -87,8 +93,10 @@ class CacheClient:
         and closes the channel."""
         self._keepalive_stop.set()
         with self._lock:
-            sessions, self._sessions = self._sessions, {}
-            for address, session in sessions.items():
+            sessions = list(self._sessions.items()) + [
+                (address, session) for (address, _), session in self._carrier.adopted.items()]
+            self._sessions, self._carrier.adopted = {}, {}
+            for address, session in sessions:
                 # unreachable or already expired: the lease frees them anyway
                 with contextlib.suppress(grpc.RpcError):
                     self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
@@ -132,15 +140,19 @@ class CacheClient:
                               pin=address)
             session = self._sessions[address] = SessionStamp(resp.session_id,
                                                              resp.lease_ttl_seconds)
-            threading.Thread(target=self._keep_alive, args=(session, address),
-                             name="kvcache-keepalive", daemon=True).start()
+            self._start_keepalive(session, address)
         return session
+
+    def _start_keepalive(self, session: SessionStamp, address: str) -> None:
+        threading.Thread(target=self._keep_alive, args=(session, address),
+                         name="kvcache-keepalive", daemon=True).start()
 
     def _keep_alive(self, session: SessionStamp, address: str) -> None:
         interval = keepalive_interval(session.lease_ttl_seconds)
         request = pb.KeepAliveRequest(session_id=session.session_id)
         stub = self._routes.stub(address)
-        while not self._keepalive_stop.wait(interval) and self._sessions.get(address) is session:
+        while (not self._keepalive_stop.wait(interval)
+               and self._carrier.alive(address, session, self._sessions)):
             try:
                 stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
             except grpc.RpcError as exc:
@@ -157,31 +169,44 @@ class CacheClient:
         ``default_timeout``) has passed (see :class:`CallRoute`)."""
         route = CallRoute(self._routes, getattr(request, "pool_id", ""),
                           timeout or self.default_timeout, self._backoff)
+        carried: SessionStamp | None = None  # see Carrier
+        origin = ""
         with self._lock:
             while True:
                 address = route.address
+                session = None
                 try:
-                    session = self._ensure_session(address)
+                    if carried is not None and address != origin:
+                        session = self._carrier.stamp_for(address, carried, self._sessions)
+                    else:
+                        session = self._ensure_session(address)
                     if session is not None:
                         session.stamp(request)
                     response = send(request, address)
                 except Moved as moved:
-                    session = self._sessions.get(address)
                     if session is not None and not moved.redirect:  # a redirect: not applied
                         session.failed(moved.error)
+                        if carried is None and session is self._sessions.get(address):
+                            carried, origin = self._carrier.gave_up(address, session), address
                     time.sleep(route.moved(moved))
                     continue
                 except CacheError as err:
-                    session = self._sessions.get(address)
                     if session is None:
                         raise
                     if session.failed(err):
                         continue
                     if session_lost(err):
+                        if carried is not None and session is not self._sessions.get(address):
+                            # The carried session: not taken over with its state here.
+                            carried = None
+                            continue
                         del self._sessions[address]
                     raise
                 if session is not None:
                     session.accepted()
+                    if carried is not None and self._carrier.settled(address, session,
+                                                                      self._sessions):
+                        self._start_keepalive(session, address)
                 return response
 
     def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:

@@ -9,6 +9,9 @@ Key layout (all under ``/kvcache/<cluster-name>/``; docs/deployment.md shows it 
 - ``pools/<pool-id>`` -> the ``kvcache.v1.RegisterPoolRequest`` the pool was registered
   with (binary protobuf), no lease: it lives until DeletePool, so a new owner can rebuild
   the pool when the old owner is gone.
+- ``holders/<pool-id>`` -> the member id of the pool's last owner, no lease: written with
+  every ownership, so the next owner knows whose data directory (on shared storage) holds
+  the pool's state after that owner died.
 
 Placement is rendezvous (highest-random-weight) hashing of the pool id over the live
 members: every replica computes the same owner from the same member set, and a member
@@ -42,8 +45,12 @@ class KeyLayout:
     def pool(self, pool_id: str) -> bytes:
         return self.root + b"pools/" + pool_id.encode()
 
+    def holder(self, pool_id: str) -> bytes:
+        return self.root + b"holders/" + pool_id.encode()
+
     def parse(self, key: bytes) -> tuple[str, str] | None:
-        """``(kind, name)`` of a key under the root (kind: members / owners / pools)."""
+        """``(kind, name)`` of a key under the root (kind: members / owners / pools /
+        holders)."""
         if not key.startswith(self.root):
             return None
         kind, _, name = key[len(self.root):].decode().partition("/")

@@ -8,6 +8,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import grpc
 import structlog
@@ -20,10 +21,12 @@ from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
 from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.leases import LeaseKeeper
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
 from cache_service.state import ServiceState, WalRecord
 from cache_service.tenants import Namespace
+from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
@@ -34,6 +37,10 @@ LocalPeek = Callable[[Namespace, pb.PeekPrefixRequest], Awaitable[pb.PeekPrefixR
 
 #: Metadata on a PeekPrefix one replica sends another: answer from your own pools only.
 FORWARDED_KEY = "x-kvcache-forwarded"
+
+
+def _no_reader(settings: Settings, directory: Path) -> ServiceState:
+    raise RuntimeError("no reader of other replicas' data directories was set")
 
 
 def advertised_address(settings: Settings, port: int) -> str:
@@ -60,6 +67,10 @@ class ClusterNode:
         self.membership: Membership | None = None
         self.placement: Placement | None = None
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.CacheServiceStub]] = {}
+        #: The server's lease keeper (sessions a taken-over pool brings get leases).
+        self.leases: LeaseKeeper | None = None
+        #: Reads another replica's data directory (set by the server; shared data root).
+        self.read_peer: Callable[[Settings, Path], ServiceState] = _no_reader
 
     async def join(self, port: int, timeout: float = 30.0) -> None:
         """Registers this replica and acts on the cluster's current state; raises
@@ -68,13 +79,48 @@ class ClusterNode:
         member_id = self.settings.member_id or address
         self.membership = Membership(self.etcd, self.keys, member_id, address,
                                      self.settings.etcd_lease_ttl)
+        restore = self._adopt if self.settings.shared_data_root is not None else None
         self.placement = Placement(self.etcd, self.keys, self.membership,
-                                   self.registry.has, None, self._discard,
+                                   self.registry.has, restore, self._discard,
                                    lambda: [entry.pool_id for entry in self.registry])
         self.registry.placement = self.placement
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
         await asyncio.wait_for(self.placement.start(), timeout)
+
+    async def _adopt(self, pool_id: str, holder: str) -> None:
+        """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is
+        fenced) with its state: reads the holder's directory under the shared data root,
+        read-only, and installs the pool through an AdoptPool record (this replica's own
+        log keeps it). When the holder's data cannot be read the pool stays absent
+        (clients register it again: a new incarnation), which is logged."""
+        root = self.settings.shared_data_root
+        assert root is not None
+        directory = root / holder
+        started = time.perf_counter()
+        try:
+            # Off the event loop: replaying another replica's log takes a while.
+            payload = await asyncio.to_thread(
+                lambda: self.read_peer(self.settings, directory).export_pool(pool_id))
+        except KVCacheError:
+            _log.warning("pool_not_adopted", pool_id=pool_id, holder=holder,
+                         reason="not in the holder's state (never registered there)")
+            return
+        except Exception as exc:  # noqa: BLE001 - unreadable data: today's behaviour
+            _log.error("pool_adoption_failed", pool_id=pool_id, holder=holder,
+                       data_dir=str(directory), error=f"{type(exc).__name__}: {exc}")
+            return
+        with self.registry.unfenced():
+            result = self.state.apply(WalRecord(adopt_pool=wal_pb2.AdoptPool(
+                pool_id=pool_id, from_member=holder, state=payload)))
+        assert isinstance(result, wal_pb2.AdoptPoolResult)  # what an adoption answers
+        if self.leases is not None:
+            for sid in result.session_ids:  # timers are not state: fresh leases here
+                self.leases.start(sid)
+        _log.warning("pool_adopted", pool_id=pool_id, holder=holder,
+                     incarnation=self.registry.entry(pool_id).incarnation,
+                     sessions=len(result.session_ids),
+                     seconds=round(time.perf_counter() - started, 3))
 
     def _discard(self, pool_id: str) -> None:
         """Drops a pool this replica lost, through the one mutation path (so a write-ahead

@@ -8,10 +8,12 @@ watch from the listing's revision) and acts on it under one lock:
   transaction that succeeds only if neither exists; the caller is redirected to the owner.
 - **take over**: a pool with a registration but no owner (its owner's lease expired or was
   revoked) is claimed by the rendezvous owner among the live members, again by a
-  create-if-absent transaction. With a ``restore`` (state on shared storage) the pool is
-  rebuilt from it at once; without, the pool stays absent until its next RegisterPool
-  creates it anew, so clients see NOT_FOUND for the pool (state lost: re-register) instead
-  of an empty pool that silently forgot their requests.
+  create-if-absent transaction that also names it the pool's holder (``holders/<pool>``,
+  no lease), reading the previous holder first. With a ``restore`` (a shared data root)
+  the pool is rebuilt at once from the previous holder's state; without one, or when that
+  state cannot be read, the pool stays absent until its next RegisterPool creates it anew,
+  so clients see NOT_FOUND for the pool (state lost: re-register) instead of an empty pool
+  that silently forgot their requests.
 - **adopt**: an ownership key naming this replica under its current lease (placed by
   another replica) is served from now on, the pool created by the RegisterPool the client
   is redirected with.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
@@ -38,16 +40,17 @@ import structlog
 from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
-from cache_service.core.errors import KVCacheError, NotFound
+from cache_service.core.errors import NotFound
 from cache_service.status import Unavailable
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.redirect import OWNER_ADDRESS_KEY, OWNER_MEMBER_KEY
 
 _log = structlog.get_logger("cache_service.cluster")
 
-#: Rebuilds a pool on this replica from its registration and the state the previous owner
-#: left on storage this replica can read; raises a KVCacheError if it cannot.
-Restore = Callable[[str, pb.RegisterPoolRequest], None]
+#: Rebuilds pool ``pool_id`` on this replica from the state its previous holder (a member
+#: id) left on storage this replica can read; logs and returns when it cannot (the pool is
+#: then served absent: clients register it again).
+Restore = Callable[[str, str], Awaitable[None]]
 
 
 class PoolMoved(Unavailable):
@@ -109,6 +112,9 @@ class Placement:
         owner = self.owners.get(pool_id)
         if owner is not None and owner.member != self.me:
             raise PoolMoved(pool_id, owner, field)
+        if token is None and owner is not None and owner.member == self.me:
+            raise Unavailable(f"pool {pool_id!r} is being taken over by replica {self.me}; "
+                              "retry", field=field)
         if token is not None or owner is not None:
             raise Unavailable(f"replica {self.me} cannot confirm its ownership of pool "
                               f"{pool_id!r} (etcd unreachable); retry", field=field)
@@ -257,34 +263,35 @@ class Placement:
 
     async def _claim(self, pool_id: str) -> None:
         tx = self.etcd.client.transactions
+        # Only an owner writes the holder key, and it has none now: what is read here is
+        # what the claim below replaces.
+        got = await self.etcd.client.get(self.keys.holder(pool_id))
+        holder = got.value.decode() if got is not None else None
         ok, responses = await self.etcd.client.transaction(
             compare=[tx.create(self.keys.owner(pool_id)) == 0,
                      tx.create(self.keys.pool(pool_id)) > 0],
             success=[tx.put(self.keys.owner(pool_id),
                             Owner.encode(me := self.me, self.membership.address),
-                            lease=self.membership.lease_id)],
+                            lease=self.membership.lease_id),
+                     tx.put(self.keys.holder(pool_id), me.encode())],
             failure=[])
         if not ok:
             return  # someone else was faster, or the pool was deleted: the watch says which
         token = responses[0].response_put.header.revision
         self.owners[pool_id] = Owner(me, self.membership.address, self.membership.lease_id,
                                      token)
-        _log.info("pool_taken_over", pool_id=pool_id, token=token)
-        await self._instantiate(pool_id, token)
+        _log.info("pool_taken_over", pool_id=pool_id, token=token, holder=holder)
+        await self._instantiate(pool_id, token, holder)
 
-    async def _instantiate(self, pool_id: str, token: int) -> None:
-        """Serves an owned pool from now on: restored first when there is a ``restore``
-        and the pool is not here already."""
-        if self._restore is not None and not self._has_local(pool_id):
-            got = await self.etcd.client.get(self.keys.pool(pool_id))
-            if got is None:
-                return  # deleted meanwhile
-            request = pb.RegisterPoolRequest.FromString(got.value)
-            try:
-                self._restore(pool_id, request)
-            except KVCacheError as exc:
-                _log.error("pool_restore_failed", pool_id=pool_id, error=str(exc))
-                return
+    async def _instantiate(self, pool_id: str, token: int, holder: str | None = None
+                           ) -> None:
+        """Serves an owned pool from now on. Taken over from another ``holder``: with a
+        ``restore``, rebuilt from that holder's state first (a copy this replica kept from
+        an earlier ownership is older than the holder's: dropped)."""
+        if self._restore is not None and holder is not None and holder != self.me:
+            if self._has_local(pool_id):
+                self._discard(pool_id)
+            await self._restore(pool_id, holder)
         self.owned[pool_id] = token
         _log.info("pool_owned", pool_id=pool_id, token=token)
 
@@ -320,7 +327,8 @@ class Placement:
                                         Owner.encode(target, member.address),
                                         lease=member.lease),
                                  tx.put(self.keys.pool(pool_id),
-                                        request.SerializeToString())],
+                                        request.SerializeToString()),
+                                 tx.put(self.keys.holder(pool_id), target.encode())],
                         failure=[])
                 except ETCD_ERRORS as exc:  # e.g. the chosen member's lease just expired
                     _log.warning("placement_failed", pool_id=pool_id, target=target,
@@ -354,7 +362,8 @@ class Placement:
             ok, _ = await self.etcd.client.transaction(
                 compare=[tx.mod(self.keys.owner(pool_id)) == token],
                 success=[tx.delete(self.keys.owner(pool_id)),
-                         tx.delete(self.keys.pool(pool_id))],
+                         tx.delete(self.keys.pool(pool_id)),
+                         tx.delete(self.keys.holder(pool_id))],
                 failure=[])
             if not ok:
                 raise Unavailable(f"replica {self.me} lost pool {pool_id!r} meanwhile; "

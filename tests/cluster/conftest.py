@@ -35,6 +35,8 @@ from tests.tier_skip import fold_skip, skip_tier
 #: the shortest etcd grants (2 s): a replica renews every TTL/3, and on a loaded 2-core machine
 #: a renewal a second late must not cost a live replica its pools.
 LEASE_TTL = 3
+#: Session lease of the ``shared`` fixture's replicas (seconds).
+SESSION_TTL = 3
 
 
 def _no_etcd_reason() -> str | None:
@@ -121,6 +123,18 @@ def three(cluster: Cluster) -> Cluster:
     """A cluster of three replicas."""
     for _ in range(3):
         cluster.start_replica()
+    return cluster
+
+
+@pytest.fixture
+def shared(cluster: Cluster, tmp_path) -> Cluster:
+    """Three replicas m0..m2 on one shared data root (each logs under <root>/<member>), so
+    a replica taking a dead one's pools over restores them from its log. Session leases
+    of SESSION_TTL seconds: a test sees within seconds whether clients keep the sessions
+    a takeover brought along alive."""
+    for i in range(3):
+        cluster.start_replica("--shared-data-root", str(tmp_path / "shared"),
+                              "--member-id", f"m{i}", "--lease-ttl-seconds", str(SESSION_TTL))
     return cluster
 
 

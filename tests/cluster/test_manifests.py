@@ -37,10 +37,14 @@ def test_compose_replicas_are_distinct_members_of_one_cluster():
         assert env["KVCACHE_ADVERTISE_ADDRESS"] == f"{name}:{env['KVCACHE_PORT']}"
         assert COMPOSE[name]["depends_on"] == {"etcd": {"condition": "service_healthy"}}
     assert len({env["KVCACHE_CLUSTER_NAME"] for env in envs}) == 1
-    # Each replica logs to its own volume (a restarted member recovers its own pools).
-    volumes = [COMPOSE[name]["volumes"] for name in REPLICAS]
-    assert all(v == [f"{name}-data:{env['KVCACHE_DATA_DIR']}"]
-               for name, v, env in zip(REPLICAS, volumes, envs))
+    # One shared volume, each replica logging under <root>/<member-id> (a restarted member
+    # recovers its own pools; a dead member's pools are restored from its log).
+    for name, env in zip(REPLICAS, envs):
+        root = env["KVCACHE_SHARED_DATA_ROOT"]
+        assert COMPOSE[name]["volumes"] == [f"cluster-data:{root}"]
+        settings = Settings(**{key[len("KVCACHE_"):].lower(): value
+                               for key, value in env.items() if "${" not in str(value)})
+        assert settings.state_dir == Path(root) / name
 
 
 def test_compose_executors_know_every_replica_and_own_distinct_pools():

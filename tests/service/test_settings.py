@@ -65,3 +65,18 @@ def test_durability_settings(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     s = parse_settings([])
     assert (s.data_dir, s.fsync) == (tmp_path, "never")
     assert parse_settings(["--fsync", "always"]).fsync == "always"
+
+
+def test_a_shared_data_root_holds_each_members_directory(capsys: pytest.CaptureFixture[str],
+                                                          tmp_path) -> None:
+    cluster = ["--etcd-endpoints", "etcd:2379", "--shared-data-root", str(tmp_path)]
+    s = parse_settings([*cluster, "--member-id", "m1"])
+    assert s.state_dir == tmp_path / "m1"
+    assert parse_settings([*cluster, "--member-id", "m1", "--data-dir",
+                           str(tmp_path / "m1")]).state_dir == tmp_path / "m1"
+    assert parse_settings(["--data-dir", str(tmp_path)]).state_dir == tmp_path
+    for argv in (cluster, [*cluster, "--member-id", "m1", "--data-dir", str(tmp_path)]):
+        with pytest.raises(SystemExit) as exc:  # no member id; a data dir elsewhere
+            parse_settings(argv)
+        assert exc.value.code == 2
+        assert "--shared-data-root" in capsys.readouterr().err.splitlines()[-1]

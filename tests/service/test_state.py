@@ -200,3 +200,57 @@ def test_the_fence_is_asked_after_the_last_validation_slice_and_refuses_without_
     expired = state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(
         session_id="s1", max_requests=10)))
     assert expired.num_requests_freed == 4 and expired.num_requests_left == 0
+
+
+def test_an_adopted_pool_keeps_its_state_incarnation_and_sessions_exactly_once() -> None:
+    """A pool taken over from a dead replica (AdoptPool, cluster mode) is the pool it
+    left: allocator, event numbers, incarnation and the sessions holding its requests,
+    so the call in doubt resent with its original stamp is answered, not applied again."""
+    dead, _, _ = run(records()[:8])  # s1 and s2 hold requests; s1's last call was seq 2
+    last = step(2, ops.decode(["a0", "a1", "f"], [1, 2, 3]))
+    payload = dead.export_pool("p")
+    recorder = Recorder()
+    heir = ServiceState(PoolRegistry(instance_id="heir"), durability=recorder)
+    heir.apply(WalRecord(open_session=wal_pb2.OpenSession(session_id="own")))
+    adopt = WalRecord(adopt_pool=wal_pb2.AdoptPool(pool_id="p", from_member="m0",
+                                                   state=payload))
+    heir.apply(adopt)
+    mine = observe(heir)
+    assert mine[:4] == observe(dead)[:4] and mine[4].pop("own") == (0, False, [])
+    assert mine[4] == observe(dead)[4]
+    assert heir.registry.get("p").incarnation == dead.registry.get("p").incarnation
+    assert heir.owner_of("p", "a1") == "s1" and heir.owner_of("p", "b") == "s2"
+    before = observe(heir)
+    # The in-doubt call resent under its stamp: the stored answer, nothing applied.
+    assert heir.apply(last) == dead.sessions["s1"].last_response
+    assert observe(heir) == before and len(recorder.records) == 2
+    # The session goes on where it was; a second adoption is refused without a trace.
+    heir.apply(step(3, ops.free("a1")))
+    with pytest.raises(KVCacheError) as exc:
+        heir.apply(adopt)
+    assert exc.value.field == "pool_id" and len(recorder.records) == 3
+    # The heir's own log replays to the same state (the record carries the pool).
+    replayed = ServiceState(PoolRegistry(instance_id="heir"))
+    for record in recorder.records:
+        replayed.apply(record)
+    assert observe(replayed) == observe(heir)
+    bad = WalRecord(adopt_pool=wal_pb2.AdoptPool(pool_id="q", state=b"junk"))
+    with pytest.raises(KVCacheError) as exc:
+        heir.apply(bad)
+    assert exc.value.field == "state"
+
+
+def test_an_unknown_session_on_a_pool_owned_elsewhere_is_redirected_first() -> None:
+    """A call stamped with another replica's session names the pool's owner (a redirect
+    or UNAVAILABLE while it fails over), not the unknown session: the owner may know it."""
+    registry = FencedRegistry()
+    state = ServiceState(registry)
+    for record in records()[:4]:
+        state.apply(record)
+    registry.lost.add("p")
+    with pytest.raises(Unavailable):
+        state.apply(step(1, ops.new_step(), sid="elsewhere"))
+    registry.lost.clear()
+    with pytest.raises(NotFound) as exc:
+        state.apply(step(1, ops.new_step(), sid="elsewhere"))
+    assert exc.value.field == "session_id"

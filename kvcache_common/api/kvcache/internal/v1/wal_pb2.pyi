@@ -1,13 +1,14 @@
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as _cache_service_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WalRecord(_message.Message):
-    __slots__ = ("register_pool", "delete_pool", "step", "reset_prefix_cache", "open_session", "close_session", "expire_session", "tenant")
+    __slots__ = ("register_pool", "delete_pool", "step", "reset_prefix_cache", "open_session", "close_session", "expire_session", "adopt_pool", "tenant")
     REGISTER_POOL_FIELD_NUMBER: _ClassVar[int]
     DELETE_POOL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +16,7 @@ class WalRecord(_message.Message):
     OPEN_SESSION_FIELD_NUMBER: _ClassVar[int]
     CLOSE_SESSION_FIELD_NUMBER: _ClassVar[int]
     EXPIRE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_POOL_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     register_pool: _cache_service_pb2.RegisterPoolRequest
     delete_pool: _cache_service_pb2.DeletePoolRequest
@@ -23,8 +25,9 @@ class WalRecord(_message.Message):
     open_session: OpenSession
     close_session: _cache_service_pb2.CloseSessionRequest
     expire_session: ExpireSession
+    adopt_pool: AdoptPool
     tenant: TenantContext
-    def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ..., tenant: _Optional[_Union[TenantContext, _Mapping]] = ...) -> None: ...
+    def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ..., adopt_pool: _Optional[_Union[AdoptPool, _Mapping]] = ..., tenant: _Optional[_Union[TenantContext, _Mapping]] = ...) -> None: ...
 
 class TenantContext(_message.Message):
     __slots__ = ("name", "max_pools", "max_blocks", "admin")
@@ -61,3 +64,19 @@ class ExpireSessionResult(_message.Message):
     num_requests_freed: int
     num_requests_left: int
     def __init__(self, num_requests_freed: _Optional[int] = ..., num_requests_left: _Optional[int] = ...) -> None: ...
+
+class AdoptPool(_message.Message):
+    __slots__ = ("pool_id", "from_member", "state")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_MEMBER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    from_member: str
+    state: bytes
+    def __init__(self, pool_id: _Optional[str] = ..., from_member: _Optional[str] = ..., state: _Optional[bytes] = ...) -> None: ...
+
+class AdoptPoolResult(_message.Message):
+    __slots__ = ("session_ids",)
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
