@@ -95,6 +95,9 @@ class TimedStandIn:
         self.layout = layout
         self.seconds = forward_ms / 1e3
 
+    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """No device memory to copy: the stand-in holds no cache."""
+
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> torch.Tensor:
         time.sleep(self.seconds)
         vocab = self.model.config.vocab_size
