@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from cache_service.client._errors import CacheError
+from cache_service.client._routing import Moved
 
 
 @dataclass
@@ -122,3 +123,48 @@ class Carrier:
         """Whether ``session`` is still the client's at ``address`` (its keep-alive goes on)."""
         return (sessions.get(address) is session
                 or self.adopted.get((address, session.session_id)) is session)
+
+
+class SequencedCall:
+    """One mutating call's session bookkeeping while it moves between replicas, shared by
+    both clients (no I/O): which stamp it carries where, and what an outcome means for the
+    session it was sent under (see :class:`Carrier`)."""
+
+    def __init__(self, sessions: dict[str, SessionStamp], carrier: Carrier) -> None:
+        self.sessions = sessions
+        self.carrier = carrier
+        self.carried: SessionStamp | None = None  # the session of a replica given up
+        self.origin = ""  # that replica
+
+    def carried_stamp(self, address: str) -> SessionStamp | None:
+        """The stamp of the carried session for ``address``; None: use its own session."""
+        if self.carried is not None and address != self.origin:
+            return self.carrier.stamp_for(address, self.carried, self.sessions)
+        return None
+
+    def moved(self, address: str, session: SessionStamp | None, moved: Moved) -> None:
+        """The call left ``address``; unless redirected (nothing applied) it is in doubt
+        there and the replica's session is carried along."""
+        if session is not None and not moved.redirect:
+            session.failed(moved.error)
+            if self.carried is None and session is self.sessions.get(address):
+                self.carried, self.origin = self.carrier.gave_up(address, session), address
+
+    def failed(self, address: str, session: SessionStamp | None, err: CacheError) -> bool:
+        """True: send the call again (restamped); False: the caller raises ``err``."""
+        if session is None:
+            return False
+        if session.failed(err):
+            return True
+        if session_lost(err):
+            if self.carried is not None and session is not self.sessions.get(address):
+                self.carried = None  # the carried session was not taken over here
+                return True
+            del self.sessions[address]
+        return False
+
+    def accepted(self, address: str, session: SessionStamp) -> bool:
+        """The call was answered; True when ``session`` now needs a keep-alive there."""
+        session.accepted()
+        return self.carried is not None and self.carrier.settled(address, session,
+                                                                  self.sessions)

@@ -39,9 +39,9 @@ from cache_service.client._retry import OnRetry, resend_delay
 from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
 from cache_service.client._session import (
     Carrier,
+    SequencedCall,
     SessionStamp,
     keepalive_interval,
-    session_lost,
 )
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -169,44 +169,28 @@ class CacheClient:
         ``default_timeout``) has passed (see :class:`CallRoute`)."""
         route = CallRoute(self._routes, getattr(request, "pool_id", ""),
                           timeout or self.default_timeout, self._backoff)
-        carried: SessionStamp | None = None  # see Carrier
-        origin = ""
+        call = SequencedCall(self._sessions, self._carrier)
         with self._lock:
             while True:
                 address = route.address
                 session = None
                 try:
-                    if carried is not None and address != origin:
-                        session = self._carrier.stamp_for(address, carried, self._sessions)
-                    else:
+                    session = call.carried_stamp(address)
+                    if session is None:
                         session = self._ensure_session(address)
                     if session is not None:
                         session.stamp(request)
                     response = send(request, address)
                 except Moved as moved:
-                    if session is not None and not moved.redirect:  # a redirect: not applied
-                        session.failed(moved.error)
-                        if carried is None and session is self._sessions.get(address):
-                            carried, origin = self._carrier.gave_up(address, session), address
+                    call.moved(address, session, moved)
                     time.sleep(route.moved(moved))
                     continue
                 except CacheError as err:
-                    if session is None:
-                        raise
-                    if session.failed(err):
+                    if call.failed(address, session, err):
                         continue
-                    if session_lost(err):
-                        if carried is not None and session is not self._sessions.get(address):
-                            # The carried session: not taken over with its state here.
-                            carried = None
-                            continue
-                        del self._sessions[address]
                     raise
-                if session is not None:
-                    session.accepted()
-                    if carried is not None and self._carrier.settled(address, session,
-                                                                      self._sessions):
-                        self._start_keepalive(session, address)
+                if session is not None and call.accepted(address, session):
+                    self._start_keepalive(session, address)
                 return response
 
     def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
