@@ -11,8 +11,11 @@ the load quiesced checks that block tables and pool stats come back identical.
 
 from __future__ import annotations
 
+import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,7 +25,7 @@ import grpc
 import pytest
 
 from cache_service.client import CacheClient, CacheError, StepBuilder
-from cache_service.wal import HEADER_SIZE, MAGIC
+from cache_service.wal import HEADER_SIZE, SEGMENT_HEADER_SIZE
 from kvcache_common.launch import ServerProcess, start_cache_service
 
 from .builders import hybrid_layers
@@ -137,6 +140,28 @@ def _state_of(client: CacheClient, request_ids: list[str]) -> tuple:
     return client.stats("p"), {rid: client.get_request("p", rid) for rid in request_ids}
 
 
+def _check_acknowledged(admin: CacheClient, clients: list[LoadClient]) -> list[str]:
+    """Every client's requests are exactly what it saw acknowledged, freed ones gone and
+    nothing more in the pool; answers the live request ids."""
+    for c in clients:
+        for rid, seen in c.seen.items():
+            assert _as_seen(admin.get_request("p", rid)) == seen, (c.name, rid)
+        for rid in c.freed:
+            with pytest.raises(CacheError, match="unknown request"):
+                admin.get_request("p", rid)
+    live = sorted(rid for c in clients for rid in c.seen)
+    assert admin.stats("p").num_requests == len(live)
+    return live
+
+
+def _finish_load(clients: list[LoadClient], threads: list[threading.Thread],
+                 stop: threading.Event) -> None:
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not any(c.error for c in clients), [c.error for c in clients]
+
+
 def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> None:
     """The load clients talk to the gate: one address across restarts (each restart
     listens on a port of its own, so none is reserved and released)."""
@@ -165,23 +190,13 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> No
         assert recovered["snapshot_index"] > 0  # a background snapshot was taken
         assert recovered["records_replayed"] > 0  # and the log tail after it replayed
         _wait_progress(progress, 200)  # the same clients, sessions and numbers continue
-        stop.set()
-        for t in threads:
-            t.join(60)
-        assert not any(c.error for c in clients), [c.error for c in clients]
+        _finish_load(clients, threads, stop)
         assert sum(c.in_doubt for c in clients) > 0  # the kill did hit calls in flight
 
         with CacheClient(server.target) as admin:
             assert _reachable(lambda: admin.get_pool("p")).incarnation == info.incarnation
-            for c in clients:  # exactly what each client saw acknowledged, nothing more
-                for rid, seen in c.seen.items():
-                    assert _as_seen(admin.get_request("p", rid)) == seen, (c.name, rid)
-                for rid in c.freed:
-                    with pytest.raises(CacheError, match="unknown request"):
-                        admin.get_request("p", rid)
-            live = sorted(rid for c in clients for rid in c.seen)
+            live = _check_acknowledged(admin, clients)
             before = _state_of(admin, live)
-            assert before[0].num_requests == len(live)
         server.signal(signal.SIGKILL)  # quiesced: the restored state must be identical
         server.stop()
 
@@ -205,14 +220,166 @@ def test_a_corrupt_log_stops_the_start_naming_file_and_offset(tmp_path: Path) ->
         server.signal(signal.SIGKILL)  # no snapshot at exit: the log holds everything
     path = sorted(data_dir.glob("wal-*.log"))[-1]
     data = bytearray(path.read_bytes())
-    data[len(MAGIC) + HEADER_SIZE + 1] ^= 0xFF  # inside the first record, records follow
+    data[SEGMENT_HEADER_SIZE + HEADER_SIZE + 1] ^= 0xFF  # inside the first record, records follow
     path.write_bytes(bytes(data))
     with pytest.raises(RuntimeError) as exc:
         _start(data_dir)
-    assert str(path) in str(exc.value) and f"byte offset {len(MAGIC)}" in str(exc.value)
+    assert str(path) in str(exc.value) and f"byte offset {SEGMENT_HEADER_SIZE}" in str(exc.value)
 
 
 def test_without_a_data_dir_the_server_says_it_is_in_memory() -> None:
     with start_cache_service() as server:
         record = server.wait_for(lambda r: r.get("event") == "in_memory")
         assert "--data-dir" in record["detail"]
+
+
+# -- snapshots: the log names the one it continues; compaction in its own process ----------
+
+
+def _refused_start(data_dir: Path) -> str:
+    """Starts a server on ``data_dir`` that must refuse to start; answers its output."""
+    done = subprocess.run(
+        [sys.executable, "-m", "cache_service", "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "-1", "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert '"serving"' not in output
+    return output
+
+
+def _steps(data_dir: Path, first: int, n: int, *, register: bool = False) -> int:
+    """A server run that adds requests r<first>..r<first+n-1>, then stops cleanly (a
+    final snapshot); answers the pool's incarnation."""
+    with _start(data_dir) as server, CacheClient(server.target) as client:
+        if register:
+            client.register_pool("p", hybrid_layers(), max_model_len=1024, num_blocks=256)
+        for i in range(first, first + n):
+            client.step_batch(StepBuilder("p").add(f"r{i}", list(range(40))))
+        incarnation = client.get_pool("p").incarnation
+    assert server.returncode == 0, server.output()
+    return incarnation
+
+
+def _snapshot(data_dir: Path) -> Path:
+    (path,) = data_dir.glob("snapshot-*.snap")  # a clean stop leaves the final one alone
+    return path
+
+
+def test_a_missing_snapshot_stops_the_start_and_no_incarnation_repeats(tmp_path: Path
+                                                                       ) -> None:
+    data_dir = tmp_path / "data"
+    incarnation = _steps(data_dir, 0, 3, register=True)
+    snapshot = _snapshot(data_dir)
+    kept = snapshot.read_bytes()
+    snapshot.unlink()
+    output = _refused_start(data_dir)
+    assert f"snapshot {snapshot} is missing" in output, output
+    snapshot.write_bytes(kept)  # restored: everything is back
+    with _start(data_dir) as server, CacheClient(server.target) as client:
+        assert client.get_pool("p").incarnation == incarnation
+        assert client.stats("p").num_requests == 3
+    # The history given up (every file but the instance id removed): a new one starts,
+    # and the pool registered again is told apart from the lost one.
+    for path in data_dir.iterdir():
+        if path.name.startswith(("snapshot-", "wal-")):
+            path.unlink()
+    assert _steps(data_dir, 0, 1, register=True) != incarnation
+
+
+def test_an_older_snapshot_stops_the_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    _steps(data_dir, 0, 2, register=True)
+    older = _snapshot(data_dir)
+    kept = older.read_bytes()
+    _steps(data_dir, 2, 2)
+    newest = _snapshot(data_dir)
+    assert newest != older
+    newest.unlink()
+    older.write_bytes(kept)  # the previous snapshot, as a backup would bring it back
+    assert f"snapshot {newest} is missing" in _refused_start(data_dir)
+    older.rename(newest)  # and under the newest one's name
+    assert f"snapshot {newest} is unreadable" in _refused_start(data_dir)
+
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    """Whether process ``pid`` has ended within ``timeout`` (reaped by whoever started it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as f:  # a zombie has ended too
+            if f.read().split(") ", 1)[1].startswith("Z"):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def _load_until(server: ServerProcess, clients: list[LoadClient],
+                predicate, seed: int) -> tuple[list[threading.Thread], threading.Event,
+                                               threading.Semaphore, dict]:
+    stop, progress = threading.Event(), threading.Semaphore(0)
+    threads = _run_load(clients, stop, progress, seed=seed)
+    record = server.wait_for(predicate, timeout=120)
+    return threads, stop, progress, record
+
+
+def test_sigkill_during_compaction_loses_no_acknowledged_step(tmp_path: Path, gate) -> None:
+    data_dir = tmp_path / "data"
+    flags = ("--snapshot-every", "60")
+    server = _start(data_dir, *flags)
+    gate.open_to(server.target)
+    clients: list[LoadClient] = []
+    try:
+        with CacheClient(server.target) as admin:
+            admin.register_pool("p", hybrid_layers(), max_model_len=4096, num_blocks=NUM_BLOCKS)
+        clients = [LoadClient(f"c{i}", CacheClient(gate.target, default_timeout=10))
+                   for i in range(NUM_CLIENTS)]
+        threads, stop, progress, started = _load_until(
+            server, clients, lambda r: r.get("event") == "snapshot_started", seed=7)
+        server.signal(signal.SIGKILL)  # the compaction process has just started
+        server.stop()
+        assert not any(r.get("event") == "snapshot_written" for r in server.records)
+        assert _gone(started["pid"])  # it died with the server: it commits nothing later
+
+        server = _start(data_dir, *flags)
+        gate.open_to(server.target)
+        _wait_progress(progress, 100)
+        _finish_load(clients, threads, stop)
+        with CacheClient(server.target) as admin:
+            _check_acknowledged(admin, clients)
+    finally:
+        for c in clients:
+            c.client.close()
+        server.stop()
+
+
+def test_a_failed_compaction_keeps_the_previous_snapshot_and_log(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    flags = ("--snapshot-every", "40")
+    server = _start(data_dir, *flags)
+    clients: list[LoadClient] = []
+    try:
+        with CacheClient(server.target) as admin:
+            admin.register_pool("p", hybrid_layers(), max_model_len=4096, num_blocks=NUM_BLOCKS)
+        clients = [LoadClient("c0", CacheClient(server.target, default_timeout=10))]
+        threads, stop, progress, started = _load_until(
+            server, clients, lambda r: r.get("event") == "snapshot_started", seed=3)
+        os.kill(started["pid"], signal.SIGKILL)
+        failed = server.wait_for(lambda r: r.get("event") == "snapshot_failed")
+        assert failed["exit_status"] == -signal.SIGKILL
+        assert not list(data_dir.glob("*.tmp"))
+        # The server serves on, and a later compaction succeeds.
+        server.wait_for(lambda r: r.get("event") == "snapshot_written", timeout=120)
+        _finish_load(clients, threads, stop)
+        server.signal(signal.SIGKILL)
+        server.stop()
+        server = _start(data_dir, *flags)
+        with CacheClient(server.target) as admin:
+            _check_acknowledged(admin, clients)
+    finally:
+        for c in clients:
+            c.client.close()
+        server.stop()
