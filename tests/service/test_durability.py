@@ -180,6 +180,8 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> No
         progress = threading.Semaphore(0)
         threads = _run_load(clients, stop, progress, seed=1)
         _wait_progress(progress, 400)
+        server.wait_for(lambda r: r.get("event") == "snapshot_written", timeout=120)
+        _wait_progress(progress, 50)  # and a log tail after it
         server.signal(signal.SIGKILL)  # mid-load: every client has a Step in flight
         server.stop()
         assert server.returncode == -signal.SIGKILL
@@ -248,17 +250,22 @@ def _refused_start(data_dir: Path) -> str:
     return output
 
 
-def _steps(data_dir: Path, first: int, n: int, *, register: bool = False) -> int:
-    """A server run that adds requests r<first>..r<first+n-1>, then stops cleanly (a
-    final snapshot); answers the pool's incarnation."""
-    with _start(data_dir) as server, CacheClient(server.target) as client:
-        if register:
-            client.register_pool("p", hybrid_layers(), max_model_len=1024, num_blocks=256)
-        for i in range(first, first + n):
-            client.step_batch(StepBuilder("p").add(f"r{i}", list(range(40))))
-        incarnation = client.get_pool("p").incarnation
+def _steps(data_dir: Path, first: int, n: int, *, register: bool = False) -> tuple:
+    """A server run that adds requests r<first>..r<first+n-1> (its client's session frees
+    them when it closes), then stops cleanly (a final snapshot); answers the pool's
+    incarnation and stats at the end."""
+    with _start(data_dir) as server:
+        with CacheClient(server.target) as client:
+            if register:
+                client.register_pool("p", hybrid_layers(), max_model_len=1024,
+                                     num_blocks=256)
+            for i in range(first, first + n):
+                client.step_batch(StepBuilder("p").add(f"r{i}", list(range(40 * i, 40 * i + 40)))
+                                  .allocate(f"r{i}", 40))
+        with CacheClient(server.target) as admin:
+            end = admin.get_pool("p").incarnation, admin.stats("p")
     assert server.returncode == 0, server.output()
-    return incarnation
+    return end
 
 
 def _snapshot(data_dir: Path) -> Path:
@@ -269,7 +276,8 @@ def _snapshot(data_dir: Path) -> Path:
 def test_a_missing_snapshot_stops_the_start_and_no_incarnation_repeats(tmp_path: Path
                                                                        ) -> None:
     data_dir = tmp_path / "data"
-    incarnation = _steps(data_dir, 0, 3, register=True)
+    incarnation, stats = _steps(data_dir, 0, 3, register=True)
+    assert stats.num_cached_blocks > 0  # the Steps left their mark
     snapshot = _snapshot(data_dir)
     kept = snapshot.read_bytes()
     snapshot.unlink()
@@ -277,14 +285,13 @@ def test_a_missing_snapshot_stops_the_start_and_no_incarnation_repeats(tmp_path:
     assert f"snapshot {snapshot} is missing" in output, output
     snapshot.write_bytes(kept)  # restored: everything is back
     with _start(data_dir) as server, CacheClient(server.target) as client:
-        assert client.get_pool("p").incarnation == incarnation
-        assert client.stats("p").num_requests == 3
+        assert (client.get_pool("p").incarnation, client.stats("p")) == (incarnation, stats)
     # The history given up (every file but the instance id removed): a new one starts,
     # and the pool registered again is told apart from the lost one.
     for path in data_dir.iterdir():
         if path.name.startswith(("snapshot-", "wal-")):
             path.unlink()
-    assert _steps(data_dir, 0, 1, register=True) != incarnation
+    assert _steps(data_dir, 0, 1, register=True)[0] != incarnation
 
 
 def test_an_older_snapshot_stops_the_start(tmp_path: Path) -> None:
