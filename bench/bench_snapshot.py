@@ -95,27 +95,33 @@ def compaction_snapshot(data_dir: DataDir, state: ServiceState) -> threading.Eve
 
 
 async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
-                       seconds: float, step_interval: float, batch: int, step0: int
-                       ) -> dict[str, Any]:
+                       seconds: float, step_interval: float, batch: int, requests: int,
+                       step0: int) -> dict[str, Any]:
     """Runs the loop (ticker + decode Steps) until the snapshot is committed (or for
     ``seconds`` without one); answers the pauses seen."""
-    rids = [f"r{i}" for i in range(batch)]
+    # Requests the log tail did not decode, a slice per Step in turn: each grows by a
+    # token every (requests - batch) / batch Steps, far within max_model_len.
+    rids = [f"r{i}" for i in range(batch, requests)]
     lateness: list[int] = []
     step_ns: list[int] = []
     stop = asyncio.Event()
+
+    at: list[float] = []  # when each pause ended
 
     async def ticker() -> None:
         while not stop.is_set():
             t0 = time.perf_counter_ns()
             await asyncio.sleep(0.001)
             lateness.append(max(0, time.perf_counter_ns() - t0 - 1_000_000))
+            at.append(time.perf_counter())
 
     async def steps() -> None:
         step = step0
         while not stop.is_set():
             t0 = time.perf_counter_ns()
+            at = (step * batch) % max(1, len(rids) - batch + 1)
             state.apply(WalRecord(step=StepBuilder("big", begin_step=True).decode(
-                rids, [step % 32000] * batch).request))
+                rids[at:at + batch], [step % 32000] * batch).request))
             step_ns.append(time.perf_counter_ns() - t0)
             step += 1
             await asyncio.sleep(step_interval)
@@ -123,6 +129,7 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
     tasks = [asyncio.create_task(ticker()), asyncio.create_task(steps())]
     await asyncio.sleep(0.2)  # both running before the snapshot starts
     lateness.clear()
+    at.clear()
     started = time.perf_counter()
     t0 = time.perf_counter_ns()
     done = snapshot(data_dir, state) if snapshot is not None else None
@@ -136,7 +143,10 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
     stop.set()
     await asyncio.gather(*tasks)
     pauses = summarize_ns(lateness)
+    worst = sorted(range(len(lateness)), key=lateness.__getitem__)[-5:]
     return {"max_pause_ms": round(pauses["max_us"] / 1e3, 2),
+            "longest_pauses": [(round(lateness[i] / 1e6, 1), round(at[i] - started, 2))
+                               for i in reversed(worst)],  # (ms, s after the start)
             "p99_pause_ms": round(pauses["p99_us"] / 1e3, 2),
             "start_blocked_ms": round(start_ms, 2) if done is not None else None,
             "seconds_to_commit": round(committed, 2) if done is not None else None,
@@ -153,14 +163,14 @@ def bench_pauses(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     opened = time.perf_counter() - t0
     rss_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out: dict[str, Any] = {"open_in_process_seconds": round(opened, 2)}
-    step = 10**6
+    step = 0
     try:
         for name, snapshot in (("no snapshot (baseline)", None), ("fork (old)", fork_snapshot),
                                ("compaction process (new)", compaction_snapshot)):
             out[name] = asyncio.run(serve_window(
                 data_dir, state, snapshot, seconds=args.seconds,
                 step_interval=args.step_interval_ms / 1000, batch=args.tail_batch,
-                step0=step))
+                requests=args.requests, step0=step))
             step += 10_000
         assert data_dir.snapshotter.failed == 0
     finally:

@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.parent is not None:
         _die_with_parent(args.parent)
+    # The server's event loop comes first on a busy machine: a snapshot may take longer.
+    os.nice(10)
     gc.disable()  # loading and replaying make no garbage worth collecting; it only costs
     try:
         compact(args.directory, args.base, args.through, args.tag, args.replay)

@@ -275,7 +275,7 @@ class Snapshotter:
     def start(self) -> None:
         """Rotates the log and starts the compaction process on a thread (all the
         serving loop waits for is the rotation)."""
-        through = self.wal.rotate()
+        through = self.wal.rotate(defer_sync=True)
         self.running = True
         self._done.clear()
         threading.Thread(target=self._compact, args=(self.last_index, through),
@@ -290,6 +290,11 @@ class Snapshotter:
     def _compact(self, base: int, through: int) -> None:
         started = time.perf_counter()
         error = ""
+        try:
+            self.wal.finish_rotation()
+        except OSError as exc:
+            self._finish(-1, f"syncing the rotated log: {exc}", through, started)
+            return
         if self.in_process:
             from cache_service.compact import compact  # imports this module
 

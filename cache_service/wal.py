@@ -265,6 +265,7 @@ class WriteAheadLog:
         self._lock = threading.Lock()  # guards _fd against rotation during a batch sync
         self._dirty = False
         self._closed = threading.Event()
+        self._rotated: list[int] = []  # descriptors of segments rotated out, to sync
         segments = list_segments(directory)
         if segments and segments[-1][0] == next_index \
                 and segments[-1][1].read_bytes() != segment_header(next_index, tag):
@@ -287,13 +288,14 @@ class WriteAheadLog:
     def last_index(self) -> int:
         return self.next_index - 1
 
-    def _create(self, first_index: int) -> int:
+    def _create(self, first_index: int, *, sync: bool = True) -> int:
         self._first = first_index
         self._path = self.directory / segment_name(first_index)
         fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, segment_header(first_index, self.tag))
-        os.fsync(fd)
-        _fsync_dir(self.directory)
+        if sync:
+            os.fsync(fd)
+            _fsync_dir(self.directory)
         return fd
 
     def append(self, payload: bytes) -> int:
@@ -310,17 +312,38 @@ class WriteAheadLog:
             self._dirty = True
         return index
 
-    def rotate(self) -> int:
+    def rotate(self, *, defer_sync: bool = False) -> int:
         """Starts a new segment at the next index; returns the last index of the old ones
-        (what a snapshot taken now covers)."""
+        (what a snapshot taken now covers). ``defer_sync`` (not under ``always``, whose
+        answers wait for the disk): the syncs of the old segment, the new one and the
+        directory are left to :meth:`finish_rotation`, to be run off the event loop (a
+        crash of the machine before it loses no more than the ``batch`` window)."""
+        defer = defer_sync and self.fsync != "always"
         with self._lock:
-            if self.fsync != "never":
+            if self.fsync != "never" and not defer:
                 os.fdatasync(self._fd)
             if self._first != self.next_index:  # else the current segment is still empty
-                os.close(self._fd)
-                self._fd = self._create(self.next_index)
-            self._dirty = False
+                old = self._fd
+                self._fd = self._create(self.next_index, sync=not defer)
+                if defer:
+                    self._rotated.append(old)
+                else:
+                    os.close(old)
+            self._dirty = defer  # the sync thread then syncs the new segment soon
         return self.next_index - 1
+
+    def finish_rotation(self) -> None:
+        """The syncs a :meth:`rotate` with ``defer_sync`` left (any thread)."""
+        while self._rotated:
+            fd = self._rotated.pop()
+            try:
+                if self.fsync != "never":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        with self._lock:
+            os.fsync(self._fd)
+        _fsync_dir(self.directory)
 
     def drop_through(self, index: int) -> int:
         """Deletes segments whose records all have index <= ``index`` (a snapshot covers
@@ -351,6 +374,7 @@ class WriteAheadLog:
                     os.fdatasync(self._fd)
 
     def close(self) -> None:
+        self.finish_rotation()
         self._closed.set()
         if self._thread is not None:
             self._thread.join()
