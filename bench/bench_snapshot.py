@@ -11,8 +11,8 @@ of that state.
 2. The directory is opened as a server opens it (recovery), and an asyncio loop serves:
    a ticker wakes every millisecond (its lateness is the loop's pause) while a decode
    Step is applied and logged every ``--step-interval-ms``. Three windows of the same
-   loop: no snapshot (``--seconds`` long: the baseline), a fork snapshot, a compaction
-   snapshot (each until the snapshot is committed). Reported per window: the longest
+   loop, each as long as the compaction took (at least ``--seconds``): a compaction
+   snapshot, a fork snapshot, no snapshot (the baseline). Reported per window: the longest
    pause, p99 pause, how long starting the snapshot blocked the loop, and the seconds
    until the snapshot was committed.
 3. A real server starts on the directory (the compaction's snapshot + the log after it):
@@ -46,6 +46,7 @@ from _common import print_table, ratio, summarize_ns, write_results  # noqa: E40
 from bench_durability import build_state, filesystem_of  # noqa: E402
 from cache_service.client import CacheClient, StepBuilder  # noqa: E402
 from cache_service.durability import DataDir, open_data_dir  # noqa: E402
+from cache_service.fairness import keep_heap_frozen  # noqa: E402
 from cache_service.server import _new_state, _replay  # noqa: E402
 from cache_service.settings import parse_settings  # noqa: E402
 from cache_service.snapshot import delete_before, write_snapshot  # noqa: E402
@@ -126,7 +127,9 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
             step += 1
             await asyncio.sleep(step_interval)
 
-    tasks = [asyncio.create_task(ticker()), asyncio.create_task(steps())]
+    # As the server does (cache_service.fairness): survivors leave the collector's view.
+    tasks = [asyncio.create_task(ticker()), asyncio.create_task(steps()),
+             asyncio.create_task(keep_heap_frozen())]
     await asyncio.sleep(0.2)  # both running before the snapshot starts
     lateness.clear()
     at.clear()
@@ -134,13 +137,14 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
     t0 = time.perf_counter_ns()
     done = snapshot(data_dir, state) if snapshot is not None else None
     start_ms = (time.perf_counter_ns() - t0) / 1e6
-    if done is None:
-        await asyncio.sleep(seconds)
-    else:
-        while not done.is_set():
-            await asyncio.sleep(0.01)
-    committed = time.perf_counter() - started
+    committed = 0.0
+    while done is not None and not done.is_set():
+        await asyncio.sleep(0.01)
+        committed = time.perf_counter() - started
+    # Every window lasts as long (outliers of a shared machine grow with the length).
+    await asyncio.sleep(max(0.0, seconds - (time.perf_counter() - started)))
     stop.set()
+    tasks.pop().cancel()
     await asyncio.gather(*tasks)
     pauses = summarize_ns(lateness)
     worst = sorted(range(len(lateness)), key=lateness.__getitem__)[-5:]
@@ -148,6 +152,7 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
             "longest_pauses": [(round(lateness[i] / 1e6, 1), round(at[i] - started, 2))
                                for i in reversed(worst)],  # (ms, s after the start)
             "p99_pause_ms": round(pauses["p99_us"] / 1e3, 2),
+            "window_seconds": round(time.perf_counter() - started, 2),
             "start_blocked_ms": round(start_ms, 2) if done is not None else None,
             "seconds_to_commit": round(committed, 2) if done is not None else None,
             "steps": len(step_ns), "step_p50_ms": round(summarize_ns(step_ns)["p50_us"] / 1e3, 2)
@@ -164,13 +169,16 @@ def bench_pauses(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     rss_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     out: dict[str, Any] = {"open_in_process_seconds": round(opened, 2)}
     step = 0
+    seconds = args.seconds
     try:
-        for name, snapshot in (("no snapshot (baseline)", None), ("fork (old)", fork_snapshot),
-                               ("compaction process (new)", compaction_snapshot)):
+        # The compaction first: the others then run as long as it took.
+        for name, snapshot in (("compaction process (new)", compaction_snapshot),
+                               ("fork (old)", fork_snapshot), ("no snapshot (baseline)", None)):
             out[name] = asyncio.run(serve_window(
-                data_dir, state, snapshot, seconds=args.seconds,
+                data_dir, state, snapshot, seconds=seconds,
                 step_interval=args.step_interval_ms / 1000, batch=args.tail_batch,
                 requests=args.requests, step0=step))
+            seconds = max(seconds, out[name]["seconds_to_commit"] or 0.0)
             step += 10_000
         assert data_dir.snapshotter.failed == 0
     finally:
@@ -180,7 +188,10 @@ def bench_pauses(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def bench_restart(directory: Path) -> dict[str, Any]:
+def _restart(directory: Path, *, stop_cleanly: bool) -> tuple[dict[str, Any], float]:
+    """A real server started on the directory: its "recovered" line and the seconds from
+    exec to "serving"; then SIGKILL (the directory stays as it is) or SIGTERM (a final
+    snapshot: the next start replays nothing)."""
     t0 = time.perf_counter()
     server = start_cache_service("--data-dir", str(directory), "--log-level", "warning",
                                  timeout=600)
@@ -190,13 +201,24 @@ def bench_restart(directory: Path) -> dict[str, Any]:
         with CacheClient(server.target) as client:
             client.stats("big")
     finally:
-        server.signal(9)
-        server.stop()
-    return {"exec_to_serving_seconds": round(serving, 2),
-            "snapshot_load_seconds": line["snapshot_seconds"],
-            "replay_seconds": line["replay_seconds"],
-            "records_replayed": line["records_replayed"],
-            "restore_cpu_seconds": line["cpu_seconds"]}
+        if not stop_cleanly:
+            server.signal(9)
+        server.stop(timeout=600)
+    return line, serving
+
+
+def bench_restart(directory: Path) -> dict[str, Any]:
+    """Two restarts: after a crash (the compaction's snapshot + the records logged since,
+    while it ran), then after a clean stop (the final snapshot alone)."""
+    out: dict[str, Any] = {}
+    for name, stop_cleanly in (("after_crash", True), ("after_clean_stop", False)):
+        line, serving = _restart(directory, stop_cleanly=stop_cleanly)
+        out[name] = {"exec_to_serving_seconds": round(serving, 2),
+                     "snapshot_load_seconds": line["snapshot_seconds"],
+                     "replay_seconds": line["replay_seconds"],
+                     "records_replayed": line["records_replayed"],
+                     "restore_cpu_seconds": line["cpu_seconds"]}
+    return out
 
 
 def main() -> int:
@@ -207,7 +229,8 @@ def main() -> int:
     parser.add_argument("--tail", type=int, default=200, help="decode Steps logged after "
                         "the snapshot before the run")
     parser.add_argument("--tail-batch", type=int, default=256, help="requests per Step")
-    parser.add_argument("--seconds", type=float, default=3.0, help="baseline window")
+    parser.add_argument("--seconds", type=float, default=3.0, help="the shortest window "
+                        "(each lasts as long as the compaction's)")
     parser.add_argument("--step-interval-ms", type=float, default=20.0)
     parser.add_argument("--data-root", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
@@ -217,11 +240,11 @@ def main() -> int:
     try:
         directory = root / "big"
         info = build_state(directory, args.blocks, args.requests, args.prompt, args.tail,
-                           args.tail_batch)
+                           args.tail_batch, headroom=4096)  # the windows' decode Steps
         pauses = bench_pauses(directory, args)
         restart = bench_restart(directory)
         windows = [k for k in pauses if isinstance(pauses[k], dict)]
-        base = pauses[windows[0]]["max_pause_ms"]
+        base = pauses["no snapshot (baseline)"]["max_pause_ms"]
         print_table(f"Serving-loop pauses while a snapshot is taken: {info['num_blocks']:,}-"
                     f"block pool, {info['live_requests']:,} live requests, a "
                     f"{args.tail_batch}-request decode Step every {args.step_interval_ms:g} ms"
@@ -232,15 +255,19 @@ def main() -> int:
                       ratio(pauses[k]["max_pause_ms"], base), pauses[k]["start_blocked_ms"],
                       pauses[k]["seconds_to_commit"], pauses[k]["step_p50_ms"]]
                      for k in windows])
-        print_table("Restart on the compaction's snapshot + the log after it (a real server)",
-                    ["measure", "value"],
-                    [["exec -> serving (s)", restart["exec_to_serving_seconds"]],
-                     ["snapshot load (s)", restart["snapshot_load_seconds"]],
-                     ["log replay (s)", restart["replay_seconds"]],
-                     ["records replayed", restart["records_replayed"]],
-                     ["restore CPU time (s)", restart["restore_cpu_seconds"]],
-                     ["in-process open before the run (s)", pauses["open_in_process_seconds"]],
-                     ["snapshot children's peak RSS (MB)", pauses["children_max_rss_mb"]]])
+        crash, clean = restart["after_crash"], restart["after_clean_stop"]
+        print_table("Restart of that state (a real server)",
+                    ["measure", "after a crash", "after a clean stop"],
+                    [["exec -> serving (s)", crash["exec_to_serving_seconds"],
+                      clean["exec_to_serving_seconds"]],
+                     ["snapshot load (s)", crash["snapshot_load_seconds"],
+                      clean["snapshot_load_seconds"]],
+                     ["log replay (s)", crash["replay_seconds"], clean["replay_seconds"]],
+                     ["records replayed", crash["records_replayed"], clean["records_replayed"]],
+                     ["restore CPU time (s)", crash["restore_cpu_seconds"],
+                      clean["restore_cpu_seconds"]]])
+        print(f"in-process open before the run: {pauses['open_in_process_seconds']} s; the "
+              f"snapshot children's peak RSS: {pauses['children_max_rss_mb']} MB")
         out = write_results("snapshot", {"state": info, "pauses": pauses, "restart": restart,
                                          "args": vars(args) | {"data_root": None, "out": None}},
                             args.out)
