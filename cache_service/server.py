@@ -116,6 +116,7 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     lifecycle().info("recovered", data_dir=str(directory), fsync=settings.fsync,
                      pools=len(state.registry), sessions=len(state.sessions),
                      snapshot_index=rec.snapshot_index, records_replayed=rec.records_replayed,
+                     records_rejected=rec.records_rejected,
                      torn_bytes_dropped=rec.torn_bytes_dropped,
                      snapshot_seconds=round(rec.snapshot_seconds, 3),
                      replay_seconds=round(rec.replay_seconds, 3),
