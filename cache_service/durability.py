@@ -269,6 +269,37 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
     builds the empty state of a fresh directory. Raises :class:`DataDirError`,
     :class:`~cache_service.wal.WalCorruption` or
     :class:`~cache_service.snapshot.SnapshotCorruption`."""
+    try:
+        return _open_data_dir(directory, new_state=new_state, apply=apply, fsync=fsync,
+                              fsync_interval=fsync_interval, snapshot_every=snapshot_every)
+    except OSError as exc:  # a file in the way, read-only, not permitted, ...
+        raise DataDirError(_unusable(directory, exc)) from exc
+
+
+def _unusable(directory: Path, exc: OSError) -> str:
+    """Why ``directory`` cannot be used, in one line."""
+    why = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) or (os.path.lexists(directory)
+                                            and not os.path.isdir(directory)):
+        return f"data directory {directory} is not a directory (a file is in the way)"
+    if isinstance(exc, NotADirectoryError):
+        return (f"data directory {directory} cannot be created: a part of its path is a "
+                "file, not a directory")
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) \
+        else ""
+    if exc.errno == errno.EROFS:
+        return (f"data directory {directory} is on a read-only file system{where}: the "
+                "server writes its log there")
+    if isinstance(exc, PermissionError):
+        return (f"data directory {directory} may not be written by this process{where}: "
+                f"{why} (the server writes its log there)")
+    return f"data directory {directory} cannot be used{where}: {why}"
+
+
+def _open_data_dir(directory: Path, *, new_state: Callable[[str], S],
+                   apply: Callable[[S, bytes], Any], fsync: FsyncPolicy,
+                   fsync_interval: float, snapshot_every: int,
+                   ) -> tuple[DataDir[S], S]:
     directory.mkdir(parents=True, exist_ok=True)
     if not directory.is_dir():
         raise DataDirError(f"data directory {directory} is not a directory")

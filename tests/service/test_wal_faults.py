@@ -14,7 +14,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -122,22 +122,6 @@ def test_a_torn_final_record_is_still_dropped(tmp_path: Path) -> None:
 # -- a full disk ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _small_tmpfs(tmp_path: Path, size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("a full disk needs a small tmpfs: mount needs root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _fill(directory: Path) -> Path:
     """Fills the file system of ``directory`` to the last byte; answers the filler file."""
     filler = directory / "filler"
@@ -156,101 +140,102 @@ def _prompt(i: int) -> list[int]:
     return [(i * 7 + j) % 5000 for j in range(800)]  # a record of a few KiB
 
 
-def test_a_full_disk_refuses_writes_cleanly_and_loses_nothing(tmp_path: Path) -> None:
-    with _small_tmpfs(tmp_path, "4m") as mnt:
-        data_dir = mnt / "data"
-        server = _start(data_dir, "--fsync", "always", "--snapshot-every", "1000000")
-        try:
-            with CacheClient(server.target, default_timeout=15) as client:
-                client.register_pool("p", hybrid_layers(), max_model_len=4096,
-                                     num_blocks=1024)
-                acked = []
-                for i in range(5):
-                    client.step_batch(StepBuilder("p").add(f"a{i}", _prompt(i)))
-                    acked.append(f"a{i}")
-                log = sorted(data_dir.glob("wal-*.log"))[-1]
-                size_before = log.stat().st_size
-                filler = _fill(mnt)
+def test_a_full_disk_refuses_writes_cleanly_and_loses_nothing(
+        tmpfs: Callable[[str], Path]) -> None:
+    mnt = tmpfs("size=4m")
+    data_dir = mnt / "data"
+    server = _start(data_dir, "--fsync", "always", "--snapshot-every", "1000000")
+    try:
+        with CacheClient(server.target, default_timeout=15) as client:
+            client.register_pool("p", hybrid_layers(), max_model_len=4096,
+                                 num_blocks=1024)
+            acked = []
+            for i in range(5):
+                client.step_batch(StepBuilder("p").add(f"a{i}", _prompt(i)))
+                acked.append(f"a{i}")
+            log = sorted(data_dir.glob("wal-*.log"))[-1]
+            size_before = log.stat().st_size
+            filler = _fill(mnt)
 
-                refused = []
-                for i in range(3):
-                    with pytest.raises(CacheError) as exc:
-                        client.step_batch(StepBuilder("p").add(f"x{i}", _prompt(100 + i)))
-                    refused.append(f"x{i}")
-                    assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
-                    assert str(data_dir) in str(exc.value) and "full" in str(exc.value)
-                    assert log.stat().st_size == size_before  # undone before the answer
-                # The state did not apply the refused calls; reads and health answer.
-                assert client.stats("p").num_requests == len(acked)
-                with pytest.raises(CacheError, match="unknown request"):
-                    client.get_request("p", "x0")
-                assert _healthy(server.target)
+            refused = []
+            for i in range(3):
+                with pytest.raises(CacheError) as exc:
+                    client.step_batch(StepBuilder("p").add(f"x{i}", _prompt(100 + i)))
+                refused.append(f"x{i}")
+                assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.value
+                assert str(data_dir) in str(exc.value) and "full" in str(exc.value)
+                assert log.stat().st_size == size_before  # undone before the answer
+            # The state did not apply the refused calls; reads and health answer.
+            assert client.stats("p").num_requests == len(acked)
+            with pytest.raises(CacheError, match="unknown request"):
+                client.get_request("p", "x0")
+            assert _healthy(server.target)
 
-                filler.unlink()  # space is back: writes are accepted again
-                for i in range(3):
-                    client.step_batch(StepBuilder("p").add(f"b{i}", _prompt(200 + i)))
-                    acked.append(f"b{i}")
-                assert client.stats("p").num_requests == len(acked)
-                server.signal(signal.SIGKILL)  # before the client closes its session
-                server.stop()
-
-            server = _start(data_dir, "--fsync", "always")
-            recovered = server.wait_for(lambda r: r.get("event") == "recovered")
-            assert recovered["torn_bytes_dropped"] == 0
-            with CacheClient(server.target) as client:
-                assert client.stats("p").num_requests == len(acked)  # exactly once each
-                for rid in acked:
-                    assert client.get_request("p", rid).num_tokens == 800
-                for rid in refused:
-                    with pytest.raises(CacheError, match="unknown request"):
-                        client.get_request("p", rid)
-        finally:
+            filler.unlink()  # space is back: writes are accepted again
+            for i in range(3):
+                client.step_batch(StepBuilder("p").add(f"b{i}", _prompt(200 + i)))
+                acked.append(f"b{i}")
+            assert client.stats("p").num_requests == len(acked)
+            server.signal(signal.SIGKILL)  # before the client closes its session
             server.stop()
 
+        server = _start(data_dir, "--fsync", "always")
+        recovered = server.wait_for(lambda r: r.get("event") == "recovered")
+        assert recovered["torn_bytes_dropped"] == 0
+        with CacheClient(server.target) as client:
+            assert client.stats("p").num_requests == len(acked)  # exactly once each
+            for rid in acked:
+                assert client.get_request("p", rid).num_tokens == 800
+            for rid in refused:
+                with pytest.raises(CacheError, match="unknown request"):
+                    client.get_request("p", rid)
+    finally:
+        server.stop()
 
-def test_a_snapshot_on_a_full_disk_loses_nothing(tmp_path: Path) -> None:
+
+def test_a_snapshot_on_a_full_disk_loses_nothing(tmpfs: Callable[[str], Path]) -> None:
     """Snapshots due while the disk is full (background ones, then the final one at a
     clean stop) fail without a crash; the log keeps everything for the next start."""
-    with _small_tmpfs(tmp_path, "4m") as mnt:
-        data_dir = mnt / "data"
-        flags = ("--fsync", "batch", "--snapshot-every", "8")
+    mnt = tmpfs("size=4m")
+    data_dir = mnt / "data"
+    flags = ("--fsync", "batch", "--snapshot-every", "8")
+    server = _start(data_dir, *flags)
+    try:
+        with CacheClient(server.target, default_timeout=15) as client:
+            client.register_pool("p", hybrid_layers(), max_model_len=4096,
+                                 num_blocks=1024)
+            big = StepBuilder("p")  # ~300 KiB of token ids in every snapshot
+            for i in range(100):
+                big.add(f"big{i}", _prompt(i))
+            client.step_batch(big)
+            filler = _fill(mnt)
+            with open(filler, "r+b") as f:  # room for a few records, not a snapshot
+                f.truncate(f.seek(0, os.SEEK_END) - 32 * 1024)
+            acked = [f"big{i}" for i in range(100)]
+            for i in range(12):
+                try:
+                    client.step_batch(StepBuilder("p").add(f"a{i}", list(range(40))))
+                except CacheError as exc:
+                    assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                else:
+                    acked.append(f"a{i}")
+            assert acked
+            assert _healthy(server.target)
+            # Before the client closes its session (which would free its requests):
+            # the final snapshot finds no space either.
+            server.signal(signal.SIGTERM)
+            assert server.stop() == 0, server.output()
+        assert "snapshot_failed" in server.output()  # in the background
+        assert "final_snapshot_failed" in server.output()  # at the stop
+        assert not list(data_dir.glob("*.tmp"))  # a failed snapshot leaves no debris
+        filler.unlink()
         server = _start(data_dir, *flags)
-        try:
-            with CacheClient(server.target, default_timeout=15) as client:
-                client.register_pool("p", hybrid_layers(), max_model_len=4096,
-                                     num_blocks=1024)
-                big = StepBuilder("p")  # ~300 KiB of token ids in every snapshot
-                for i in range(100):
-                    big.add(f"big{i}", _prompt(i))
-                client.step_batch(big)
-                filler = _fill(mnt)
-                with open(filler, "r+b") as f:  # room for a few records, not a snapshot
-                    f.truncate(f.seek(0, os.SEEK_END) - 32 * 1024)
-                acked = [f"big{i}" for i in range(100)]
-                for i in range(12):
-                    try:
-                        client.step_batch(StepBuilder("p").add(f"a{i}", list(range(40))))
-                    except CacheError as exc:
-                        assert exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                    else:
-                        acked.append(f"a{i}")
-                assert acked
-                assert _healthy(server.target)
-                # Before the client closes its session (which would free its requests):
-                # the final snapshot finds no space either.
-                server.signal(signal.SIGTERM)
-                assert server.stop() == 0, server.output()
-            assert "snapshot_failed" in server.output()  # in the background
-            assert "final_snapshot_failed" in server.output()  # at the stop
-            assert not list(data_dir.glob("*.tmp"))  # a failed snapshot leaves no debris
-            filler.unlink()
-            server = _start(data_dir, *flags)
-            with CacheClient(server.target) as client:
-                assert client.stats("p").num_requests == len(acked)
-                for rid in acked:
-                    client.get_request("p", rid)
-        finally:
-            server.stop()
+        with CacheClient(server.target) as client:
+            assert client.stats("p").num_requests == len(acked)
+            for rid in acked:
+                client.get_request("p", rid)
+    finally:
+        server.stop()
 
 
 # -- --fsync always under concurrent callers -----------------------------------------------
