@@ -309,7 +309,7 @@ class Snapshotter:
             # The child imports what this process imports (tests' stand-in states too).
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 p or os.getcwd() for p in sys.path))
-            # No preexec_fn: Popen then uses vfork/posix_spawn, which run no fork
+            # No preexec_fn: Popen then uses vfork + exec, which runs no fork
             # handlers (gRPC's) and copy nothing; this thread stays until the child
             # ends, which its parent-death signal is tied to (see compact.py).
             child = subprocess.Popen(self.command(base, through), stdin=subprocess.DEVNULL,

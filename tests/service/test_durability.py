@@ -390,3 +390,22 @@ def test_a_failed_compaction_keeps_the_previous_snapshot_and_log(tmp_path: Path)
         for c in clients:
             c.client.close()
         server.stop()
+
+
+def test_lower_limits_at_restart_drop_no_logged_record(tmp_path: Path) -> None:
+    """Replay (recovery, compaction) lifts the per-call and block limits: each logged record
+    was accepted under its own run's flags."""
+    data_dir = tmp_path / "data"
+    with _start(data_dir) as server, CacheClient(server.target) as client:
+        client.register_pool("p", hybrid_layers(), max_model_len=1024, num_blocks=256)
+        batch = StepBuilder("p")
+        for i in range(8):
+            batch.add(f"r{i}", list(range(10 * i, 10 * i + 10))).allocate(f"r{i}", 10)
+        client.step_batch(batch)  # 16 ops
+        server.signal(signal.SIGKILL)  # no final snapshot: the log holds the Step
+    with _start(data_dir, "--max-ops-per-step", "4", "--max-total-blocks", "16") as server, \
+            CacheClient(server.target) as client:
+        assert client.stats("p").num_requests == 8
+        with pytest.raises(CacheError, match="exceed the limit of 4"):  # now, they apply
+            client.step_batch(StepBuilder("p").decode([f"r{i}" for i in range(8)],
+                                                      list(range(8))))
