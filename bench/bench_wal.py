@@ -108,9 +108,9 @@ def bench(root: Path, records: list[bytes], rounds: int) -> dict:
                     samples[name].append(time.perf_counter_ns() - t0)
         for name, log in logs.items():
             log.close()
-            t0 = time.perf_counter()
+            read_started = time.perf_counter()
             count = log.read_all()
-            read_s = time.perf_counter() - t0
+            read_s = time.perf_counter() - read_started
             assert count == len(samples[name]), (name, count)
             out[f"{name} {policy}"] = {**summarize_ns(samples[name]),
                                        "read_back_s": round(read_s, 4)}
