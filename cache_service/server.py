@@ -149,8 +149,10 @@ def read_peer_state(settings: Settings, directory: Path) -> ServiceState:
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     busy = ports_in_use(settings.host, settings.port, settings.metrics_port)
-    if busy:
-        return exit_with_error(PROG, busy, 2)
+    if busy:  # "--port: ...": named as the user set it (flag or environment variable)
+        flag, _, why = busy.partition(": ")
+        return exit_with_error(PROG, f"{setting_name(settings, flag[2:].replace('-', '_'))}: "
+                               f"{why}", 2)
     # Everything read from files comes first: a mistake there touches no data directory.
     try:
         tenants = settings.tenant_table()

@@ -18,13 +18,18 @@ serialized ``WalRecord`` messages).
 Reading (:func:`scan`) tells a crash from corruption:
 
 * a *torn tail* -- the last record of the last segment incomplete, or failing its
-  checksum with nothing but its own bytes (or zeros) after it -- is what a crash in the
-  middle of a write leaves. It is dropped and the file truncated to the last good record,
-  as the client was never answered for it (answers go out only after the append);
+  checksum with nothing but its own bytes (or zeros) after it, and no intact record
+  anywhere after it -- is what a crash in the middle of a write leaves. It is dropped and
+  the file truncated to the last good record, as the client was never answered for it
+  (answers go out only after the append). The last condition judges the header as strictly
+  as the payload: a damaged length in the middle can make a record seem to run to the end
+  of the file, but the intact records after it give it away;
 * anything else that does not parse (a bad record followed by more data, a bad record in
   an earlier segment, a gap in the indexes) is corruption: :class:`WalCorruption` names the
   file and byte offset, and the service refuses to start rather than run on a state that
   differs from the one its clients saw.
+
+A failed append (a full disk) is undone before it raises: see :class:`WriteAheadLog`.
 
 Durability of an append (``fsync`` policy, the same trade-off as Redis' appendfsync):
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -125,3 +126,14 @@ def test_a_missing_tenants_file(tmp_path: Path) -> None:
 def test_a_missing_tls_file(tmp_path: Path) -> None:
     _one_line_error(_run("--tls-cert", str(tmp_path / "c.pem"), "--tls-key",
                          str(tmp_path / "k.pem")), "--tls-", "cannot read")
+
+
+def test_a_port_in_use_from_the_environment_names_flag_and_variable() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "cache_service", "--metrics-port", "-1"],
+                              capture_output=True, text=True, timeout=60, check=False,
+                              env={**os.environ, "KVCACHE_PORT": str(port)})
+    _one_line_error(done, "--port (from KVCACHE_PORT)", f":{port} is already in use")
