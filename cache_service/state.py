@@ -515,9 +515,15 @@ class ServiceState:
         sid = request.session_id
         if not sid or len(sid) > 128:
             raise InvalidArgument("session id must be 1-128 characters", field="session_id")
-        if sid in self.sessions:
-            raise AlreadyExists(f"session {sid!r} exists", field="session_id")
         tenant = self._tenant.name
+        existing = self.sessions.get(sid)
+        if existing is not None:
+            if existing.tenant != tenant or existing.expiring:
+                raise AlreadyExists(f"session {sid!r} exists", field="session_id")
+            # A resent OpenSession (its answer was lost): the same session again, not a
+            # second one; nothing changes (replaying the record does the same).
+            return lambda: pb.OpenSessionResponse(session_id=sid,
+                                                  lease_ttl_seconds=self.lease_ttl_seconds)
 
         def commit() -> pb.OpenSessionResponse:
             self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
