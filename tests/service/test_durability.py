@@ -169,7 +169,8 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> No
         for t in threads:
             t.join(60)
         assert not any(c.error for c in clients), [c.error for c in clients]
-        assert sum(c.in_doubt for c in clients) > 0  # the kill did hit calls in flight
+        # (The calls the kill hit in flight are resent by the client itself, under the same
+        # stamp, within its call deadline: none needs to surface as in doubt.)
 
         with CacheClient(server.target) as admin:
             assert _reachable(lambda: admin.get_pool("p")).incarnation == info.incarnation
