@@ -68,8 +68,8 @@ class History:
         plain.ClearField("sequence")
         self.steps.append(Sent(plain, outcome, seconds, error))
         if outcome != "rejected":
-            self.request_ids |= {op.add.request_id for op in plain.ops
-                                 if op.WhichOneof("op") == "add"}
+            self.request_ids |= {op.add_request.request_id for op in plain.ops
+                                 if op.WhichOneof("op") == "add_request"}
 
 
 @dataclass
@@ -101,7 +101,8 @@ class Verdict:
     def explain(self) -> str:
         return (f"{self.acknowledged} acknowledged, {self.in_doubt} in doubt, "
                 f"{self.rejected} rejected, {self.lost} lost, {self.duplicated} duplicated, "
-                f"mismatched pools {self.mismatched}; errors {self.errors[:5]}")
+                f"mismatched pools {self.mismatched}, longest Step "
+                f"{self.longest_step:.2f} s; errors {self.errors[:5]}")
 
 
 def replay(history: History, include_doubt: bool) -> PoolView:

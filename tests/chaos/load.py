@@ -27,7 +27,7 @@ LAYERS = [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_siz
 PREFIXES = [list(range(p * 1000, p * 1000 + 48)) for p in range(3)]
 
 
-POOL = {"num_blocks": 256, "max_model_len": 1024}
+POOL: dict = {"num_blocks": 256, "max_model_len": 1024}
 
 
 def pool_request(pool_id: str) -> pb.RegisterPoolRequest:
@@ -73,6 +73,7 @@ class Load:
         self._threads = [threading.Thread(target=self._run, args=(h, i), daemon=True)
                          for i, h in enumerate(self.histories)]
         self.steps = 0
+        self.pool_steps = [0] * pools  # acknowledged Steps per pool
 
     def start(self) -> Load:
         for history in self.histories:  # registered before the faults begin
@@ -102,13 +103,17 @@ class Load:
             live = after
             with self._progress:
                 self.steps += 1
+                self.pool_steps[index] += 1
                 self._progress.notify_all()
 
-    def wait_steps(self, count: int, timeout: float = 60.0) -> None:
-        """Returns once ``count`` more Steps were acknowledged (over all pools)."""
+    def wait_steps(self, count: int, timeout: float = 60.0, pool: int | None = None) -> None:
+        """Returns once ``count`` more Steps were acknowledged (over all pools, or on the
+        ``pool``-th), or every worker ended."""
+        def steps() -> int:
+            return self.steps if pool is None else self.pool_steps[pool]
         with self._progress:
-            goal = self.steps + count
-            if not self._progress.wait_for(lambda: self.steps >= goal or self.done(), timeout):
+            goal = steps() + count
+            if not self._progress.wait_for(lambda: steps() >= goal or self.done(), timeout):
                 raise TimeoutError(f"the load acknowledged no {count} Steps in {timeout} s")
 
     def done(self) -> bool:

@@ -232,7 +232,7 @@ def sigkill_owner(seed: int, workdir: Path) -> Verdict:
         victim = replicas.owner(load.histories[0].pool_id)
         replicas.procs[victim].signal(signal.SIGKILL)
         replicas.procs[victim].stop()
-        load.wait_steps(STEPS)
+        load.wait_steps(5, pool=0)  # the pool moved to a successor
         replicas.restart(victim)
     return _cluster_scenario(seed, workdir, fault)
 
@@ -244,7 +244,7 @@ def sigstop_owner(seed: int, workdir: Path) -> Verdict:
         victim = replicas.procs[replicas.owner(load.histories[0].pool_id)]
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
-            load.wait_steps(STEPS, timeout=60)
+            load.wait_steps(5, timeout=60, pool=0)  # the pool moved to a successor
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
     return _cluster_scenario(seed, workdir, fault)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from .checker import Verdict
-from .scenarios import SCENARIOS, can_mount
+from .scenarios import LEASE_TTL, SCENARIOS, can_mount
 
 pytestmark = pytest.mark.chaos
 SEED = 20
@@ -60,6 +60,9 @@ def test_sigkill_of_an_owner(tmp_path: Path) -> None:
 def test_sigstop_of_an_owner_costs_a_bounded_stall(tmp_path: Path) -> None:
     verdict = SCENARIOS["sigstop_owner"](SEED, tmp_path)
     _exact(verdict)
+    # The stopped owner held its pool's calls until its etcd lease ran out; then one
+    # attempt's deadline (the clients' attempt_timeout, 1 s) and the next replica.
+    assert verdict.longest_step < LEASE_TTL + 1.0 + 3.0, verdict.explain()
 
 
 @pytest.mark.cluster
