@@ -202,6 +202,7 @@ REGISTRY: dict[str, Entry] = {
         "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5", tier="cluster"),
     "python3 bench/bench_durability.py": _bench(
         "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
+    "python3 bench/bench_chaos.py": _bench("chaos", "--runs 1 --scenarios lost_answers"),
     "python3 bench/bench_fairness.py --seconds 6": _bench("fairness"),
     "python3 bench/bench_fuzz.py --seeds 1,2,3 --calls 3000":
         _bench("fuzz", "--seeds 1 --calls 300"),

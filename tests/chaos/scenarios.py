@@ -33,7 +33,7 @@ from .checker import Verdict, check
 from .load import Load
 
 LEASE_TTL = 3  # etcd lease of the replicas (seconds), as the cluster tier
-STEPS = 15  # acknowledged Steps before and after each fault (over all pools)
+STEPS = 10  # acknowledged Steps before and after each fault (over all pools)
 
 
 def _check(target: str, load: Load) -> Verdict:
@@ -122,10 +122,10 @@ def can_mount() -> str | None:
 
 
 def disk_full(seed: int, workdir: Path) -> Verdict:
-    """The data dir on a 1 MiB tmpfs: the load runs until the disk is full (a Step is
+    """The data dir on a 256 KiB tmpfs: the load runs until the disk is full (a Step is
     refused), then space comes back (the tmpfs grows), a second load runs, and after
     SIGKILL + restart everything either load saw acknowledged is there exactly once."""
-    with _tmpfs(workdir / "small", "1m") as mount:
+    with _tmpfs(workdir / "small", "256k") as mount:
         data_dir = mount / "data"
         server = _server(data_dir, "--snapshot-every", "100000")
         try:

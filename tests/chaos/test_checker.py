@@ -26,7 +26,7 @@ def _history(client: CacheClient, pool_id: str, steps: int) -> History:
     """``steps`` seeded Steps sent and acknowledged (sessionless: the test may resend)."""
     history = History(pool_request(pool_id))
     client.register_pool(pool_id, LAYERS, **POOL)
-    rng, live = random.Random(pool_id), {}
+    rng, live = random.Random(pool_id), dict[str, int]()
     for serial in range(steps):
         request, live = next_step(rng, live, pool_id, serial)
         client.step_raw(request)
