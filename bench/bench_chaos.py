@@ -16,6 +16,7 @@ them those rows say skipped.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -23,6 +24,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.chaos, from a checkout
+# As tests/conftest.py: gRPC's fork handlers can deadlock the fork() that starts a server in
+# a process whose gRPC threads are busy (the load clients); nothing here forks but to exec.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from tests.chaos.scenarios import SCENARIOS, can_mount  # noqa: E402
 

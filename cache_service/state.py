@@ -19,7 +19,8 @@ error naming the field), then the registry's fence for a pool's record (a cluste
 that does not own the pool now refuses it, see ``cache_service.cluster.registry``), then
 ``durability.append(record)``, then mutate (which cannot fail once validated). A record
 that fails validation (or the fence) is therefore never logged, and a retry answered from
-a session's stored response is not logged either (nothing changes).
+a session's stored response is not logged either (nothing changes). A resent OpenSession of
+a session that is open is logged and changes nothing (its replay does the same).
 """
 
 from __future__ import annotations

@@ -175,6 +175,8 @@ class TcpProxy:
         try:
             # Either side ending (or a stall's client giving up) ends the connection.
             await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            pass  # the proxy is closing (asyncio would log a cancelled connection handler)
         finally:
             for pump in pumps:
                 pump.cancel()
