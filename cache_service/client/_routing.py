@@ -103,8 +103,9 @@ class CallRoute:
     call stamped with a session: the service answers a resend from the stored answer), so
 
     * an UNAVAILABLE with no replica to move to (one replica: a connection lost after the
-      answer's headers, which gRPC never retries) sends it again to the same replica after
-      a backoff, until the call's deadline;
+      answer's headers, which gRPC never retries), or a CANCELLED (a server that stopped
+      with the call in flight), sends it again to the same replica after a backoff, until
+      the call's deadline;
     * each attempt has its own deadline, ``attempt_timeout`` (doubled on every attempt, so
       a slow but live answer still comes; always within the call's): a replica that hangs
       (SIGSTOP) costs one attempt, then the call goes to the next replica or is resent.

@@ -140,7 +140,10 @@ class CacheClient:
                     request, timeout=route.timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
                 error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
-            if error.code == grpc.StatusCode.UNAVAILABLE:
+            if error.code == grpc.StatusCode.UNAVAILABLE or (
+                    error.code == grpc.StatusCode.CANCELLED and route.resend):
+                # (CANCELLED: a server that stopped with the call in flight; this client
+                # never cancels a unary call itself)
                 delay = route.unavailable(address, error, trailers)
             elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 delay = route.expired(address, error)
