@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable
 
 from cache_service.client import CacheClient, CacheError, layers, ops
 from cache_service.client._builders import register_request
@@ -73,6 +72,7 @@ class Load:
         self._threads = [threading.Thread(target=self._run, args=(h, i), daemon=True)
                          for i, h in enumerate(self.histories)]
         self.steps = 0
+        self._ended = 0  # workers that returned
         self.pool_steps = [0] * pools  # acknowledged Steps per pool
 
     def start(self) -> Load:
@@ -85,6 +85,14 @@ class Load:
         return self
 
     def _run(self, history: History, index: int) -> None:
+        try:
+            self._steps(history, index)
+        finally:
+            with self._progress:  # a waiter for progress learns that this worker ended
+                self._ended += 1
+                self._progress.notify_all()
+
+    def _steps(self, history: History, index: int) -> None:
         rng = random.Random(self.seed * 1000 + index)
         client = self._clients[index]
         live: dict[str, int] = {}
@@ -117,7 +125,8 @@ class Load:
                 raise TimeoutError(f"the load acknowledged no {count} Steps in {timeout} s")
 
     def done(self) -> bool:
-        return not any(t.is_alive() for t in self._threads)
+        """Every worker ended (a definite or in-doubt error each)."""
+        return self._ended == len(self._threads)
 
     def stop(self) -> None:
         self._stop.set()
@@ -128,8 +137,3 @@ class Load:
         """Ends the clients (their sessions free what they hold: check before)."""
         for client in self._clients:
             client.close()
-
-    def during(self, fault: Callable[[], object], steps_after: int = 20) -> None:
-        """Runs ``fault()`` under the load, then waits for ``steps_after`` more Steps."""
-        fault()
-        self.wait_steps(steps_after)

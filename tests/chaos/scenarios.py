@@ -122,13 +122,17 @@ def can_mount() -> str | None:
 
 
 def disk_full(seed: int, workdir: Path) -> Verdict:
-    """The data dir on a 256 KiB tmpfs: the load runs until the disk is full (a Step is
-    refused), then space comes back (the tmpfs grows), a second load runs, and after
-    SIGKILL + restart everything either load saw acknowledged is there exactly once."""
-    with _tmpfs(workdir / "small", "256k") as mount:
+    """The data dir on a 1 MiB tmpfs, all but ~24 KiB of it taken by a ballast file: the
+    load runs until the disk is full (a Step is refused), then space comes back (the
+    ballast is deleted), a second load runs, and after SIGKILL + restart everything either
+    load saw acknowledged is there exactly once."""
+    with _tmpfs(workdir / "small", "1m") as mount:
         data_dir = mount / "data"
         server = _server(data_dir, "--snapshot-every", "100000")
         try:
+            ballast = mount / "ballast"
+            room = os.statvfs(mount)
+            ballast.write_bytes(b"\0" * max(room.f_bavail * room.f_frsize - 24 * 1024, 0))
             full = Load(server.target, seed, prefix="full").start()
             deadline = time.monotonic() + 120
             while not full.done():
@@ -136,7 +140,7 @@ def disk_full(seed: int, workdir: Path) -> Verdict:
                     raise TimeoutError("the disk did not fill up in 120 s")
                 full.wait_steps(50)
             full.stop()
-            subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
+            ballast.unlink()
             after = Load(server.target, seed + 1, prefix="after").start()
             after.wait_steps(STEPS)
             after.stop()
