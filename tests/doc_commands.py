@@ -207,6 +207,7 @@ REGISTRY: dict[str, Entry] = {
     "damaged_length,sigkill_owner,sigstop_owner,rolling_restart,etcd_restart": Gated(
         "minutes of machine time and etcd", "the run the numbers come from; `python3 "
         "bench/bench_chaos.py` runs in tests/bench"),
+    "python3 bench/bench_wal.py": _bench("wal", "--records 30 --rounds 2"),
     "python3 bench/bench_fairness.py --seconds 6": _bench("fairness"),
     "python3 bench/bench_fuzz.py --seeds 1,2,3 --calls 3000":
         _bench("fuzz", "--seeds 1 --calls 300"),

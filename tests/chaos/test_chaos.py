@@ -35,14 +35,10 @@ def test_a_damaged_payload_byte_is_refused_at_start(tmp_path: Path) -> None:
     _exact(SCENARIOS["damaged_payload"](SEED, tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="needs wt-log: a damaged length field is taken "
-                   "for a torn tail (issue 20 item 1)")
 def test_a_damaged_length_field_is_refused_at_start(tmp_path: Path) -> None:
     _exact(SCENARIOS["damaged_length"](SEED, tmp_path))
 
 
-@pytest.mark.xfail(strict=True, reason="needs wt-log: a failed append is left in the log "
-                   "(issue 20 item 3)")
 def test_disk_full_loses_nothing_acknowledged(tmp_path: Path) -> None:
     why = can_mount()
     if why:
