@@ -45,8 +45,15 @@ class RpcMetrics:
         self.undecodable_messages = Counter(
             "kvcache_undecodable_messages_total", "Request messages that did not parse "
             "(answered INVALID_ARGUMENT).", ["grpc_service", "grpc_method"], registry=registry)
+        # Per pool (the gRPC series above cannot tell pools apart): what kvcache-ctl top and
+        # the dashboard show as a pool's Steps/s and Step latency.
+        self.pool_step_seconds = Histogram(
+            "kvcache_pool_step_seconds", "Time to apply one Step (or one StepStream "
+            "message) of a pool, durability wait included.", ["pool"],
+            buckets=_LATENCY_BUCKETS, registry=registry)
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         self._handled: dict[tuple[str, str, str, str], Any] = {}
+        self._pool_steps: dict[str, Any] = {}
 
     def of(self, grpc_type: str, service: str, method: str) -> tuple[Any, Any, Any, Any]:
         """(started, seconds, received, sent) children of one method (label lookups are slow:
@@ -58,6 +65,13 @@ class RpcMetrics:
                         self.received.labels(*key), self.sent.labels(*key))
             self._children[key] = children
         return children
+
+    def observe_step(self, pool_id: str, seconds: float) -> None:
+        """Records one applied Step of ``pool_id`` (the internal id)."""
+        child = self._pool_steps.get(pool_id)
+        if child is None:
+            child = self._pool_steps[pool_id] = self.pool_step_seconds.labels(pool_id)
+        child.observe(seconds)
 
     def undecodable(self, service: str, method: str) -> None:
         """Counts one request message that did not parse."""

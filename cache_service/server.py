@@ -155,6 +155,7 @@ async def serve(settings: Settings) -> int:
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
+    servicer.step_observer = rpc_metrics.observe_step
     if node is not None:
         node.leases = servicer.leases  # adopted sessions get leases here
         node.read_peer = read_peer_state
