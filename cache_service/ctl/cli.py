@@ -42,7 +42,7 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def _connection_flags() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = OneLineParser(add_help=False)
     g = common.add_argument_group("connection (flags win over the environment)")
     g.add_argument("--target", default=_env("KVCACHE_TARGET", "127.0.0.1:50051"),
                    help="HOST:PORT of the cache service; cluster mode: several, "

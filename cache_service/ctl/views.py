@@ -54,7 +54,8 @@ def pools_table(rows: Sequence[Row]) -> Table:
     table = _table(f"pools ({len(rows)})")
     for name in ("pool", "blocks", "used", "cached", "free", "usage", "hit", "reqs",
                  "evict", "groups"):
-        table.add_column(name, justify="left" if name in ("pool", "groups") else "right")
+        table.add_column(name, justify="left" if name in ("pool", "groups") else "right",
+                         no_wrap=name in ("pool", "groups"))
     for r in rows:
         table.add_row(r["pool"], str(r["blocks"]), str(r["used"]), str(r["cached"]),
                       str(r["free"]), f"{r['usage']:.1%}", f"{r['hit_rate']:.1%}",
@@ -196,7 +197,8 @@ def sessions_table(rows: Sequence[Row], show_requests: bool) -> Table:
     for name in ("session", "client", "lease left", "last seq", "pool", "requests",
                  "blocks / quota") + (("request ids",) if show_requests else ()):
         table.add_column(name, justify="right" if name in (
-            "lease left", "last seq", "requests", "blocks / quota") else "left")
+            "lease left", "last seq", "requests", "blocks / quota") else "left",
+            no_wrap=name in ("session", "client", "pool"))
     for s in rows:
         lease = "expiring" if s["expiring"] else f"{s['lease_remaining_seconds']:.1f} s"
         pools = s["pools"] or [{"pool": "-", "requests": 0, "request_ids": [],
