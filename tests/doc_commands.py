@@ -163,7 +163,24 @@ def _bench(name: str, shrink: str = "", tier: str = "bench") -> Run:
     """A benchmark: exit 0 and bench/results/<name>.json written."""
     return Run(tier, files=(f"bench/results/{name}.json",), timeout=300, shrink=shrink)
 
+_CTL_TEST = "tests/service/test_ctl.py"
+
 REGISTRY: dict[str, Entry] = {
+    # docs/operations.md (kvcache-ctl runs as `python -m cache_service.ctl`: the console
+    # script of an editable install may belong to another checkout)
+    "kvcache-ctl pools": RunBy(_CTL_TEST),
+    "kvcache-ctl pool llama": RunBy(_CTL_TEST),
+    "kvcache-ctl request llama r1": RunBy(_CTL_TEST),
+    "kvcache-ctl peek llama --tokens-file prompt.txt": RunBy(_CTL_TEST),
+    "kvcache-ctl peek llama --text 'You are a helpful assistant.'": RunBy(_CTL_TEST),
+    "kvcache-ctl sessions --requests": RunBy(_CTL_TEST),
+    "kvcache-ctl events llama": RunBy(_CTL_TEST),
+    "kvcache-ctl pools --json": RunBy(_CTL_TEST),
+    "kvcache-ctl cluster --etcd-endpoints 127.0.0.1:2379": RunBy(
+        "tests/cluster/test_ctl_cluster.py"),
+    "kvcache-ctl top": RunBy("tests/service/test_ctl_top.py"),
+    "python -m cache_service.ctl": Prose("names the module (`kvcache-ctl`'s alias) in a "
+                                         "sentence"),
     # README.md
     "pip install torch==2.13.0 -e '.[executor]' && kvcache-demo": Gated(
         "the network and a fresh environment", "installs from the package index and re-points "

@@ -183,3 +183,25 @@ def test_token_is_sent() -> None:
                                  env={**os.environ,
                                       "KVCACHE_AUTH_TOKEN": "s3cret"})
         assert env_run.returncode == 0 and json.loads(env_run.stdout) == []
+
+
+def test_sessions_are_per_tenant(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("ta a\ntb b\ntroot ops admin\n")
+    spec = [layers.full_attention("a", block_size=4, num_kv_heads=1, head_size=8)]
+    with start_cache_service("--auth-tokens-file", str(tokens)) as srv, \
+            CacheClient(srv.target, token="ta", client_name="client-a") as a, \
+            CacheClient(srv.target, token="tb", client_name="client-b") as b:
+        for client in (a, b):
+            client.register_pool("p", spec, num_blocks=64, max_model_len=32)
+            client.step("p", [ops.add("r", [1, 2, 3])])
+
+        def names(token: str) -> list[tuple[str, list[str]]]:
+            done = ctl(DOC_SESSIONS, srv.target, "--json", "--token", token)
+            assert done.returncode == 0, done.stderr
+            return sorted((s["client_name"], [p["pool"] for p in s["pools"]])
+                          for s in json.loads(done.stdout))
+
+        assert names("ta") == [("client-a", ["p"])]
+        assert names("tb") == [("client-b", ["p"])]
+        assert names("troot") == [("client-a", ["a/p"]), ("client-b", ["b/p"])]
