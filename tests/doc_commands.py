@@ -174,6 +174,7 @@ REGISTRY: dict[str, Entry] = {
     "kvcache-ctl peek llama --tokens-file prompt.txt": RunBy(_CTL_TEST),
     "kvcache-ctl peek llama --text 'You are a helpful assistant.'": RunBy(_CTL_TEST),
     "kvcache-ctl sessions --requests": RunBy(_CTL_TEST),
+    "kvcache-ctl sessions": RunBy(_CTL_TEST),  # docs/protocol.md
     "kvcache-ctl events llama": RunBy(_CTL_TEST),
     "kvcache-ctl pools --json": RunBy(_CTL_TEST),
     "kvcache-ctl cluster --etcd-endpoints 127.0.0.1:2379": RunBy(

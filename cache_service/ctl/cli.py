@@ -41,7 +41,7 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
-def _connection_flags() -> argparse.ArgumentParser:
+def _connection_flags() -> OneLineParser:
     common = OneLineParser(add_help=False)
     g = common.add_argument_group("connection (flags win over the environment)")
     g.add_argument("--target", default=_env("KVCACHE_TARGET", "127.0.0.1:50051"),

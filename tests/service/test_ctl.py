@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cache_service.client import CacheClient, layers, ops
+from cache_service.client import CacheClient, LookupResult, layers, ops
 from kvcache_common.launch import ServerProcess, start_cache_service
 
 PROMPT = list(range(1, 30))
@@ -59,6 +59,7 @@ def served() -> Iterator[tuple[ServerProcess, CacheClient]]:
                     begin_step=True)
         client.step("llama", [ops.free("r0")])
         hit = client.step("llama", [ops.add("r1", PROMPT), ops.lookup("r1")]).results[1]
+        assert isinstance(hit, LookupResult)
         client.step("llama", [ops.allocate("r1", len(PROMPT) - hit.hit_tokens)],
                     begin_step=True)
         yield srv, client
