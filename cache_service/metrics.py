@@ -205,6 +205,65 @@ class SessionCollector:
             yield fam
 
 
+class DurabilityCollector:
+    """Scrape-time durability series of a state (``cache_service.state.ServiceState``):
+    failed log writes, the last logged record, background snapshots by result. Read with
+    ``getattr`` so that an in-memory server (no log, no snapshotter) exports zeros."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        durability = self._state.durability
+        errors = CounterMetricFamily("kvcache_wal_errors", "Write-ahead log appends and "
+                                     "syncs that failed (disk full, I/O error); each failed "
+                                     "its call.")
+        errors.add_metric([], float(getattr(self._state, "wal_errors", 0)))
+        yield errors
+        wal = getattr(durability, "wal", None)
+        last = GaugeMetricFamily("kvcache_wal_last_index", "Index of the last record in the "
+                                 "write-ahead log (0 without --data-dir).")
+        last.add_metric([], float(getattr(wal, "last_index", 0) or 0))
+        yield last
+        snapshotter = getattr(durability, "snapshotter", None)
+        snapshots = CounterMetricFamily("kvcache_snapshots", "Background snapshots by "
+                                        "result (written, failed).", labels=["result"])
+        for result, attr in (("written", "completed"), ("failed", "failed")):
+            snapshots.add_metric([result], float(getattr(snapshotter, attr, 0) or 0))
+        yield snapshots
+
+
+class ClusterCollector:
+    """Scrape-time cluster-mode series of a ``cache_service.cluster.node.ClusterNode``: whether
+    this replica's etcd lease is certainly alive (0 = it cannot reach etcd, or could not
+    renew in time, and serves no pool), the members and the pools it owns as it sees them."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        node = self._node
+        valid = GaugeMetricFamily("kvcache_cluster_etcd_lease_valid", "1 while this "
+                                  "replica's etcd lease is certainly alive, else 0 (etcd "
+                                  "unreachable).")
+        valid.add_metric([], 1.0 if node.membership.lease_valid() else 0.0)
+        yield valid
+        members = GaugeMetricFamily("kvcache_cluster_members", "Live members as this "
+                                    "replica's view of etcd has them.")
+        members.add_metric([], float(len(node.placement.members)))
+        yield members
+        owned = GaugeMetricFamily("kvcache_cluster_owned_pools", "Pools this replica owns "
+                                  "(and may serve).")
+        owned.add_metric([], float(len(node.placement.owned)))
+        yield owned
+
+
 def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]],
                  counters_of: Callable[[], Any] | None = None) -> tuple[
         CollectorRegistry, RpcMetrics]:

@@ -153,7 +153,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         if self.state.durability.needs_sync:
-            await self.state.durability.sync()
+            try:
+                await self.state.durability.sync()
+            except OSError:
+                self.state.wal_errors += 1
+                raise
         return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
