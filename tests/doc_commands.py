@@ -175,6 +175,8 @@ REGISTRY: dict[str, Entry] = {
     "kvcache-ctl peek llama --text 'You are a helpful assistant.'": RunBy(_CTL_TEST),
     "kvcache-ctl sessions --requests": RunBy(_CTL_TEST),
     "kvcache-ctl sessions": RunBy(_CTL_TEST),  # docs/protocol.md
+    "kvcache-ctl peek": Prose("names the subcommand in the alerts table"),
+    "kvcache-ctl cluster": Prose("names the subcommand in the alerts table"),
     "kvcache-ctl events llama": RunBy(_CTL_TEST),
     "kvcache-ctl pools --json": RunBy(_CTL_TEST),
     "kvcache-ctl cluster --etcd-endpoints 127.0.0.1:2379": RunBy(
