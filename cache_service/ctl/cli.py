@@ -16,9 +16,11 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
+
+from kvcache_common.cli import OneLineParser
 
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 PROG = "kvcache-ctl"
@@ -27,14 +29,6 @@ _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class UsageError(Exception):
     """A mistake in the command line or a file it names (exit 2)."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An unknown or bad flag is one line on stderr (not the whole usage), exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-        raise SystemExit(EXIT_USAGE)
 
 
 def _env(name: str, default: str | None = None) -> str | None:
