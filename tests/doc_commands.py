@@ -206,8 +206,6 @@ REGISTRY: dict[str, Entry] = {
     "bash scripts/docker/wheelhouse.sh": Gated(
         "the network", "downloads wheels from the package index; scripts/docker_env.sh runs it "
         "before the docker tier"),
-    'export KVCACHE_BASE_IMAGE="$(bash scripts/docker/base_image.sh)"': Gated(
-        _DOCKER, "builds a base image with debootstrap as root; scripts/docker_env.sh runs it"),
     "python -m cache_service.replay --config cache_service/replay_samples/full_swa.json "
     "< cache_service/replay_samples/full_swa.bench.jsonl": Run("service", stdout=('"op"',)),
     "pip install -e '.[test-core]'": Gated(
@@ -259,9 +257,11 @@ REGISTRY: dict[str, Entry] = {
     "docker stop": Prose("names the tool in a sentence"),
     "docker compose restart cache-service": Gated(_DOCKER, "an operator's step on a running stack"),
     "pip wheel": Prose("names the tool in a sentence"),
-    "docker build --target cache-service -t kvcache/cache-service .": Gated(
+    'docker build --build-arg BASE_IMAGE="${KVCACHE_BASE_IMAGE:-python:3.11-slim}" --target '
+    'cache-service -t kvcache/cache-service .': Gated(
         _DOCKER, _BY_DOCKER_TIER + " (conftest.py builds the images with it)"),
-    "docker build --target executor -t kvcache/executor .": Gated(
+    'docker build --build-arg BASE_IMAGE="${KVCACHE_BASE_IMAGE:-python:3.11-slim}" --target '
+    'executor -t kvcache/executor .': Gated(
         _DOCKER, _BY_DOCKER_TIER + " (conftest.py builds the images with it)"),
     "docker compose logs cache-service": Gated(_DOCKER, "an operator's step on a running stack"),
     "docker import": Prose("names the tool in a sentence"),
