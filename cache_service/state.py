@@ -39,6 +39,7 @@ from cache_service.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KVCacheError,
     NotFound,
 )
 from cache_service.core.ops import Free
@@ -249,7 +250,7 @@ class ServiceState:
                     record.tenant.CopyFrom(tenant)
             try:
                 durability.append(record)
-            except OSError:
+            except (KVCacheError, OSError):  # DataDirFull / DataDirUnwritable: nothing logged
                 self.wal_errors += 1  # metrics (kvcache_wal_errors_total); the call fails
                 raise
         response = commit()
