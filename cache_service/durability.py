@@ -35,6 +35,7 @@ from google.protobuf.message import Message
 
 from cache_service.core.errors import KVCacheError
 from cache_service.snapshot import Snapshotter, load_latest
+from cache_service.status import Unavailable
 from cache_service.wal import FsyncPolicy, WriteAheadLog, scan
 
 S = TypeVar("S")
@@ -82,11 +83,17 @@ class DataDir(Generic[S]):
         self._lock_fd = lock_fd
         self._synced = wal.last_index
         self._syncing: asyncio.Future[int] | None = None
+        #: Set by :meth:`seal`: the log takes no record any more.
+        self.sealed = False
 
     def append(self, record: Message) -> None:
         """Logs one accepted record. Called between validation and mutation, so the state
         is exactly the one after the previous record: the moment to fork a snapshot
-        (through the previous record) when one is due."""
+        (through the previous record) when one is due. After :meth:`seal` it raises
+        :class:`~cache_service.status.Unavailable` (nothing changes: retry elsewhere)."""
+        if self.sealed:
+            raise Unavailable(f"the log in {self.directory} is sealed (this replica is "
+                              "handing its pools over); retry on another replica")
         if self.snapshotter.due():
             self.snapshotter.start()
         self.wal.append(record.SerializeToString())
@@ -112,11 +119,21 @@ class DataDir(Generic[S]):
         if not future.cancelled() and future.exception() is None:
             self._synced = max(self._synced, future.result())
 
+    def seal(self) -> None:
+        """Ends the log for good (cluster hand-over on SIGTERM): every later append is
+        refused, everything appended so far is on stable storage when this returns, and
+        :meth:`close` writes no final snapshot. A successor may then read what this
+        replica handed over without racing a writer."""
+        self.sealed = True
+        self.wal.sync()
+
     def close(self, state: Any = None) -> None:
         """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
-        next start replays nothing."""
+        next start replays nothing -- unless the log was sealed (nothing is written
+        after a seal)."""
         self.snapshotter.wait()
-        if state is not None and self.wal.last_index > self.snapshotter.last_index:
+        if (state is not None and not self.sealed
+                and self.wal.last_index > self.snapshotter.last_index):
             self.snapshotter.take_now(state)
         self.wal.close()
         os.close(self._lock_fd)
