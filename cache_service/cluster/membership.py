@@ -38,6 +38,7 @@ class Membership:
         self.valid_until = 0.0
         self.on_new_lease: Callable[[], Awaitable[None]] | None = None
         self._task: asyncio.Task | None = None
+        self._reacting: asyncio.Task | None = None
 
     def lease_valid(self) -> bool:
         """True while the lease is certainly alive in etcd (see the module docstring)."""
@@ -83,9 +84,12 @@ class Membership:
                     # The lease is gone in etcd: our keys (and pool ownerships) went with it.
                     self.valid_until = 0.0
                     _log.warning("lease_lost", member=self.member_id, lease=self.lease_id)
-                    await self._grant()
+                    await asyncio.wait_for(self._grant(), period)
                     if self.on_new_lease is not None:
-                        await self.on_new_lease()
+                        # In a task of its own: acting on the new lease (placement, which
+                        # may wait for etcd) must never hold up its renewals.
+                        self._reacting = asyncio.create_task(self.on_new_lease(),
+                                                             name="etcd-new-lease")
             except Exception as exc:  # noqa: BLE001 - the keep-alive must never stop
                 if not isinstance(exc, ETCD_ERRORS):
                     # e.g. a call racing the close of a replaced client

@@ -261,10 +261,15 @@ class Placement:
                                                                                   token):
                     self._lose(pool_id, owner)
             for pool_id in self._local_pools():
-                # Recovered from this replica's own log at start, but owned elsewhere now.
+                if pool_id in self.owned:
+                    continue
                 owner = self.owners.get(pool_id)
-                if pool_id not in self.owned and owner is not None and owner.member != me:
+                if owner is not None and owner.member != me:
+                    # Kept here (recovered from this replica's own log at start, or kept
+                    # while its ownership was in doubt), but owned elsewhere now.
                     self._lose(pool_id, owner)
+                elif owner is None and pool_id not in self.registered:
+                    self._discard(pool_id)  # deleted meanwhile: nobody takes it over
             for pool_id, owner in list(self.owners.items()):
                 if owner.member == me and owner.lease == lease and pool_id not in self.owned:
                     await self._instantiate(pool_id, owner.token, handoff=owner)
@@ -275,8 +280,13 @@ class Placement:
                     await self._claim(pool_id)
 
     def _lose(self, pool_id: str, owner: Owner | None) -> None:
+        """Stops serving ``pool_id``. Its state is dropped (a logged drop) only once
+        another replica owns it: a pool whose ownership key merely vanished (this
+        replica's lease expired, e.g. etcd was away longer than the TTL) is kept as it is,
+        so that whoever claims it next -- this replica, or another one reading this
+        replica's log -- finds every acknowledged write."""
         self.owned.pop(pool_id, None)
-        if self._has_local(pool_id):
+        if owner is not None and owner.member != self.me and self._has_local(pool_id):
             self._discard(pool_id)
         _log.warning("ownership_lost", pool_id=pool_id,
                      new_owner=owner.member if owner else None)

@@ -158,3 +158,36 @@ def test_a_rolling_restart_under_load_hands_every_pool_over_and_loses_nothing(
     # A pool moves in a few etcd round trips, not after a lease TTL (a loaded 2-core box
     # is the margin; bench/bench_cluster.py measures the stall).
     assert max(load.stall.values()) < LEASE_TTL, load.stall
+
+
+def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica_rejoins(
+        cluster: Cluster, tmp_path):
+    root = tmp_path / "shared"
+    members = [start_member(cluster, root, f"m{i}") for i in range(3)]
+    targets = ",".join(r.target for r in members)
+    register_all(targets)
+    load = Load(targets)
+    load.start()
+    load.wait_progress(10, 60, "steps on every pool before etcd dies")
+    cluster.etcd.kill()
+    for replica in members:
+        replica.wait_for(lambda r: r.get("event") == "etcd_unreachable", 30)
+    # The outage itself (the fault, not a synchronization): longer than the lease TTL.
+    outage = time.monotonic() + 5
+    wait_until(lambda: time.monotonic() > outage, 10, "the outage")
+    cluster.etcd.start()
+    load.wait_progress(10, 90, "steps on every pool after etcd came back")
+    load.pause()
+    window = time.monotonic() + 2 * SESSION_TTL
+    wait_until(lambda: time.monotonic() > window, 3 * SESSION_TTL, "the window")
+    load.finish()
+    for pool in POOLS:
+        owner_of(cluster, pool)
+    # Every replica is a member again (renewed its lease, or joined under a new one).
+    for replica in members:
+        assert replica.returncode is None, replica.output()
+    with CacheClient(targets, default_timeout=30) as client:
+        for pool in POOLS:
+            client.step(pool, [ops.add("after", [1, 2])])
+    for replica in members:
+        assert not any(r.get("event") == "pool_not_adopted" for r in replica.records)
