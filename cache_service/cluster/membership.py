@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout
 
 _log = structlog.get_logger("cache_service.cluster")
@@ -36,7 +37,7 @@ class Membership:
         self.ttl = ttl
         self.lease_id = 0
         self.valid_until = 0.0
-        self.on_new_lease: Callable[[], Awaitable[None]] | None = None
+        self.on_new_lease: Callable[[], Coroutine[Any, Any, None]] | None = None
         self._task: asyncio.Task | None = None
         self._reacting: asyncio.Task | None = None
 
@@ -90,8 +91,10 @@ class Membership:
                         # may wait for etcd) must never hold up its renewals.
                         self._reacting = asyncio.create_task(self.on_new_lease(),
                                                              name="etcd-new-lease")
-            except Exception as exc:  # noqa: BLE001 - the keep-alive must never stop
-                if not isinstance(exc, ETCD_ERRORS):
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - never stop
+                if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                    raise
+                if not isinstance(exc, ETCD_ERRORS + (asyncio.CancelledError,)):
                     # e.g. a call racing the close of a replaced client
                     _log.exception("keepalive_failed")
                 _log.warning("etcd_unreachable", endpoint=self.etcd.endpoint, error=str(exc),

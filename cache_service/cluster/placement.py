@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
 from cache_service.core.errors import NotFound
@@ -189,8 +189,10 @@ class Placement:
                         await self.reconcile()
                 finally:
                     pump.cancel()
-            except Exception as exc:  # noqa: BLE001 - any failure: list and watch again
-                if not isinstance(exc, ETCD_ERRORS + (RuntimeError,)):
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - list, watch again
+                if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                    raise
+                if not isinstance(exc, ETCD_ERRORS + (RuntimeError, asyncio.CancelledError)):
                     _log.exception("cluster_view_failed")
                 _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
                 await self.etcd.reconnect(client)
@@ -203,8 +205,13 @@ class Placement:
             async for event in watch:
                 await events.put(event)
             await events.put(RuntimeError("etcd watch ended"))
-        except Exception as exc:  # noqa: BLE001 - delivered to the follower, which reconnects
-            await events.put(exc)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - to the follower
+            if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                raise
+            # The follower relists and watches again (a watch whose channel was closed
+            # under it ends cancelled: without this the view would silently go stale).
+            await events.put(exc if isinstance(exc, Exception)
+                             else RuntimeError("etcd watch cancelled"))
 
     async def _load(self) -> int:
         """Replaces the view with a full listing; answers its revision."""

@@ -5,12 +5,14 @@ on the pool's final owner exactly as it was answered, and what it freed is gone.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aetcd
 import grpc
 import pytest
 
@@ -110,11 +112,24 @@ class Load:
                     client.get_request(pool, rid)
                 assert gone.value.code == grpc.StatusCode.NOT_FOUND, (pool, rid)
                 continue
-            info = client.get_request(pool, rid)
+            try:
+                info = client.get_request(pool, rid)
+            except CacheError as exc:
+                raise AssertionError(f"{pool} {rid} {exc}") from None
             assert (info.block_ids, info.num_tokens) == (blocks, tokens), (pool, rid)
         for pool in pools:
             live = sum(1 for key in self.acked if key[0] == pool and key not in self.freed)
             assert client.stats(pool).num_requests == live, pool
+
+
+def members_in_etcd(cluster: Cluster) -> set[str]:
+    """The member ids registered under the cluster's ``members/`` prefix now."""
+    async def listing() -> set[str]:
+        host, port = cluster.etcd.endpoint.rsplit(":", 1)
+        prefix = f"/kvcache/{cluster.name}/members/".encode()
+        async with aetcd.Client(host=host, port=int(port)) as client:
+            return {kv.key[len(prefix):].decode() for kv in await client.get_prefix(prefix)}
+    return asyncio.run(listing())
 
 
 def start_member(cluster: Cluster, root: Path, member: str, port: int = 0) -> ServerProcess:
@@ -176,18 +191,37 @@ def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica
     outage = time.monotonic() + 5
     wait_until(lambda: time.monotonic() > outage, 10, "the outage")
     cluster.etcd.start()
-    load.wait_progress(10, 90, "steps on every pool after etcd came back")
+    try:
+        load.wait_progress(10, 90, "steps on every pool after etcd came back")
+    except BaseException:
+        for r in members:
+            print("OUT", r.output()[-6000:])
+        raise
     load.pause()
     window = time.monotonic() + 2 * SESSION_TTL
     wait_until(lambda: time.monotonic() > window, 3 * SESSION_TTL, "the window")
-    load.finish()
+    try:
+        load.finish()
+    except BaseException:
+        for r in members:
+            print("OUT", r.output()[-20000:])
+        raise
     for pool in POOLS:
         owner_of(cluster, pool)
     # Every replica is a member again (renewed its lease, or joined under a new one).
     for replica in members:
         assert replica.returncode is None, replica.output()
+    try:
+        wait_until(lambda: members_in_etcd(cluster) == {"m0", "m1", "m2"}, 30,
+                   "every replica registered in etcd")
+    except BaseException:
+        print("MEMBERS", members_in_etcd(cluster))
+        for r in members:
+            print("OUT", r.output()[-20000:])
+        raise
     with CacheClient(targets, default_timeout=30) as client:
         for pool in POOLS:
             client.step(pool, [ops.add("after", [1, 2])])
     for replica in members:
         assert not any(r.get("event") == "pool_not_adopted" for r in replica.records)
+        print("DBG", [r.get("event") for r in replica.records if r.get("event") in ("lease_lost", "ownership_lost", "pool_taken_over", "pool_adopted", "member_joined")])
