@@ -20,6 +20,7 @@ it was live (same state, same input), so replay skips it the same way.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import gc
 import os
@@ -35,8 +36,8 @@ from google.protobuf.message import Message
 
 from cache_service.core.errors import KVCacheError
 from cache_service.snapshot import Snapshotter, load_latest
-from cache_service.status import Unavailable
-from cache_service.wal import FsyncPolicy, WriteAheadLog, scan
+from cache_service.status import ResourceExhausted, Unavailable
+from cache_service.wal import FsyncPolicy, WalBroken, WriteAheadLog, scan
 
 S = TypeVar("S")
 
@@ -45,6 +46,22 @@ _log = structlog.get_logger("cache_service.durability")
 
 class DataDirError(Exception):
     """The data directory cannot be used (locked by another server, not a directory)."""
+
+
+class DataDirFull(ResourceExhausted):
+    """An append found no space in the data directory: the call was not applied (its
+    partial record was cut off again) and may be retried once space is freed."""
+
+
+class DataDirUnwritable(Unavailable):
+    """The data directory refused a write for another reason than space (I/O error,
+    read-only remount, a log broken by an earlier failure)."""
+
+#: errno values that mean "no space" (a full file system, a quota).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+#: After a snapshot could not start (e.g. no space for its new segment), how many records
+#: go by before the next try (each try costs a file create).
+_SNAPSHOT_RETRY_RECORDS = 100
 
 
 @dataclass
@@ -83,41 +100,85 @@ class DataDir(Generic[S]):
         self._lock_fd = lock_fd
         self._synced = wal.last_index
         self._syncing: asyncio.Future[int] | None = None
+        self._snapshot_retry_at = 0
         #: Set by :meth:`seal`: the log takes no record any more.
         self.sealed = False
 
     def append(self, record: Message) -> None:
         """Logs one accepted record. Called between validation and mutation, so the state
-        is exactly the one after the previous record: the moment to fork a snapshot
-        (through the previous record) when one is due. After :meth:`seal` it raises
-        :class:`~cache_service.status.Unavailable` (nothing changes: retry elsewhere)."""
+        is exactly the one after the previous record: the moment to start a snapshot
+        (through the previous record) when one is due. Raises :class:`DataDirFull` or
+        :class:`DataDirUnwritable` with nothing logged (the caller then changes nothing);
+        after :meth:`seal`, :class:`~cache_service.status.Unavailable` (retry elsewhere)."""
         if self.sealed:
             raise Unavailable(f"the log in {self.directory} is sealed (this replica is "
                               "handing its pools over); retry on another replica")
-        if self.snapshotter.due():
-            self.snapshotter.start()
-        self.wal.append(record.SerializeToString())
+        if self.snapshotter.due() and self.wal.last_index >= self._snapshot_retry_at:
+            try:
+                self.snapshotter.start()
+            except OSError as exc:  # nothing is lost: the log keeps growing meanwhile
+                self._snapshot_retry_at = self.wal.last_index + _SNAPSHOT_RETRY_RECORDS
+                _log.error("snapshot_not_started", data_dir=str(self.directory),
+                           error=str(exc))
+        try:
+            self.wal.append(record.SerializeToString())
+        except OSError as exc:
+            raise self._refused(exc) from exc
+
+    def _refused(self, exc: OSError) -> DataDirFull | DataDirUnwritable:
+        """The answer to a call whose record could not be logged (nothing was applied)."""
+        if exc.errno in _NO_SPACE and not isinstance(exc, WalBroken):
+            return DataDirFull(f"data directory {self.directory} is full "
+                               f"({os.strerror(exc.errno)}): the call was not applied; "
+                               "retry once space is freed there (reads still work)")
+        if self.wal.broken is not None:
+            _log.error("wal_broken", data_dir=str(self.directory), reason=self.wal.broken)
+        return DataDirUnwritable(f"data directory {self.directory} cannot be written "
+                                 f"({exc.strerror or exc}): the call was not applied; "
+                                 + ("restart the server once the disk is healthy (reads "
+                                    "still work)" if self.wal.broken is not None else
+                                    "retry later or on another replica"))
+
+    def _unsynced(self, exc: OSError) -> DataDirUnwritable:
+        """The answer to calls waiting for an fdatasync that failed: applied here, but
+        maybe not on disk; the log takes no more appends (see WriteAheadLog)."""
+        _log.error("wal_broken", data_dir=str(self.directory), reason=self.wal.broken)
+        return DataDirUnwritable(f"data directory {self.directory}: fdatasync failed "
+                                 f"({exc.strerror or exc}); this call's outcome is in "
+                                 "doubt (it may be lost at the next restart) and the "
+                                 "server takes no more writes until it is restarted on a "
+                                 "healthy disk")
 
     async def sync(self) -> None:
         """Returns once every record appended so far is on stable storage. Concurrent
-        callers share one fdatasync (group commit), run off the event loop."""
+        callers share one fdatasync (group commit), run off the event loop.
+
+        Each waiter takes the result of the fdatasync it awaited itself, in its own task:
+        progress never depends on a done-callback having run. (It once did: a caller that
+        arrived between the fdatasync's end and its callback found the finished future,
+        awaited it without yielding, and looped forever on the event loop -- two
+        concurrent Steps under ``--fsync always`` wedged the server.)"""
         target = self.wal.last_index
         while self._synced < target:
-            if self._syncing is None:
-                self._syncing = asyncio.get_running_loop().run_in_executor(
+            syncing = self._syncing
+            if syncing is None:
+                syncing = self._syncing = asyncio.get_running_loop().run_in_executor(
                     None, self._sync_now)
-                self._syncing.add_done_callback(self._synced_through)
-            await asyncio.shield(self._syncing)
+            try:
+                through = await asyncio.shield(syncing)
+            except asyncio.CancelledError:
+                raise  # the fdatasync goes on for the other waiters
+            except OSError as exc:
+                raise self._unsynced(exc) from exc
+            finally:
+                if self._syncing is syncing and syncing.done():
+                    self._syncing = None  # the next waiter starts a new fdatasync
+            self._synced = max(self._synced, through)
 
     def _sync_now(self) -> int:
         through = self.wal.last_index  # appends happen on the loop; what is written now
         self.wal.sync()
         return through
-
-    def _synced_through(self, future: asyncio.Future[int]) -> None:
-        self._syncing = None
-        if not future.cancelled() and future.exception() is None:
-            self._synced = max(self._synced, future.result())
 
     def seal(self) -> None:
         """Ends the log for good (cluster hand-over on SIGTERM): every later append is
@@ -125,18 +186,33 @@ class DataDir(Generic[S]):
         :meth:`close` writes no final snapshot. A successor may then read what this
         replica handed over without racing a writer."""
         self.sealed = True
-        self.wal.sync()
+        try:
+            self.wal.sync()
+        except OSError as exc:  # the hand-over files still carry every applied record
+            _log.error("seal_sync_failed", data_dir=str(self.directory), error=str(exc))
 
     def close(self, state: Any = None) -> None:
         """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
         next start replays nothing -- unless the log was sealed (nothing is written
-        after a seal)."""
+        after a seal). A snapshot that cannot be written (a full disk) is logged and
+        skipped: the log still holds everything, the next start replays it."""
         self.snapshotter.wait()
-        if (state is not None and not self.sealed
-                and self.wal.last_index > self.snapshotter.last_index):
-            self.snapshotter.take_now(state)
-        self.wal.close()
-        os.close(self._lock_fd)
+        try:
+            if state is not None and self.wal.last_index > self.snapshotter.last_index \
+                    and self.wal.broken is None and not self.sealed:
+                try:
+                    self.snapshotter.take_now(state)
+                except OSError as exc:
+                    _log.error("final_snapshot_failed", data_dir=str(self.directory),
+                               error=str(exc), detail="the log holds every record; the "
+                               "next start replays it")
+            try:
+                self.wal.close()
+            except OSError as exc:
+                _log.error("wal_close_failed", data_dir=str(self.directory),
+                           error=str(exc))
+        finally:
+            os.close(self._lock_fd)
 
 
 def _lock(directory: Path) -> int:
@@ -211,6 +287,37 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
     builds the empty state of a fresh directory. Raises :class:`DataDirError`,
     :class:`~cache_service.wal.WalCorruption` or
     :class:`~cache_service.snapshot.SnapshotCorruption`."""
+    try:
+        return _open_data_dir(directory, new_state=new_state, apply=apply, fsync=fsync,
+                              fsync_interval=fsync_interval, snapshot_every=snapshot_every)
+    except OSError as exc:  # a file in the way, read-only, not permitted, ...
+        raise DataDirError(_unusable(directory, exc)) from exc
+
+
+def _unusable(directory: Path, exc: OSError) -> str:
+    """Why ``directory`` cannot be used, in one line."""
+    why = exc.strerror or str(exc)
+    if isinstance(exc, FileExistsError) or (os.path.lexists(directory)
+                                            and not os.path.isdir(directory)):
+        return f"data directory {directory} is not a directory (a file is in the way)"
+    if isinstance(exc, NotADirectoryError):
+        return (f"data directory {directory} cannot be created: a part of its path is a "
+                "file, not a directory")
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(directory) \
+        else ""
+    if exc.errno == errno.EROFS:
+        return (f"data directory {directory} is on a read-only file system{where}: the "
+                "server writes its log there")
+    if isinstance(exc, PermissionError):
+        return (f"data directory {directory} may not be written by this process{where}: "
+                f"{why} (the server writes its log there)")
+    return f"data directory {directory} cannot be used{where}: {why}"
+
+
+def _open_data_dir(directory: Path, *, new_state: Callable[[str], S],
+                   apply: Callable[[S, bytes], Any], fsync: FsyncPolicy,
+                   fsync_interval: float, snapshot_every: int,
+                   ) -> tuple[DataDir[S], S]:
     directory.mkdir(parents=True, exist_ok=True)
     if not directory.is_dir():
         raise DataDirError(f"data directory {directory} is not a directory")
@@ -235,7 +342,7 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
                             result.truncated_bytes, loaded_at - started,
                             replayed_at - loaded_at, time.process_time() - cpu_started)
         wal = WriteAheadLog(directory, result.last_index + 1, fsync=fsync,
-                            sync_interval=fsync_interval)
+                            sync_interval=fsync_interval, group_commit=True)
     except BaseException:
         os.close(lock_fd)
         raise

@@ -106,11 +106,15 @@ def write_snapshot(directory: Path, state: Any, last_index: int) -> Path:
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, last_index, len(payload), zlib.crc32(payload))
     final = directory / snapshot_name(last_index)
     tmp = final.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave it no fuller
+        raise
     os.replace(tmp, final)
     _fsync_dir(directory)
     return final

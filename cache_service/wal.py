@@ -12,13 +12,18 @@ here (the service stores serialized ``WalRecord`` messages).
 Reading (:func:`scan`) tells a crash from corruption:
 
 * a *torn tail* -- the last record of the last segment incomplete, or failing its
-  checksum with nothing but its own bytes (or zeros) after it -- is what a crash in the
-  middle of a write leaves. It is dropped and the file truncated to the last good record,
-  as the client was never answered for it (answers go out only after the append);
+  checksum with nothing but its own bytes (or zeros) after it, and no intact record
+  anywhere after it -- is what a crash in the middle of a write leaves. It is dropped and
+  the file truncated to the last good record, as the client was never answered for it
+  (answers go out only after the append). The last condition judges the header as strictly
+  as the payload: a damaged length in the middle can make a record seem to run to the end
+  of the file, but the intact records after it give it away;
 * anything else that does not parse (a bad record followed by more data, a bad record in
   an earlier segment, a gap in the indexes) is corruption: :class:`WalCorruption` names the
   file and byte offset, and the service refuses to start rather than run on a state that
   differs from the one its clients saw.
+
+A failed append (a full disk) is undone before it raises: see :class:`WriteAheadLog`.
 
 Durability of an append (``fsync`` policy, the same trade-off as Redis' appendfsync):
 
@@ -34,6 +39,7 @@ Durability of an append (``fsync`` policy, the same trade-off as Redis' appendfs
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import struct
@@ -140,14 +146,46 @@ def _read_segment(path: Path, expect_first: int, *, last: bool,
                     reason = f"record index {idx} where {index} was expected"
         if reason is not None:
             # A torn write leaves only its own partial bytes (or zero-filled blocks) after
-            # the last good record; anything else after a bad record is corruption.
+            # the last good record; anything else after a bad record is corruption. The
+            # header is judged as strictly as the payload: a damaged length can make a
+            # record in the middle look as if it ran to the end of the file, so a bad
+            # record is torn only if no intact record follows it anywhere in the file.
             if last and (stop >= end or not data[stop:].strip(b"\0")):
-                return records, index, pos
+                later = _intact_record_after(data, pos, index)
+                if later is None:
+                    return records, index, pos
+                raise WalCorruption(path, pos, f"{reason}, yet record {later[0]} follows "
+                                    f"intact at byte offset {later[1]} (a damaged record "
+                                    "in the middle of the log, not a torn write)")
             raise WalCorruption(path, pos, reason)
         records.append((index, payload))
         index += 1
         pos = stop
     return records, index, None
+
+
+#: How many of the indexes after a bad record :func:`_intact_record_after` looks for.
+_LOOKAHEAD = 64
+
+
+def _intact_record_after(data: bytes, pos: int, index: int) -> tuple[int, int] | None:
+    """``(index, offset)`` of an intact record with one of the ``_LOOKAHEAD`` indexes
+    after ``index`` that starts after ``pos``, or None. Each candidate is found by its
+    index field (bytes.find, no per-offset loop) and must pass the full checksum, which
+    covers its length and index: the chance that a torn write's leftover bytes contain
+    one is the chance of a crc32 collision at a spot that already holds the right index."""
+    for want in range(index + 1, index + 1 + _LOOKAHEAD):
+        needle = struct.pack("<Q", want)
+        at = data.find(needle, pos + 1 + 8)
+        while at != -1:
+            start = at - 8
+            length, crc = struct.unpack_from("<II", data, start)
+            stop = start + HEADER_SIZE + length
+            if length <= MAX_RECORD_BYTES and stop <= len(data) and \
+                    _crc(length, want, data[start + HEADER_SIZE:stop]) == crc:
+                return want, start
+            at = data.find(needle, at + 1)
+    return None
 
 
 def scan(directory: Path, after: int = 0, *, repair: bool = True) -> ScanResult:
@@ -194,18 +232,36 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class WalBroken(OSError):
+    """The log cannot take appends any more (an undo or an fdatasync failed): what is on
+    disk may differ from what was written, so nothing more is written until a restart
+    reads the log back."""
+
+
 class WriteAheadLog:
     """Appends records to the newest segment of ``directory`` (open it after :func:`scan`
     so a torn tail is gone). Not thread-safe for appends: the server's event loop owns it;
-    only the ``batch`` sync thread runs beside it."""
+    only the ``batch`` sync thread (or a group-commit :meth:`sync` in an executor) runs
+    beside it.
+
+    A failed append is undone before it raises: the segment is truncated back to the end
+    of the last good record (a disk that filled up mid-record leaves no partial record
+    that later appends would follow, which a restart would read as corruption). If even
+    that fails, or an fdatasync fails, the log is *broken* (``broken`` says why) and every
+    further append raises :class:`WalBroken`.
+
+    ``group_commit`` (with ``fsync="always"``): :meth:`append` does not fdatasync itself;
+    the caller calls :meth:`sync` (once for many appends) before answering."""
 
     def __init__(self, directory: Path, next_index: int, *, fsync: FsyncPolicy = "batch",
-                 sync_interval: float = 0.05) -> None:
+                 sync_interval: float = 0.05, group_commit: bool = False) -> None:
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"fsync must be always, batch or never, got {fsync!r}")
         self.directory = directory
         self.fsync = fsync
         self.next_index = next_index
+        self.broken: str | None = None
+        self._sync_each = fsync == "always" and not group_commit
         self._lock = threading.Lock()  # guards _fd against rotation during a batch sync
         self._dirty = False
         self._closed = threading.Event()
@@ -218,6 +274,7 @@ class WriteAheadLog:
             # Each run appends to a segment of its own, named after its first index, so
             # the names alone prove that no record is missing between files.
             self._fd = self._create(next_index)
+        self._size = os.fstat(self._fd).st_size  # the end of the last good record
         self._thread = None
         if fsync == "batch":
             self._thread = threading.Thread(target=self._sync_loop, args=(sync_interval,),
@@ -228,38 +285,72 @@ class WriteAheadLog:
     def last_index(self) -> int:
         return self.next_index - 1
 
+    @property
+    def path(self) -> Path:
+        """The segment appends go to."""
+        return self._path
+
     def _create(self, first_index: int) -> int:
-        self._first = first_index
-        self._path = self.directory / segment_name(first_index)
-        fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
-        os.write(fd, MAGIC)
-        os.fsync(fd)
-        _fsync_dir(self.directory)
+        """Creates the segment starting at ``first_index`` (magic written and synced,
+        directory synced) and makes it current; on failure nothing is left behind and the
+        current segment stays."""
+        path = self.directory / segment_name(first_index)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            if os.write(fd, MAGIC) != len(MAGIC):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            os.fsync(fd)
+            _fsync_dir(self.directory)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._first, self._path = first_index, path
+        self._size = len(MAGIC)
         return fd
 
     def append(self, payload: bytes) -> int:
-        """Writes one record (and syncs it under ``always``); returns its index."""
+        """Writes one record (and syncs it under ``always`` without group commit);
+        returns its index. On an error nothing of the record stays (see the class)."""
+        if self.broken is not None:
+            raise WalBroken(errno.EIO, f"the write-ahead log {self._path} takes no more "
+                            f"appends: {self.broken}")
         index = self.next_index
         data = frame(index, payload)
-        written = os.write(self._fd, data)
-        if written != len(data):  # a regular file writes whole, short of ENOSPC
-            raise OSError(f"short write to {self._path}: {written} of {len(data)} bytes")
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):  # a regular file writes whole, short of ENOSPC
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (wrote {written} "
+                              f"of {len(data)} bytes)", str(self._path))
+            if self._sync_each:
+                os.fdatasync(self._fd)
+        except OSError:
+            self._undo()
+            raise
+        self._size += len(data)
         self.next_index = index + 1
-        if self.fsync == "always":
-            os.fdatasync(self._fd)
-        else:
+        if not self._sync_each:
             self._dirty = True
         return index
 
+    def _undo(self) -> None:
+        """Cuts the current segment back to its last good record."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as exc:
+            self.broken = f"a failed append could not be undone ({exc})"
+
     def rotate(self) -> int:
         """Starts a new segment at the next index; returns the last index of the old ones
-        (what a snapshot taken now covers)."""
+        (what a snapshot taken now covers). If the new segment cannot be created, raises
+        with the current segment still in use."""
         with self._lock:
             if self.fsync != "never":
-                os.fdatasync(self._fd)
+                self._fdatasync()
             if self._first != self.next_index:  # else the current segment is still empty
-                os.close(self._fd)
+                old = self._fd
                 self._fd = self._create(self.next_index)
+                os.close(old)
             self._dirty = False
         return self.next_index - 1
 
@@ -276,10 +367,20 @@ class WriteAheadLog:
             _fsync_dir(self.directory)
         return removed
 
+    def _fdatasync(self) -> None:
+        """fdatasync of the current segment (caller holds ``_lock``). A failure breaks the
+        log: after a failed fdatasync the kernel may have dropped the dirty pages, so a
+        later success would prove nothing (PostgreSQL's "fsyncgate")."""
+        try:
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self.broken = f"fdatasync of {self._path} failed ({exc})"
+            raise
+
     def sync(self) -> None:
         """Flushes everything appended so far to stable storage."""
         with self._lock:
-            os.fdatasync(self._fd)
+            self._fdatasync()
             self._dirty = False
 
     def _sync_loop(self, interval: float) -> None:
@@ -289,16 +390,21 @@ class WriteAheadLog:
                     if self._closed.is_set():
                         return
                     self._dirty = False
-                    os.fdatasync(self._fd)
+                    try:
+                        self._fdatasync()
+                    except OSError:
+                        return  # broken: appends now refuse, and say why
 
     def close(self) -> None:
         self._closed.set()
         if self._thread is not None:
             self._thread.join()
         with self._lock:
-            if self.fsync != "never":
-                os.fdatasync(self._fd)
-            os.close(self._fd)
+            try:
+                if self.fsync != "never" and self.broken is None:
+                    self._fdatasync()
+            finally:
+                os.close(self._fd)
 
 
 def iter_payloads(result: ScanResult) -> Iterator[bytes]:
