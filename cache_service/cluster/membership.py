@@ -106,9 +106,10 @@ class Membership:
     async def leave(self) -> None:
         """Stops renewing and revokes the lease: the member key and every ownership key
         of this replica disappear at once, so other replicas take the pools over now."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._reacting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.valid_until = 0.0
         try:
             await asyncio.wait_for(self.etcd.client.revoke_lease(self.lease_id),
