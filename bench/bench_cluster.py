@@ -12,6 +12,10 @@ Starts its own etcd (the ``etcd`` binary) and cache-service replicas as processe
   Measured twice: without shared storage, and with ``--shared-data-root`` (the new owner
   restores the pool from the dead owner's log: no registration again; the number of times
   the client had to register again is reported, 0 expected).
+* ``rolling``: 3 replicas on a shared data root, ``--pools`` pools stepped by 3 client
+  threads; each replica in turn gets SIGTERM (it hands its pools over) and is started again
+  on its port and member id. The longest time any pool went without an answered Step
+  (goal <= 1 s) and the number of client errors (goal 0).
 * ``overhead``: the same sequential Step (a decode op over 8 requests) against a standalone
   replica and against a one-member cluster replica that owns the pool (the fencing check on
   every call is the difference); mean round trip each, interleaved in rounds; ratio.
@@ -21,6 +25,7 @@ Starts its own etcd (the ``etcd`` binary) and cache-service replicas as processe
 
     python3 bench/bench_cluster.py               # about a minute
     python3 bench/bench_cluster.py --kills 20    # the issue's sample size
+    python3 bench/bench_cluster.py --parts failover,rolling --kills 3   # failover only
 
 Prints a table and writes bench/results/cluster.json.
 """
@@ -55,14 +60,17 @@ LAYERS = [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_siz
           for i in range(2)]
 
 
-def replica(etcd: EtcdServer | None, cluster: str, shared: Path | None = None) -> ServerProcess:
-    """A replica; with ``shared``, on that shared data root (a fresh member id)."""
-    flags = ["--drain-seconds", "1"]
+def replica(etcd: EtcdServer | None, cluster: str, shared: Path | None = None,
+            member: str | None = None, port: int = 0) -> ServerProcess:
+    """A replica; with ``shared``, on that shared data root (``member``, else a fresh
+    member id), on ``port`` (0: any)."""
+    flags = ["--drain-seconds", "1", "--port", str(port)]
     if etcd is not None:
         flags += ["--etcd-endpoints", etcd.endpoint, "--cluster-name", cluster,
                   "--etcd-lease-ttl", str(TTL)]
     if shared is not None:
-        flags += ["--shared-data-root", str(shared), "--member-id", uuid.uuid4().hex[:8]]
+        flags += ["--shared-data-root", str(shared), "--member-id",
+                  member or uuid.uuid4().hex[:8]]
     return start_cache_service(*flags)
 
 
@@ -150,6 +158,58 @@ def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> 
             "shared_data_root": shared is not None, "registered_again": registered_again}
 
 
+def bench_rolling(etcd: EtcdServer, shared: Path, pools: int) -> dict:
+    """A rolling restart of 3 replicas under load (see the module docstring)."""
+    cluster = f"bench-{uuid.uuid4().hex[:6]}"
+    members = [replica(etcd, cluster, shared, f"m{i}") for i in range(3)]
+    targets = ",".join(r.target for r in members)
+    names = [f"roll{i}" for i in range(pools)]
+    last: dict[str, float] = {}
+    stall: dict[str, float] = dict.fromkeys(names, 0.0)
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def load(mine: list[str]) -> None:
+        with CacheClient(targets, default_timeout=30, backoff_base=0.02,
+                         backoff_max=0.1) as client:
+            i = 0
+            while not stop.is_set():
+                pool = mine[i % len(mine)]
+                try:
+                    client.step(pool, [ops.add(f"r{i}", [1, 2, 3]), ops.allocate(f"r{i}", 3),
+                                       ops.free(f"r{i}")])
+                except CacheError as exc:
+                    errors.append(str(exc))
+                now = time.monotonic()
+                if pool in last:
+                    stall[pool] = max(stall[pool], now - last[pool])
+                last[pool] = now
+                i += 1
+
+    try:
+        with CacheClient(targets, default_timeout=30) as client:
+            for pool in names:
+                register(client, pool)
+        threads = [threading.Thread(target=load, args=(names[t::3],)) for t in range(3)]
+        for t in threads:
+            t.start()
+        for i, old in enumerate(list(members)):
+            time.sleep(1.0)  # steady load between restarts (a pace, not a sync)
+            port = old.port
+            old.stop()  # SIGTERM: the pools are handed over
+            members[i] = replica(etcd, cluster, shared, f"m{i}", port)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+    finally:
+        for r in members:
+            r.stop()
+    return {"pools": pools, "longest_stall_s": round(max(stall.values()), 3),
+            "stall_s": {p: round(v, 3) for p, v in stall.items()},
+            "client_errors": len(errors), "errors": errors[:5]}
+
+
 def _step_loop(client: CacheClient, pool: str, n: int) -> float:
     rids = [f"d{i}" for i in range(8)]
     start = time.perf_counter()
@@ -231,7 +291,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--pools", type=int, default=6, help="rolling: pools under load")
+    parser.add_argument("--parts", default="overhead,scaling,failover,rolling",
+                        help="comma-separated parts to run")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     if etcd_binary() is None:
         print("bench_cluster: no etcd binary (apt-get install etcd-server)")
         return 1
@@ -239,32 +303,47 @@ def main() -> int:
         etcd = EtcdServer(Path(tmp) / "etcd")
         etcd.start()
         try:
-            overhead = bench_overhead(etcd, args.steps, args.rounds)
-            scaling = bench_scaling(etcd, args.clients, args.seconds)
-            failover = bench_failover(etcd, args.kills)
-            shared = bench_failover(etcd, args.kills, Path(tmp) / "shared")
+            results: dict = {}
+            if "overhead" in parts:
+                results["overhead"] = bench_overhead(etcd, args.steps, args.rounds)
+            if "scaling" in parts:
+                results["scaling"] = bench_scaling(etcd, args.clients, args.seconds)
+            if "failover" in parts:
+                results["failover"] = bench_failover(etcd, args.kills)
+                results["failover_shared"] = bench_failover(etcd, args.kills,
+                                                            Path(tmp) / "shared")
+            if "rolling" in parts:
+                results["rolling"] = bench_rolling(etcd, Path(tmp) / "rolling", args.pools)
         finally:
             etcd.stop()
-    one = scaling[0]["steps_per_s"]
-    rows = [
-        ["failover p50 (s)", failover["p50_s"], (f"p99 {failover['p99_s']} s, max "
-                                                 f"{failover['max_s']} s over {args.kills} "
-                                                 f"kills, lease TTL {TTL} s; no shared "
-                                                 "storage")],
-        ["failover p50, shared data root (s)", shared["p50_s"],
-         (f"p99 {shared['p99_s']} s, max {shared['max_s']} s; pool restored, registered "
-          f"again {shared['registered_again']} times (no shared storage: "
-          f"{failover['registered_again']})")],
-        ["Step, standalone (us)", overhead["standalone_us"], ""],
-        ["Step, cluster member (us)", overhead["cluster_us"],
-         f"{overhead['ratio']:.3f}x standalone (goal <= 1.05x)"],
-    ] + [[f"Steps/s, {r['replicas']} replica(s)", r["steps_per_s"],
-          (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
-           f"{r['pools_per_replica']}")] for r in scaling]
+    rows: list[list] = []
+    if "failover" in results:
+        failover, shared = results["failover"], results["failover_shared"]
+        rows += [
+            ["failover p50 (s)", failover["p50_s"], (
+                f"p99 {failover['p99_s']} s, max {failover['max_s']} s over {args.kills} "
+                f"kills, lease TTL {TTL} s; no shared storage")],
+            ["failover p50, shared data root (s)", shared["p50_s"], (
+                f"p99 {shared['p99_s']} s (goal <= 3 s), max {shared['max_s']} s; pool "
+                f"restored, registered again {shared['registered_again']} times (no "
+                f"shared storage: {failover['registered_again']})")]]
+    if "rolling" in results:
+        rolling = results["rolling"]
+        rows.append(["rolling restart, longest pool stall (s)", rolling["longest_stall_s"],
+                     (f"goal <= 1 s; {rolling['pools']} pools, 3 replicas, "
+                      f"{rolling['client_errors']} client errors (goal 0)")])
+    if "overhead" in results:
+        overhead = results["overhead"]
+        rows += [["Step, standalone (us)", overhead["standalone_us"], ""],
+                 ["Step, cluster member (us)", overhead["cluster_us"],
+                  f"{overhead['ratio']:.3f}x standalone (goal <= 1.05x)"]]
+    if "scaling" in results:
+        one = results["scaling"][0]["steps_per_s"]
+        rows += [[f"Steps/s, {r['replicas']} replica(s)", r["steps_per_s"],
+                  (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
+                   f"{r['pools_per_replica']}")] for r in results["scaling"]]
     print_table("Cluster mode (etcd)", ["measure", "value", "notes"], rows)
-    path = write_results("cluster", {"failover": failover, "failover_shared": shared,
-                                     "overhead": overhead,
-                                     "scaling": scaling})
+    path = write_results("cluster", results)
     print(f"wrote {path}")
     return 0
 

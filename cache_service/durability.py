@@ -122,12 +122,18 @@ class DataDir(Generic[S]):
         self._synced = wal.last_index
         self._syncing: asyncio.Future[int] | None = None
         self._snapshot_retry_at = 0
+        #: Set by :meth:`seal`: the log takes no record any more.
+        self.sealed = False
 
     def append(self, record: Message) -> None:
         """Logs one accepted record. Called between validation and mutation, so the state
         is exactly the one after the previous record: the moment to start a snapshot
         (through the previous record) when one is due. Raises :class:`DataDirFull` or
-        :class:`DataDirUnwritable` with nothing logged (the caller then changes nothing)."""
+        :class:`DataDirUnwritable` with nothing logged (the caller then changes nothing);
+        after :meth:`seal`, :class:`~cache_service.status.Unavailable` (retry elsewhere)."""
+        if self.sealed:
+            raise Unavailable(f"the log in {self.directory} is sealed (this replica is "
+                              "handing its pools over); retry on another replica")
         if self.snapshotter.due() and self.wal.last_index >= self._snapshot_retry_at:
             try:
                 self.snapshotter.start()
@@ -195,15 +201,29 @@ class DataDir(Generic[S]):
         self.wal.sync()
         return through
 
+    def seal(self) -> None:
+        """Ends the log for good (cluster hand-over on SIGTERM): every later append is
+        refused, everything appended so far is on stable storage when this returns, and
+        :meth:`close` writes no final snapshot. A successor may then read what this
+        replica handed over without racing a writer (a running compaction is ended too:
+        it would delete segments a reader of this directory may be reading)."""
+        self.sealed = True
+        self.snapshotter.stop()
+        try:
+            self.wal.sync()
+        except OSError as exc:  # the hand-over files still carry every applied record
+            _log.error("seal_sync_failed", data_dir=str(self.directory), error=str(exc))
+
     def close(self, state: Any = None) -> None:
         """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
-        next start replays nothing (a compaction still running is ended first). A snapshot
-        that cannot be written (a full disk) is logged and skipped: the log still holds
-        everything, the next start replays it."""
+        next start replays nothing (a compaction still running is ended first) -- unless
+        the log was sealed (nothing is written after a seal). A snapshot that cannot be
+        written (a full disk) is logged and skipped: the log still holds everything, the
+        next start replays it."""
         self.snapshotter.stop()
         try:
             if state is not None and self.wal.last_index > self.snapshotter.last_index \
-                    and self.wal.broken is None:
+                    and self.wal.broken is None and not self.sealed:
                 try:
                     self.snapshotter.take_now(state)
                 except OSError as exc:

@@ -221,9 +221,12 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         async def deny(context: grpc.aio.ServicerContext) -> None:
             trailers = calls.request_id_metadata()
             if interceptor.draining:
+                # A negative pushback: the client's gRPC retry policy does not retry on
+                # this instance (it is leaving); the client moves on to another one.
                 await context.abort(grpc.StatusCode.UNAVAILABLE,
                                     "server is shutting down; retry on another instance",
-                                    trailing_metadata=trailers)
+                                    trailing_metadata=(*trailers,
+                                                       ("grpc-retry-pushback-ms", "-1")))
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or invalid bearer token (metadata 'authorization: "
                                 "Bearer <token>')", trailing_metadata=trailers)

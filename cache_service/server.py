@@ -139,11 +139,27 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     return state, data_dir
 
 
-def read_peer_state(settings: Settings, directory: Path) -> ServiceState:
-    """The state another replica's data directory holds, read without writing there
-    (cluster mode, shared storage: a dead replica's pools are taken over from it)."""
-    return read_data_dir(directory, new_state=lambda instance_id: _new_state(
-        settings, instance_id, cluster=False), apply=_replay)
+def read_peer_state(settings: Settings, directory: Path, pool_id: str) -> bytes:
+    """Pool ``pool_id`` as another replica's data directory holds it (``export_pool``),
+    read without writing there (cluster mode, shared storage: a dead replica's pools are
+    taken over from it). A pool that replica dropped (it saw the pool owned elsewhere, e.g.
+    it came back after its lease expired) is answered as it was just before the drop: the
+    drop is that replica giving the pool up, never a deletion for its successor (a client's
+    DeletePool removes the pool's etcd keys first, so nobody takes a deleted pool over)."""
+    before_drop: list[bytes] = []
+
+    def apply(state: ServiceState, payload: bytes) -> None:
+        record = WalRecord.FromString(payload)
+        if (record.WhichOneof("mutation") == "delete_pool"
+                and record.delete_pool.pool_id == pool_id and pool_id in state.registry):
+            before_drop[:] = [state.export_pool(pool_id)]
+        state.apply(record)
+
+    state = read_data_dir(directory, new_state=lambda instance_id: _new_state(
+        settings, instance_id, cluster=False), apply=apply)
+    if pool_id not in state.registry and before_drop:
+        return before_drop[0]
+    return state.export_pool(pool_id)
 
 
 async def serve(settings: Settings) -> int:
@@ -236,6 +252,10 @@ async def serve(settings: Settings) -> int:
         registry.close()
 
     async def wait_idle(grace_seconds: float) -> None:
+        if node is not None and data_dir is not None:
+            # Shared data root: seal the log and hand each pool to its successor first,
+            # so pools move at once instead of after the drain.
+            await node.hand_over(data_dir.seal, servicer.gate.wait_idle)
         await interceptor.wait_idle(grace_seconds)
         if node is not None:
             # After the drain, so that no write races the successor's takeover.

@@ -217,7 +217,8 @@ REGISTRY: dict[str, Entry] = {
     "python3 bench/bench_service.py":
         _bench("service", "--steps 10 --warmup 1 --clients 1 --sizes 8"),
     "python3 bench/bench_cluster.py": _bench(  # needs etcd: the cluster tier
-        "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5", tier="cluster"),
+        "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5 --pools 3",
+        tier="cluster"),
     "python3 bench/bench_durability.py": _bench(
         "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
     "python3 bench/bench_snapshot.py": _bench(

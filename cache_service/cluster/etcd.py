@@ -17,6 +17,15 @@ ETCD_ERRORS: tuple[type[BaseException], ...] = (
 _log = structlog.get_logger("cache_service.cluster")
 
 
+def stray_cancel() -> bool:
+    """True inside ``except CancelledError`` when the running task itself is not being
+    cancelled: a call on a channel that another task closed (:meth:`Etcd.reconnect`, after
+    the keep-alive or the watch noticed an outage) ends that way. Such an error is an etcd
+    failure like any other; letting it end the task would stop renewals for good."""
+    task = asyncio.current_task()
+    return task is not None and not task.cancelling()
+
+
 def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     """``"host:port[,host:port]"`` (an ``http://`` prefix is accepted) -> pairs; raises
     ValueError naming the bad entry."""

@@ -6,6 +6,9 @@ Key layout (all under ``/kvcache/<cluster-name>/``; docs/deployment.md shows it 
   under the member's lease: it disappears when the replica leaves or its lease expires.
 - ``owners/<pool-id>`` -> JSON ``{"member": ..., "address": ...}``, put under the OWNER's
   lease; its mod revision is the pool's fencing token (a new owner always has a larger one).
+  A pool handed over by a leaving replica also names ``"from"`` (that replica) and
+  ``"handoff"`` (its hand-over file, relative to the shared data root; see
+  :mod:`~cache_service.cluster.handoff`).
 - ``pools/<pool-id>`` -> the ``kvcache.v1.RegisterPoolRequest`` the pool was registered
   with (binary protobuf), no lease: it lives until DeletePool, so a new owner can rebuild
   the pool when the old owner is gone.
@@ -65,15 +68,25 @@ class Owner:
     address: str
     lease: int
     token: int  # the key's mod revision: the fencing token
+    #: Handed over: the replica that left it, and its hand-over file (relative path).
+    source: str | None = None
+    handoff: str | None = None
 
     @staticmethod
-    def encode(member: str, address: str) -> bytes:
-        return json.dumps({"member": member, "address": address}).encode()
+    def encode(member: str, address: str, *, source: str | None = None,
+               handoff: str | None = None) -> bytes:
+        data = {"member": member, "address": address}
+        if source is not None and handoff is not None:
+            data.update({"from": source, "handoff": handoff})
+        return json.dumps(data).encode()
 
     @classmethod
     def decode(cls, value: bytes, lease: int, token: int) -> Owner:
         data = json.loads(value)
-        return cls(str(data["member"]), str(data["address"]), lease, token)
+        source, handoff = data.get("from"), data.get("handoff")
+        return cls(str(data["member"]), str(data["address"]), lease, token,
+                   str(source) if source is not None else None,
+                   str(handoff) if handoff is not None else None)
 
 
 def rendezvous_owner(pool_id: str, members: Iterable[str]) -> str | None:

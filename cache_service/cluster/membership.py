@@ -13,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout
 
 _log = structlog.get_logger("cache_service.cluster")
@@ -36,8 +37,9 @@ class Membership:
         self.ttl = ttl
         self.lease_id = 0
         self.valid_until = 0.0
-        self.on_new_lease: Callable[[], Awaitable[None]] | None = None
+        self.on_new_lease: Callable[[], Coroutine[Any, Any, None]] | None = None
         self._task: asyncio.Task | None = None
+        self._reacting: asyncio.Task | None = None
 
     def lease_valid(self) -> bool:
         """True while the lease is certainly alive in etcd (see the module docstring)."""
@@ -83,11 +85,16 @@ class Membership:
                     # The lease is gone in etcd: our keys (and pool ownerships) went with it.
                     self.valid_until = 0.0
                     _log.warning("lease_lost", member=self.member_id, lease=self.lease_id)
-                    await self._grant()
+                    await asyncio.wait_for(self._grant(), period)
                     if self.on_new_lease is not None:
-                        await self.on_new_lease()
-            except Exception as exc:  # noqa: BLE001 - the keep-alive must never stop
-                if not isinstance(exc, ETCD_ERRORS):
+                        # In a task of its own: acting on the new lease (placement, which
+                        # may wait for etcd) must never hold up its renewals.
+                        self._reacting = asyncio.create_task(self.on_new_lease(),
+                                                             name="etcd-new-lease")
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - never stop
+                if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                    raise
+                if not isinstance(exc, ETCD_ERRORS + (asyncio.CancelledError,)):
                     # e.g. a call racing the close of a replaced client
                     _log.exception("keepalive_failed")
                 _log.warning("etcd_unreachable", endpoint=self.etcd.endpoint, error=str(exc),
@@ -99,9 +106,10 @@ class Membership:
     async def leave(self) -> None:
         """Stops renewing and revokes the lease: the member key and every ownership key
         of this replica disappear at once, so other replicas take the pools over now."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        for task in (self._task, self._reacting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.valid_until = 0.0
         try:
             await asyncio.wait_for(self.etcd.client.revoke_lease(self.lease_id),

@@ -16,6 +16,7 @@ import structlog
 from cache_service import convert
 from cache_service.calls import REQUEST_ID_KEY, request_id_metadata
 from cache_service.cluster.etcd import Etcd
+from cache_service.cluster.handoff import HandoffError, read_handoff, write_handoff
 from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
@@ -39,7 +40,7 @@ LocalPeek = Callable[[Namespace, pb.PeekPrefixRequest], Awaitable[pb.PeekPrefixR
 FORWARDED_KEY = "x-kvcache-forwarded"
 
 
-def _no_reader(settings: Settings, directory: Path) -> ServiceState:
+def _no_reader(settings: Settings, directory: Path, pool_id: str) -> bytes:
     raise RuntimeError("no reader of other replicas' data directories was set")
 
 
@@ -69,8 +70,9 @@ class ClusterNode:
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.CacheServiceStub]] = {}
         #: The server's lease keeper (sessions a taken-over pool brings get leases).
         self.leases: LeaseKeeper | None = None
-        #: Reads another replica's data directory (set by the server; shared data root).
-        self.read_peer: Callable[[Settings, Path], ServiceState] = _no_reader
+        #: Reads one pool's state (``export_pool``) out of another replica's data
+        #: directory (set by the server; shared data root).
+        self.read_peer: Callable[[Settings, Path, str], bytes] = _no_reader
 
     async def join(self, port: int, timeout: float = 30.0) -> None:
         """Registers this replica and acts on the cluster's current state; raises
@@ -82,7 +84,8 @@ class ClusterNode:
         restore = self._adopt if self.settings.shared_data_root is not None else None
         self.placement = Placement(self.etcd, self.keys, self.membership,
                                    self.registry.has, restore, self._discard,
-                                   lambda: [entry.pool_id for entry in self.registry])
+                                   lambda: [entry.pool_id for entry in self.registry],
+                                   self._receive if restore is not None else None)
         self.registry.placement = self.placement
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
@@ -100,8 +103,8 @@ class ClusterNode:
         started = time.perf_counter()
         try:
             # Off the event loop: replaying another replica's log takes a while.
-            payload = await asyncio.to_thread(
-                lambda: self.read_peer(self.settings, directory).export_pool(pool_id))
+            payload = await asyncio.to_thread(self.read_peer, self.settings, directory,
+                                              pool_id)
         except KVCacheError:
             _log.warning("pool_not_adopted", pool_id=pool_id, holder=holder,
                          reason="not in the holder's state (never registered there)")
@@ -110,21 +113,80 @@ class ClusterNode:
             _log.error("pool_adoption_failed", pool_id=pool_id, holder=holder,
                        data_dir=str(directory), error=f"{type(exc).__name__}: {exc}")
             return
-        with self.registry.unfenced():
-            result = self.state.apply(WalRecord(adopt_pool=wal_pb2.AdoptPool(
-                pool_id=pool_id, from_member=holder, state=payload)))
+        self._install(pool_id, holder, payload, started, via="log")
+
+    def _install(self, pool_id: str, holder: str, payload: bytes, started: float,
+                 via: str) -> bool:
+        """Applies the AdoptPool record of ``payload`` (logged here); sessions it brings
+        get leases. False (logged) when the state is refused."""
+        try:
+            with self.registry.unfenced():
+                result = self.state.apply(WalRecord(adopt_pool=wal_pb2.AdoptPool(
+                    pool_id=pool_id, from_member=holder, state=payload)))
+        except KVCacheError as exc:
+            _log.error("pool_adoption_failed", pool_id=pool_id, holder=holder, via=via,
+                       error=f"{type(exc).__name__}: {exc}")
+            return False
         assert isinstance(result, wal_pb2.AdoptPoolResult)  # what an adoption answers
         if self.leases is not None:
             for sid in result.session_ids:  # timers are not state: fresh leases here
                 self.leases.start(sid)
-        _log.warning("pool_adopted", pool_id=pool_id, holder=holder,
+        _log.warning("pool_adopted", pool_id=pool_id, holder=holder, via=via,
                      incarnation=self.registry.entry(pool_id).incarnation,
                      sessions=len(result.session_ids),
                      seconds=round(time.perf_counter() - started, 3))
+        return True
+
+    async def _receive(self, pool_id: str, source: str, handoff: str) -> bool:
+        """Installs a pool handed over by ``source`` from its hand-over file (``handoff``,
+        relative to the shared data root) and makes the AdoptPool record durable before
+        the pool is served; False (logged) when the file cannot be used."""
+        root = self.settings.shared_data_root
+        assert root is not None
+        started = time.perf_counter()
+        path = (root / handoff).resolve()
+        try:
+            if not path.is_relative_to(root.resolve()):
+                raise HandoffError(f"hand-over file {handoff!r} is outside the shared "
+                                   f"data root {root}")
+            payload = await asyncio.to_thread(read_handoff, path)
+        except HandoffError as exc:
+            _log.error("handoff_unreadable", pool_id=pool_id, source=source, error=str(exc))
+            return False
+        if not self._install(pool_id, source, payload, started, via="handoff"):
+            return False
+        await self.state.durability.sync()
+        return True
+
+    async def hand_over(self, seal: Callable[[], None],
+                        settle: Callable[[list[str]], Awaitable[None]]) -> None:
+        """SIGTERM with a shared data root: ``seal()`` the log (no write is accepted from
+        now on), ``settle(pools)`` until no call is still applying to them, then pass each
+        owned pool to its successor through a hand-over file (see
+        :meth:`Placement.hand_over`). Pools it cannot pass on go with the lease."""
+        root, directory = self.settings.shared_data_root, self.settings.state_dir
+        if self.placement is None or root is None or directory is None:
+            return
+        started = time.monotonic()
+        seal()
+        await settle(list(self.placement.owned))
+
+        async def write(pool_id: str, token: int) -> str | None:
+            if not self.registry.has(pool_id):
+                return None  # placed but never registered here: nothing to hand over
+            payload = self.state.export_pool(pool_id)
+            path = await asyncio.to_thread(write_handoff, directory, pool_id, token, payload)
+            return str(path.relative_to(root))
+
+        moved = await self.placement.hand_over(write)
+        _log.info("handed_over", pools=len(moved),
+                  seconds=round(time.monotonic() - started, 3))
 
     def _discard(self, pool_id: str) -> None:
         """Drops a pool this replica lost, through the one mutation path (so a write-ahead
         log records it and a restart does not bring the stale copy back)."""
+        if getattr(self.state.durability, "sealed", False):
+            return  # leaving: nothing is written after the seal
         with self.registry.unfenced():
             self.state.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id=pool_id)))
 

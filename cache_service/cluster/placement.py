@@ -19,6 +19,13 @@ watch from the listing's revision) and acts on it under one lock:
   is redirected with.
 - **lose**: a pool whose ownership key no longer names this replica under its current lease
   and token is dropped from this replica at once.
+- **hand over** (SIGTERM, :meth:`Placement.hand_over`): the leaving replica, its log sealed,
+  writes each pool to a hand-over file and moves ``owners/<pool>`` to the pool's rendezvous
+  owner among the other members, under THAT member's lease, in a transaction conditioned on
+  its own fencing token; the value names the file. The successor, seeing an ownership key
+  naming it with a hand-over, installs the pool from that file before serving it, then
+  names itself the pool's holder. A pool moves within a few etcd round trips of SIGTERM,
+  not after a lease TTL, and nobody reads a log that is still being written.
 
 Fencing: :meth:`Placement.check` runs before every call on a pool (every write included,
 with no await between it and the write). It passes only if this replica holds the pool
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
 from cache_service.core.errors import NotFound
@@ -51,6 +58,12 @@ _log = structlog.get_logger("cache_service.cluster")
 #: id) left on storage this replica can read; logs and returns when it cannot (the pool is
 #: then served absent: clients register it again).
 Restore = Callable[[str, str], Awaitable[None]]
+#: Installs pool ``pool_id`` handed over by replica ``source`` from its hand-over file
+#: (path relative to the shared data root); answers False (logged) when it cannot.
+Receive = Callable[[str, str, str], Awaitable[bool]]
+#: Writes the hand-over file of an owned pool at its fencing token (the log sealed);
+#: answers the file's path relative to the shared data root (None: no state here).
+WriteHandoff = Callable[[str, int], Awaitable[str | None]]
 
 
 class PoolMoved(Unavailable):
@@ -79,8 +92,10 @@ class Placement:
     def __init__(self, etcd: Etcd, keys: KeyLayout, membership: Membership,
                  has_local: Callable[[str], bool], restore: Restore | None,
                  discard: Callable[[str], None],
-                 local_pools: Callable[[], list[str]] = list) -> None:
+                 local_pools: Callable[[], list[str]] = list,
+                 receive: Receive | None = None) -> None:
         self.etcd = etcd
+        self._receive = receive
         self.keys = keys
         self.membership = membership
         self._has_local = has_local
@@ -109,6 +124,11 @@ class Placement:
         token = self.owned.get(pool_id)
         if token is not None and time.monotonic() < self.membership.valid_until:
             return token
+        if not self.synced.is_set():
+            # Joining: pools recovered from this replica's own log may be owned elsewhere
+            # by now, and a pool unknown here may exist elsewhere: neither is answered yet.
+            raise Unavailable(f"replica {self.me} is joining the cluster; retry",
+                              field=field)
         owner = self.owners.get(pool_id)
         if owner is not None and owner.member != self.me:
             raise PoolMoved(pool_id, owner, field)
@@ -169,8 +189,10 @@ class Placement:
                         await self.reconcile()
                 finally:
                     pump.cancel()
-            except Exception as exc:  # noqa: BLE001 - any failure: list and watch again
-                if not isinstance(exc, ETCD_ERRORS + (RuntimeError,)):
+            except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - list, watch again
+                if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                    raise
+                if not isinstance(exc, ETCD_ERRORS + (RuntimeError, asyncio.CancelledError)):
                     _log.exception("cluster_view_failed")
                 _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
                 await self.etcd.reconnect(client)
@@ -183,8 +205,13 @@ class Placement:
             async for event in watch:
                 await events.put(event)
             await events.put(RuntimeError("etcd watch ended"))
-        except Exception as exc:  # noqa: BLE001 - delivered to the follower, which reconnects
-            await events.put(exc)
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001 - to the follower
+            if isinstance(exc, asyncio.CancelledError) and not stray_cancel():
+                raise
+            # The follower relists and watches again (a watch whose channel was closed
+            # under it ends cancelled: without this the view would silently go stale).
+            await events.put(exc if isinstance(exc, Exception)
+                             else RuntimeError("etcd watch cancelled"))
 
     async def _load(self) -> int:
         """Replaces the view with a full listing; answers its revision."""
@@ -241,13 +268,18 @@ class Placement:
                                                                                   token):
                     self._lose(pool_id, owner)
             for pool_id in self._local_pools():
-                # Recovered from this replica's own log at start, but owned elsewhere now.
+                if pool_id in self.owned:
+                    continue
                 owner = self.owners.get(pool_id)
-                if pool_id not in self.owned and owner is not None and owner.member != me:
+                if owner is not None and owner.member != me:
+                    # Kept here (recovered from this replica's own log at start, or kept
+                    # while its ownership was in doubt), but owned elsewhere now.
                     self._lose(pool_id, owner)
+                elif owner is None and pool_id not in self.registered:
+                    self._discard(pool_id)  # deleted meanwhile: nobody takes it over
             for pool_id, owner in list(self.owners.items()):
                 if owner.member == me and owner.lease == lease and pool_id not in self.owned:
-                    await self._instantiate(pool_id, owner.token)
+                    await self._instantiate(pool_id, owner.token, handoff=owner)
             if not self.membership.lease_valid():
                 return
             for pool_id in sorted(self.registered - self.owners.keys()):
@@ -255,8 +287,13 @@ class Placement:
                     await self._claim(pool_id)
 
     def _lose(self, pool_id: str, owner: Owner | None) -> None:
+        """Stops serving ``pool_id``. Its state is dropped (a logged drop) only once
+        another replica owns it: a pool whose ownership key merely vanished (this
+        replica's lease expired, e.g. etcd was away longer than the TTL) is kept as it is,
+        so that whoever claims it next -- this replica, or another one reading this
+        replica's log -- finds every acknowledged write."""
         self.owned.pop(pool_id, None)
-        if self._has_local(pool_id):
+        if owner is not None and owner.member != self.me and self._has_local(pool_id):
             self._discard(pool_id)
         _log.warning("ownership_lost", pool_id=pool_id,
                      new_owner=owner.member if owner else None)
@@ -283,17 +320,77 @@ class Placement:
         _log.info("pool_taken_over", pool_id=pool_id, token=token, holder=holder)
         await self._instantiate(pool_id, token, holder)
 
-    async def _instantiate(self, pool_id: str, token: int, holder: str | None = None
-                           ) -> None:
+    async def _instantiate(self, pool_id: str, token: int, holder: str | None = None, *,
+                           handoff: Owner | None = None) -> None:
         """Serves an owned pool from now on. Taken over from another ``holder``: with a
         ``restore``, rebuilt from that holder's state first (a copy this replica kept from
-        an earlier ownership is older than the holder's: dropped)."""
-        if self._restore is not None and holder is not None and holder != self.me:
+        an earlier ownership is older than the holder's: dropped). Handed over (the
+        ownership key names a hand-over file): installed from that file, else (it cannot
+        be read) from the leaving replica's sealed log; then this replica is the holder."""
+        if (handoff is not None and handoff.handoff is not None and handoff.source
+                and handoff.source != self.me and self._receive is not None):
+            if self._has_local(pool_id):
+                self._discard(pool_id)
+            if not await self._receive(pool_id, handoff.source, handoff.handoff) \
+                    and self._restore is not None:
+                await self._restore(pool_id, handoff.source)
+            await self._name_holder(pool_id, token)
+        elif self._restore is not None and holder is not None and holder != self.me:
             if self._has_local(pool_id):
                 self._discard(pool_id)
             await self._restore(pool_id, holder)
         self.owned[pool_id] = token
         _log.info("pool_owned", pool_id=pool_id, token=token)
+
+    async def _name_holder(self, pool_id: str, token: int) -> None:
+        """``holders/<pool>`` := this replica, while it still owns the pool at ``token``
+        (its log now has the pool: a later takeover reads it here)."""
+        tx = self.etcd.client.transactions
+        try:
+            await self.etcd.client.transaction(
+                compare=[tx.mod(self.keys.owner(pool_id)) == token],
+                success=[tx.put(self.keys.holder(pool_id), self.me.encode())], failure=[])
+        except ETCD_ERRORS as exc:  # the holder stays the leaving replica (its log is sealed)
+            _log.warning("holder_not_updated", pool_id=pool_id, error=str(exc))
+
+    async def hand_over(self, write: WriteHandoff) -> dict[str, str]:
+        """Passes every owned pool to its rendezvous owner among the other members (see
+        the module docstring); the caller sealed the log first. Stops following etcd
+        (this replica's own moves must not make it drop pools through a sealed log).
+        Answers pool id -> new owner of the pools moved; the others (no other member, or
+        etcd unreachable) go with the lease when it is revoked or expires."""
+        await self.stop()
+        others = {m: v for m, v in self.members.items() if m != self.me}
+        moved: dict[str, str] = {}
+
+        async def move(pool_id: str, token: int) -> None:
+            target = rendezvous_owner(pool_id, others)
+            if target is None:
+                return
+            started = time.monotonic()
+            path = await write(pool_id, token)
+            member = others[target]
+            tx = self.etcd.client.transactions
+            ok, _ = await self.etcd.client.transaction(
+                compare=[tx.mod(self.keys.owner(pool_id)) == token],
+                success=[tx.put(self.keys.owner(pool_id),
+                                Owner.encode(target, member.address, source=self.me,
+                                             handoff=path), lease=member.lease)],
+                failure=[])
+            if ok:
+                moved[pool_id] = target
+                self.owned.pop(pool_id, None)
+            _log.info("pool_handed_over" if ok else "pool_not_handed_over",
+                      pool_id=pool_id, to=target, handoff=path,
+                      seconds=round(time.monotonic() - started, 3))
+
+        owned = list(self.owned.items())
+        results = await asyncio.gather(*(move(p, t) for p, t in owned),
+                                       return_exceptions=True)
+        for (pool_id, _), result in zip(owned, results, strict=True):
+            if isinstance(result, BaseException):
+                _log.warning("pool_not_handed_over", pool_id=pool_id, error=str(result))
+        return moved
 
     async def place(self, request: pb.RegisterPoolRequest) -> None:
         """Places a pool being registered here (its registration already validated).
