@@ -2,9 +2,6 @@
 client load, judged by the one checker: every Step a client saw acknowledged is there
 exactly once, nothing applied twice, tables and stats equal to a replay of the
 acknowledged history. ``bench/bench_chaos.py`` runs them more often.
-
-Scenarios that need the server-side work of issue 20 are marked xfail with the branch
-that brings it; a scenario that fails only sometimes on this tree is marked non-strict.
 """
 
 from __future__ import annotations
@@ -62,14 +59,10 @@ def test_sigstop_of_an_owner_costs_a_bounded_stall(tmp_path: Path) -> None:
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(strict=False, reason="needs wt-failover: the sealed hand-over of a "
-                   "SIGTERM (issue 20 item 7; loses Steps in some runs only)")
 def test_a_rolling_restart(tmp_path: Path) -> None:
     _exact(SCENARIOS["rolling_restart"](SEED, tmp_path))
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(strict=False, reason="needs wt-failover: a replica cut off from etcd "
-                   "rejoins (issue 20 item 8; fails in some runs only)")
 def test_etcd_killed_and_restarted(tmp_path: Path) -> None:
     _exact(SCENARIOS["etcd_restart"](SEED, tmp_path))
