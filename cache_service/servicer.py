@@ -146,10 +146,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             work = self.state.apply_call_in_slices(
                 kind, request, _tenant_context(calls.tenant.get()), SLICE_REQUESTS)
             response = await self.gate.run(work, self.state.pools_of_call(kind, request))
+            if self.state.durability.needs_sync:
+                await self.state.durability.sync()  # raises if the log broke meanwhile
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
-        if self.state.durability.needs_sync:
-            await self.state.durability.sync()
         return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
