@@ -221,7 +221,8 @@ REGISTRY: dict[str, Entry] = {
         Gated("a second checkout at ../main", "the before side of a before/after comparison; "
               "`python3 bench/bench_service.py` runs in tests/bench"),
     "python3 bench/profile_step.py": _bench("profile_step"),
-    "python3 bench/bench_core.py --num-requests 1000 --vs-pure --no-oracle --pool-blocks 0":
+    "KVCACHE_CORE=auto python3 bench/bench_core.py --num-requests 1000 --vs-pure --no-oracle "
+    "--pool-blocks 0":
         _bench("core", "--num-requests 100"),
     "python3 bench/instruction_counts.py --check": RunBy("tests/bench/test_instruction_budgets.py"),
     "python3 bench/bench_mooncake.py --trace "

@@ -110,7 +110,7 @@ class KVCacheCoordinator:
         self._cache_alignment = 1
         #: Hits may end inside blocks (hybrid pools with a coarse Mamba "align" group).
         self.partial_hits = False
-        self.empty_blocks: HitBlocks = tuple(() for _ in managers)  # type: ignore[misc]
+        self.empty_blocks: HitBlocks = tuple([] for _ in managers)  # shared: never mutated
 
     # -- hits --------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
