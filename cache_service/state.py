@@ -19,7 +19,8 @@ error naming the field), then the registry's fence for a pool's record (a cluste
 that does not own the pool now refuses it, see ``cache_service.cluster.registry``), then
 ``durability.append(record)``, then mutate (which cannot fail once validated). A record
 that fails validation (or the fence) is therefore never logged, and a retry answered from
-a session's stored response is not logged either (nothing changes).
+a session's stored response is not logged either (nothing changes). A resent OpenSession of
+a session that is open is logged and changes nothing (its replay does the same).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from cache_service.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KVCacheError,
     NotFound,
 )
 from cache_service.core.ops import Free
@@ -128,6 +130,8 @@ class ServiceState:
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
+        #: Log appends and syncs that failed with an OSError (disk full, I/O error).
+        self.wal_errors = 0
         # pool id -> request id -> owning session id (requests added without a session
         # are not listed: nothing expires them)
         self._owners: dict[str, dict[str, str]] = {}
@@ -245,7 +249,11 @@ class ServiceState:
                 record = WalRecord(**{kind: request})
                 if tenant is not None:
                     record.tenant.CopyFrom(tenant)
-            durability.append(record)
+            try:
+                durability.append(record)
+            except (KVCacheError, OSError):  # DataDirFull / DataDirUnwritable: nothing logged
+                self.wal_errors += 1  # metrics (kvcache_wal_errors_total); the call fails
+                raise
         response = commit()
         if isinstance(response, GeneratorType):  # a Step's commit, in slices
             response = yield from response
@@ -515,9 +523,15 @@ class ServiceState:
         sid = request.session_id
         if not sid or len(sid) > 128:
             raise InvalidArgument("session id must be 1-128 characters", field="session_id")
-        if sid in self.sessions:
-            raise AlreadyExists(f"session {sid!r} exists", field="session_id")
         tenant = self._tenant.name
+        existing = self.sessions.get(sid)
+        if existing is not None:
+            if existing.tenant != tenant or existing.expiring:
+                raise AlreadyExists(f"session {sid!r} exists", field="session_id")
+            # A resent OpenSession (its answer was lost): the same session again, not a
+            # second one; nothing changes (replaying the record does the same).
+            return lambda: pb.OpenSessionResponse(session_id=sid,
+                                                  lease_ttl_seconds=self.lease_ttl_seconds)
 
         def commit() -> pb.OpenSessionResponse:
             self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
