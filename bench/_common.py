@@ -86,12 +86,15 @@ def write_results(name: str, payload: dict[str, Any], path: Path | None = None) 
     """Write ``payload`` plus run metadata to ``bench/results/<name>.json`` (or ``path``)."""
     out = path or RESULTS_DIR / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    variant = sys.modules.get("cache_service.core._variant")
     doc = {
         "benchmark": name,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": sys.version.split()[0],
         "machine": platform.machine(),
         "argv": sys.argv[1:],
+        # Which core build ran (pure Python or mypyc-compiled), when the core was loaded.
+        **({"core_build": variant.build_info()} if variant is not None else {}),
         **payload,
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")

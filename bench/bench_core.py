@@ -27,6 +27,8 @@ treated as full attention); ``vllm`` = the oracle run as a subprocess with ``--b
     python3 bench/bench_core.py                          # the full run (minutes)
     python3 bench/bench_core.py --num-requests 500       # a quick run
     python3 bench/bench_core.py --profile                # + cProfile hot spots of our core
+    python3 bench/bench_core.py --baseline-tree ../main  # + the same sides from another tree
+    python3 bench/bench_core.py --vs-pure                # + the pure-Python core (compiled run)
 
 Prints tables and writes bench/results/core.json.
 """
@@ -641,6 +643,52 @@ def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> di
     return summary
 
 
+def run_other(args: argparse.Namespace, script: Path, env: dict[str, str],
+              cwd: Path | None) -> list[dict[str, Any]]:
+    """The core and pool sides of this run's workload, run by ``script`` in a subprocess with
+    ``env`` added (another checkout, or the pure-Python core); its runs."""
+    import tempfile  # noqa: PLC0415
+
+    configs = [c for c in args.configs.split(",") if c]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "core.json"
+        argv = [sys.executable, str(script), "--sides", "core,pool", "--configs",
+                ",".join(configs), "--no-oracle", "--pool-blocks", "0", "--out", str(out)]
+        for flag in ("num_requests", "num_blocks", "block_size", "sliding_window",
+                     "max_model_len", "hash_fn", "seed"):
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=3600,
+                              env={**os.environ, **env})
+        if done.returncode != 0:
+            print(f"the comparison run failed: {done.stderr[-2000:]}", file=sys.stderr)
+            return []
+        return list(json.loads(out.read_text())["runs"])
+
+
+def compare(runs: list[dict[str, Any]],
+            others: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Manager ops/s of this run's core and pool sides next to the other runs', as ratios."""
+    rows, out = [], []
+    for label, other in others.items():
+        by_key = {(r["config"], r["side"]): r for r in other}
+        for r in runs:
+            o = by_key.get((r["config"], r["side"]))
+            if o is None:
+                continue
+            mine, theirs = (x["results"]["manager_ops_per_s"] for x in (r, o))
+            same = "yes" if decisions(r) == decisions(o) else "NO"
+            rows.append([f"{r['config']} / {r['side']}", label, mine, theirs,
+                         ratio(mine, theirs), same])
+            out.append({"config": r["config"], "side": r["side"], "against": label,
+                        "ops_per_s": mine, "other_ops_per_s": theirs,
+                        "ratio": round(mine / theirs, 3) if mine and theirs else None,
+                        "same_decisions": same == "yes"})
+    print_table("this run vs the comparison runs (manager ops/s, same workload)",
+                ["config / side", "against", "this run", "other", "this / other",
+                 "same decisions"], rows)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of full,full_swa")
@@ -671,6 +719,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run our core under cProfile and print the hot spots")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default bench/results/core.json)")
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="also run the core and pool sides from this checkout (e.g. ../main) "
+                        "in a subprocess of the same run, and print the ratios")
+    p.add_argument("--vs-pure", action="store_true",
+                   help="also run the core and pool sides with KVCACHE_CORE=pure (the "
+                        "pure-Python core) in a subprocess, and print compiled / pure")
     args = p.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]
@@ -701,6 +755,16 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(buf.getvalue().splitlines()[:45]))
     construction = measure_construction(args) if args.pool_blocks else []
     summary = report(runs, construction)
+    others = {}
+    if args.baseline_tree is not None:
+        tree = args.baseline_tree.resolve()
+        others["baseline tree"] = run_other(args, tree / "bench" / "bench_core.py",
+                                            {"PYTHONPATH": str(tree)}, tree)
+    if args.vs_pure:
+        others["pure Python"] = run_other(args, Path(__file__).resolve(),
+                                          {"KVCACHE_CORE": "pure"}, None)
+    if others:
+        summary["compared"] = compare(runs, others)
     path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},

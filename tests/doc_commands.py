@@ -248,6 +248,19 @@ REGISTRY: dict[str, Entry] = {
         Gated("a second checkout at ../main", "the before side of a before/after comparison; "
               "`python3 bench/bench_service.py` runs in tests/bench"),
     "python3 bench/profile_step.py": _bench("profile_step"),
+    "KVCACHE_CORE=auto python3 bench/bench_core.py --num-requests 1000 --vs-pure --no-oracle "
+    "--pool-blocks 0":
+        _bench("core", "--num-requests 100"),
+    "python3 bench/instruction_counts.py --check": RunBy("tests/bench/test_instruction_budgets.py"),
+    "python3 bench/bench_mooncake.py --trace "
+    "../shared/data/mooncake-traces/conversation_trace.jsonl --max-requests 500": Gated(
+        "the Mooncake trace files beside the checkout (../shared/data, never committed)",
+        "tests/bench/test_bench_mooncake.py runs the bench on a generated trace of the format"),
+    # docs/architecture.md
+    "python -m cache_service.core.build": Gated(
+        "a C compiler and a minute or more of CPU", "scripts/test.sh runs it before the test "
+        "pass against the compiled core"),
+    "python -m cache_service.core --build-info": Run("service", stdout=('"variant"',)),
     # docs/conformance.md
     "python -m cache_service.conformance --target HOST:PORT":
         RunBy("tests/service/test_conformance.py"),

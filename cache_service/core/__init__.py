@@ -2,9 +2,17 @@
 
 Entry point: :class:`Pool` (one KV-cache pool) configured by a :class:`KVCacheConfig`
 (groups of layer specs) and :class:`PoolOptions`.
+
+Pure Python or compiled by mypyc from the same sources: :mod:`cache_service.core._variant`
+chooses before the first core module loads; ``python -m cache_service.core --build-info``
+says which.
 """
 
-from cache_service.core.errors import (
+from cache_service.core import _variant
+
+_variant.activate(__path__)
+
+from cache_service.core.errors import (  # noqa: E402 (after the build is chosen)
     AlreadyExists,
     ConfigError,
     DuplicateRequest,
@@ -14,8 +22,8 @@ from cache_service.core.errors import (
     NotFound,
     UnknownRequest,
 )
-from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from cache_service.core.pool import (
+from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent  # noqa: E402
+from cache_service.core.pool import (  # noqa: E402
     Allocation,
     Pool,
     PoolCounters,
@@ -23,7 +31,7 @@ from cache_service.core.pool import (
     PrefixHit,
     RequestInfo,
 )
-from cache_service.core.specs import (
+from cache_service.core.specs import (  # noqa: E402
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,

@@ -110,7 +110,7 @@ class KVCacheCoordinator:
         self._cache_alignment = 1
         #: Hits may end inside blocks (hybrid pools with a coarse Mamba "align" group).
         self.partial_hits = False
-        self.empty_blocks: HitBlocks = tuple(() for _ in managers)  # type: ignore[misc]
+        self.empty_blocks: HitBlocks = tuple([] for _ in managers)  # shared: never mutated
 
     # -- hits --------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
@@ -251,7 +251,13 @@ class UnitaryCoordinator(KVCacheCoordinator):
     """Exactly one group with caching (hash block size == block size)."""
 
     def __init__(self, config: KVCacheConfig, **kwargs: Unpack[CoordinatorOptions]) -> None:
-        super().__init__(config, **kwargs)
+        # Each option by name: mypyc 2.4 passes a forwarded ``**kwargs`` TypedDict wrongly.
+        super().__init__(
+            config, max_model_len=kwargs["max_model_len"],
+            max_in_flight_tokens=kwargs["max_in_flight_tokens"],
+            enable_caching=kwargs["enable_caching"], enable_events=kwargs["enable_events"],
+            scheduler_block_size=kwargs["scheduler_block_size"],
+            hash_block_size=kwargs["hash_block_size"])
         if len(config.groups) != 1:
             raise ConfigError("the unitary coordinator needs exactly one group", field="groups")
         manager = self.managers[0]
@@ -290,7 +296,13 @@ class HybridCoordinator(KVCacheCoordinator):
     docs/semantics.md#hybrid-fixed-point."""
 
     def __init__(self, config: KVCacheConfig, **kwargs: Unpack[CoordinatorOptions]) -> None:
-        super().__init__(config, **kwargs)
+        # Each option by name: mypyc 2.4 passes a forwarded ``**kwargs`` TypedDict wrongly.
+        super().__init__(
+            config, max_model_len=kwargs["max_model_len"],
+            max_in_flight_tokens=kwargs["max_in_flight_tokens"],
+            enable_caching=kwargs["enable_caching"], enable_events=kwargs["enable_events"],
+            scheduler_block_size=kwargs["scheduler_block_size"],
+            hash_block_size=kwargs["hash_block_size"])
         for m in self.managers:
             if m.block_size % self.hash_block_size:
                 raise ConfigError(

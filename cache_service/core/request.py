@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from cache_service.core.hashing import HashFn, hash_request_tokens
 
@@ -24,9 +24,9 @@ class RequestStatus:
     """Request states that matter to the allocator (plain strings: enum attribute
     access is measurably slow on the hot path)."""
 
-    WAITING = "WAITING"
-    RUNNING = "RUNNING"
-    PREEMPTED = "PREEMPTED"
+    WAITING: Final = "WAITING"
+    RUNNING: Final = "RUNNING"
+    PREEMPTED: Final = "PREEMPTED"
 
 
 class Request:
