@@ -279,7 +279,10 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      max_in_flight_tokens: int | None = None, enable_events: bool = True,
                      hybrid: bool = True,
                      skip_capacity_check: bool = False,
-                     session_block_quota: int = 0) -> pb.RegisterPoolRequest:
+                     session_block_quota: int = 0,
+                     prefix_cache_retention_interval: int | None = None,
+                     enable_mamba_shared_prefix_checkpoint: bool = False
+                     ) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool``."""
     if (num_blocks is None) == (available_memory_bytes is None):
         raise ValueError("give exactly one of num_blocks and available_memory_bytes")
@@ -289,7 +292,9 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         scheduler_block_size=scheduler_block_size or 0, hash_block_size=hash_block_size or 0,
         max_in_flight_tokens=max_in_flight_tokens or 0, enable_events=enable_events,
         hybrid=hybrid, skip_capacity_check=skip_capacity_check,
-        session_block_quota=session_block_quota)
+        session_block_quota=session_block_quota,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
+        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks
