@@ -27,6 +27,7 @@ treated as full attention); ``vllm`` = the oracle run as a subprocess with ``--b
     python3 bench/bench_core.py                          # the full run (minutes)
     python3 bench/bench_core.py --num-requests 500       # a quick run
     python3 bench/bench_core.py --profile                # + cProfile hot spots of our core
+    python3 bench/bench_core.py --retention --num-requests 300   # Mamba checkpoints dense vs sparse
 
 Prints tables and writes bench/results/core.json.
 """
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import print_table, ratio, summarize_ns, write_results
+from _retention import retention_report
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.pool import Pool, PoolOptions
@@ -671,7 +673,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run our core under cProfile and print the hot spots")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default bench/results/core.json)")
+    p.add_argument("--retention", action="store_true",
+                   help="instead: Mamba checkpoint retention dense vs sparse vs "
+                        "--retention-interval on a full + Mamba workload (bench/_retention.py)")
+    p.add_argument("--retention-interval", type=int, default=512,
+                   help="the interval N of the --retention run (default 512)")
     args = p.parse_args(argv)
+    if args.retention:
+        out = write_results("core_retention", {"args": vars(args) | {"out": str(args.out)},
+                                               **retention_report(args)}, args.out)
+        print(f"wrote {out}")
+        return 0
     configs = [c for c in args.configs.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]
     for c in configs:
