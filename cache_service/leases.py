@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from cache_service.state import ServiceState, WalRecord
+from cache_service.status import ResourceExhausted, Unavailable
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 
 _log = structlog.get_logger("cache_service.leases")
@@ -78,9 +79,16 @@ class LeaseReaper:
         # Expiries a previous run began (recovered state) are finished first.
         pending = self.state.expiring_sessions()
         while True:
+            deferred = []
             for sid in pending + self.keeper.take_expired():
-                await self.expire(sid)
-            pending = []
+                try:
+                    await self.expire(sid)
+                except (ResourceExhausted, Unavailable) as exc:
+                    # The data directory refused the record (e.g. full): nothing changed;
+                    # the expiry is tried again next round, not forgotten.
+                    deferred.append(sid)
+                    _log.error("session_expiry_deferred", session_id=sid, error=str(exc))
+            pending = deferred
             await asyncio.sleep(interval)
 
     async def expire(self, session_id: str) -> int:

@@ -41,7 +41,7 @@ from cache_service.tenants import TenantsFileError
 from cache_service.wal import WalCorruption
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from kvcache_common.cli import exit_with_error
+from kvcache_common.cli import exit_with_error, setting_name
 from kvcache_common.listen import ports_in_use
 from kvcache_common.logs import configure_logging, lifecycle
 from kvcache_common.serving import ListenError, start_server
@@ -89,7 +89,21 @@ def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
 
 
 def _replay(state: ServiceState, payload: bytes) -> None:
-    state.apply(WalRecord.FromString(payload))
+    """Applies one logged record (recovery, the compaction process). It was accepted when
+    it was live, under that run's limits, which need not be the ones the state holds now
+    (a restart with other --max-ops-per-step / --max-tokens-per-step / --max-total-blocks,
+    a snapshot taken before them): the limits are lifted while it is applied, so that
+    replay never drops an acknowledged record."""
+    registry = state.registry
+    limits = state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks
+    state.max_ops_per_step = state.max_tokens_per_step = registry.max_total_blocks = _NO_LIMIT
+    try:
+        state.apply(WalRecord.FromString(payload))
+    finally:
+        state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
+
+
+_NO_LIMIT = 1 << 62
 
 
 def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
@@ -116,6 +130,7 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     lifecycle().info("recovered", data_dir=str(directory), fsync=settings.fsync,
                      pools=len(state.registry), sessions=len(state.sessions),
                      snapshot_index=rec.snapshot_index, records_replayed=rec.records_replayed,
+                     records_rejected=rec.records_rejected,
                      torn_bytes_dropped=rec.torn_bytes_dropped,
                      snapshot_seconds=round(rec.snapshot_seconds, 3),
                      replay_seconds=round(rec.replay_seconds, 3),
@@ -134,34 +149,45 @@ def read_peer_state(settings: Settings, directory: Path) -> ServiceState:
 async def serve(settings: Settings) -> int:
     """Runs the server until SIGTERM/SIGINT; returns the exit code."""
     busy = ports_in_use(settings.host, settings.port, settings.metrics_port)
-    if busy:
-        return exit_with_error(PROG, busy, 2)
+    if busy:  # "--port: ...": named as the user set it (flag or environment variable)
+        flag, _, why = busy.partition(": ")
+        return exit_with_error(PROG, f"{setting_name(settings, flag[2:].replace('-', '_'))}: "
+                               f"{why}", 2)
+    # Everything read from files comes first: a mistake there touches no data directory.
+    try:
+        tenants = settings.tenant_table()
+    except TenantsFileError as exc:
+        return exit_with_error(PROG, f"{setting_name(settings, 'auth_tokens_file')}: "
+                               f"{exc}", 2)
+    creds = None
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        pem: dict[str, bytes] = {}
+        for name in ("tls_key", "tls_cert"):
+            path = getattr(settings, name)
+            try:
+                pem[name] = path.read_bytes()
+            except OSError as exc:
+                return exit_with_error(PROG, f"{setting_name(settings, name)}: cannot read "
+                                       f"{path}: {exc.strerror or exc}", 2)
+        creds = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
     try:
         state, data_dir = open_state(settings)
     except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
-        log.error("data_dir_unusable", error=str(exc))
-        return 1
+        # A start error like any other: one line on stderr naming the setting, exit 2.
+        where = "shared_data_root" if settings.shared_data_root is not None else "data_dir"
+        return exit_with_error(PROG, f"{setting_name(settings, where)}: {exc}", 2)
     registry = state.registry
     node = None
     if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
         from cache_service.cluster.node import ClusterNode
         node = ClusterNode(settings, state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
-    try:
-        tenants = settings.tenant_table()
-    except TenantsFileError as exc:
-        log.error("bad_tenants_file", error=str(exc))
-        return 2
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
     if node is not None:
         node.leases = servicer.leases  # adopted sessions get leases here
         node.read_peer = read_peer_state
-    creds = None
-    if settings.tls_cert is not None and settings.tls_key is not None:
-        creds = grpc.ssl_server_credentials(
-            [(settings.tls_key.read_bytes(), settings.tls_cert.read_bytes())])
     try:
         listener = await start_server(
             service_name=SERVICE_NAME,
@@ -172,14 +198,17 @@ async def serve(settings: Settings) -> int:
             # Cluster mode: SERVING once a member, so readiness implies it can own pools.
             serving=node is None, metrics=prom_registry, metrics_port=settings.metrics_port)
     except ListenError as exc:
+        _close_quietly(data_dir)
         return exit_with_error(PROG, str(exc), 2)
     if node is not None:
         try:
             await node.join(listener.port)
         except (TimeoutError, ConnectionError) as exc:
-            log.error("etcd_unreachable", endpoints=settings.etcd_endpoints, error=str(exc))
             await listener.server.stop(0)
-            return 1
+            _close_quietly(data_dir)
+            return exit_with_error(PROG, f"{setting_name(settings, 'etcd_endpoints')}: "
+                                   f"cannot join the cluster, etcd at "
+                                   f"{settings.etcd_endpoints} is unreachable ({exc})", 2)
         servicer.cluster = node
         await listener.mark_serving()
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
@@ -216,6 +245,13 @@ async def serve(settings: Settings) -> int:
     await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
                             wait_idle=wait_idle, close=close)
     return 0
+
+
+def _close_quietly(data_dir: DataDir | None) -> None:
+    """Releases a data directory opened before a later start error (no final snapshot:
+    nothing was served)."""
+    if data_dir is not None:
+        data_dir.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

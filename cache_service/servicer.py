@@ -11,6 +11,7 @@ Reads go to the state directly. Sessions: every call naming a session renews its
 from __future__ import annotations
 
 import functools
+import re
 import secrets
 from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
 _log = structlog.get_logger("cache_service.servicer")
+
+#: A session id a client may propose (OpenSessionRequest.session_id): random hex, >= 128 bits.
+_PROPOSED_SESSION_ID = re.compile(r"[0-9a-f]{32,128}")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -146,10 +150,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             work = self.state.apply_call_in_slices(
                 kind, request, _tenant_context(calls.tenant.get()), SLICE_REQUESTS)
             response = await self.gate.run(work, self.state.pools_of_call(kind, request))
+            if self.state.durability.needs_sync:
+                await self.state.durability.sync()  # raises if the log broke meanwhile
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
-        if self.state.durability.needs_sync:
-            await self.state.durability.sync()
         return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
@@ -264,9 +268,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         if len(request.client_name) > 256:
             await _abort(context, InvalidArgument("client_name is longer than 256 characters",
                                                   field="client_name"))
-        # The id is chosen here, outside apply, and carried by the record (apply stays
+        # The id is chosen here (or proposed by the client, so that it can resend a lost
+        # OpenSession), outside apply, and carried by the record (apply stays
         # deterministic). 128 random bits: unguessable by other clients.
-        sid = secrets.token_hex(16)
+        if request.session_id and not _PROPOSED_SESSION_ID.fullmatch(request.session_id):
+            await _abort(context, InvalidArgument(
+                "session_id must be 32-128 lowercase hex characters (random) or empty",
+                field="session_id"))
+        sid = request.session_id or secrets.token_hex(16)
         response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
             session_id=sid, client_name=request.client_name))
         self.leases.start(sid)

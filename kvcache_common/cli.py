@@ -8,6 +8,7 @@ value is a usage error: one line naming the flag, exit status 2 (no traceback).
 
 from __future__ import annotations
 
+import os
 import sys
 from argparse import ArgumentParser
 from collections.abc import Sequence
@@ -42,13 +43,37 @@ def parse_cli(model: type[S], argv: Sequence[str] | None, *, prog: str,
         cli_exit_on_error=True, cli_hide_none_type=True)
     source.root_parser.description = description
     try:
-        return model(_cli_settings_source=source(args=args))
+        settings = model(_cli_settings_source=source(args=args))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "settings"
-        flag = "--" + where.replace("_", "-") if first["loc"] else where
+        flag = setting_name(model, where, args) if first["loc"] else where
         sys.stderr.write(f"{prog}: error: {flag}: {first['msg']}\n")
         raise SystemExit(2) from None
+    _ARGS[id(settings)] = args
+    return settings
+
+
+#: The command line each parsed settings object came from (by id), for setting_name.
+_ARGS: dict[int, list[str]] = {}
+
+
+def setting_name(settings: BaseSettings | type[BaseSettings], field: str,
+                 args: Sequence[str] | None = None) -> str:
+    """How a user names setting ``field`` in an error: ``--flag``, or ``--flag (from
+    PREFIX_NAME)`` when its value came from the environment variable (no flag given).
+    ``args``: the command line (default: the one ``settings`` was parsed from)."""
+    model = settings if isinstance(settings, type) else type(settings)
+    if args is None:
+        args = [] if isinstance(settings, type) else _ARGS.get(id(settings), [])
+    flag = "--" + field.replace("_", "-")
+    negated = "--no-" + field.replace("_", "-")
+    if any(a in (flag, negated) or a.startswith(flag + "=") for a in args):
+        return flag
+    env = f"{model.model_config.get('env_prefix', '')}{field}".upper()
+    if any(name.upper() == env for name in os.environ):
+        return f"{flag} (from {env})"
+    return flag
 
 
 def exit_with_error(prog: str, message: str, code: int) -> int:

@@ -62,11 +62,12 @@ def test_a_port_in_use_is_one_line(busy_port: int, module: str, prog: str,
 
 
 def test_an_unknown_preset_is_one_line_from_a_flag_or_the_environment() -> None:
-    for done in (run("-m", "executor", "--preset", "gemma-9000"),
-                 run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"})):
+    for done, named in ((run("-m", "executor", "--preset", "gemma-9000"), "--preset"),
+                        (run("-m", "executor", env={"KVCACHE_EXECUTOR_PRESET": "gemma-9000"}),
+                         "--preset (from KVCACHE_EXECUTOR_PRESET)")):
         assert done.returncode == 2
         line = one_error_line(done, "kvcache-executor")
-        assert line.startswith("kvcache-executor: error: --preset: "), line
+        assert line.startswith(f"kvcache-executor: error: {named}: "), line
         assert "'hybrid-fsm'" in line, line
 
 

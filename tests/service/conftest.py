@@ -8,7 +8,10 @@ Tests that need their own server (auth, TLS, SIGTERM) start one with
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,3 +60,27 @@ def new_pool(client: CacheClient) -> Callable[..., PoolInfo]:
         return client.register_pool(pool_id, layer_specs or full_layers(), **pool_options(**kwargs))
 
     return make
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs(options) -> Path``: a real tmpfs mounted with ``options`` (e.g. ``size=4m``,
+    ``ro,size=1m``) under ``tmp_path``, unmounted after the test. Skips (one line) unless
+    root and mount works."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("a small or read-only file system needs a tmpfs: mount needs root")
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

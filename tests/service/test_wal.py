@@ -1,6 +1,6 @@
 """The write-ahead log, snapshots and data-directory recovery, on a small deterministic
 stand-in state (a list of payloads): framing, torn tails, corruption, rotation, snapshots
-in a forked child, recovery = snapshot + replayed tail."""
+written by the compaction process, recovery = snapshot + replayed tail."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cache_service.durability import DataDirError, open_data_dir
 from cache_service.snapshot import SnapshotCorruption, list_snapshots, read_snapshot
 from cache_service.wal import (
     HEADER_SIZE,
-    MAGIC,
+    SEGMENT_HEADER_SIZE,
     FsyncPolicy,
     WalCorruption,
     WriteAheadLog,
@@ -117,7 +117,7 @@ def test_corrupt_middle_record_names_file_and_offset(tmp_path: Path) -> None:
     _write(tmp_path, payloads).close()
     path = list_segments(tmp_path)[0][1]
     data = bytearray(path.read_bytes())
-    offset = len(MAGIC) + HEADER_SIZE + len(payloads[0])  # the second record
+    offset = SEGMENT_HEADER_SIZE + HEADER_SIZE + len(payloads[0])  # the second record
     data[offset + HEADER_SIZE + 2] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(WalCorruption) as exc:
@@ -125,6 +125,61 @@ def test_corrupt_middle_record_names_file_and_offset(tmp_path: Path) -> None:
     assert (exc.value.path, exc.value.offset) == (path, offset)
     assert str(path) in str(exc.value) and f"offset {offset}" in str(exc.value)
     assert path.read_bytes() == bytes(data)  # nothing repaired on corruption
+
+
+def test_any_damaged_header_byte_before_the_last_record_is_corruption(
+        tmp_path: Path) -> None:
+    """Every byte of every header but the last record's, flipped in turn (length, checksum
+    or index): refused naming the record's offset, never taken for a torn tail (a damaged
+    length can make a record seem to run to the end of the file)."""
+    payloads = _payloads(6)
+    _write(tmp_path, payloads).close()
+    path = list_segments(tmp_path)[0][1]
+    whole = path.read_bytes()
+    # (after the segment's header, whatever its size: the records fill the rest)
+    starts = [len(whole) - sum(HEADER_SIZE + len(p) for p in payloads)]
+    for p in payloads[:-1]:
+        starts.append(starts[-1] + HEADER_SIZE + len(p))
+    for start in starts[:-1]:
+        for byte in range(HEADER_SIZE):
+            for flip in (0x01, 0x80):
+                data = bytearray(whole)
+                data[start + byte] ^= flip
+                path.write_bytes(bytes(data))
+                with pytest.raises(WalCorruption) as exc:
+                    scan(tmp_path)
+                assert exc.value.offset == start, (start, byte, flip)
+                assert path.read_bytes() == bytes(data)  # nothing truncated
+    # The last record's header damaged: nothing follows it, so it reads as torn.
+    data = bytearray(whole)
+    data[starts[-1]] ^= 0x80
+    path.write_bytes(bytes(data))
+    assert [p for _, p in scan(tmp_path).records] == payloads[:-1]
+
+
+def test_a_failed_append_leaves_no_partial_record(tmp_path: Path) -> None:
+    """A write that fails part way (here: the file size limit, RLIMIT_FSIZE, standing in
+    for a full disk) is cut back before append raises; later appends follow the last good
+    record, and the log reads back whole."""
+    import resource
+    import signal
+
+    wal = _write(tmp_path, _payloads(3))
+    size = wal.path.stat().st_size
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + HEADER_SIZE + 10, old_limit[1]))
+    try:
+        with pytest.raises(OSError):
+            wal.append(b"x" * 100)  # 10 payload bytes fit: a short write, then cut back
+        assert wal.path.stat().st_size == size
+        assert wal.broken is None and wal.last_index == 3
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    wal.append(b"after")
+    wal.close()
+    assert [p for _, p in scan(tmp_path).records] == _payloads(3) + [b"after"]
 
 
 def test_bad_tail_of_an_earlier_segment_is_corruption(tmp_path: Path) -> None:
