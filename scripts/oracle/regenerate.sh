@@ -16,9 +16,9 @@ declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamb
 for r in 0 128; do
   SCENARIO[full_swa_r$r]="full_swa --retention-interval $r"
   SCENARIO[full_mamba_r$r]="full_mamba --retention-interval $r"
-  SCENARIO[full_swa_mamba_r$r]="full_swa_mamba --enable-caching --retention-interval $r"
-  SCENARIO[mamba_align_r$r]="mamba --enable-caching --retention-interval $r"
 done
+SCENARIO[full_swa_mamba_r0]="full_swa_mamba --enable-caching --retention-interval 0"
+SCENARIO[mamba_align_r0]="mamba --enable-caching --retention-interval 0"  # attention-free
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"
