@@ -11,7 +11,8 @@ replay tool (the reference implementation). Each trace gets its own pool (delete
 One trace operation becomes one ``Step`` (queries use GetPoolStats, GetRequest,
 ResetPrefixCache), rendered like the replay tool; results are compared with
 ``cache_service.replay.same_result``. Exit status: 0 if every answer matched, 1 if any
-differed, 2 for bad arguments. docs/conformance.md explains the kit.
+differed, 2 for bad arguments or a --target that does not answer (one line).
+docs/conformance.md explains the kit.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from cache_service.client import CacheClient, CacheError, layers, ops
 from cache_service.replay import load_config, make_pool, read_expected, replay, same_result
 
 SAMPLES = Path(__file__).resolve().parent / "replay_samples"
+PROG = "python -m cache_service.conformance"
 
 
 class ServerReplayer:
@@ -173,7 +175,7 @@ def bundled() -> list[tuple[str, Path, Path, Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cache_service.conformance",
+    p = argparse.ArgumentParser(prog=PROG,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HOST:PORT of the server")
     p.add_argument("--token", help="bearer token (servers started with --auth-token)")
@@ -197,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(a.trace.name.removesuffix(".jsonl"), a.config, a.trace, expected)]
     failed = 0
     with CacheClient(a.target, token=a.token, default_timeout=60) as client:
+        try:  # fail fast, in one line, on a dead address or a wrong token
+            client.list_pools(timeout=5)
+        except CacheError as exc:
+            print(f"{PROG}: error: --target {a.target}: {exc.code.name}: "
+                  f"{(exc.message or 'no answer').splitlines()[0]}", file=sys.stderr)
+            return 2
         for name, config_path, trace_path, expected_path in jobs:
             try:
                 config = json.loads(config_path.read_text())

@@ -46,6 +46,11 @@ class LeaseKeeper:
         if session_id in self._deadlines:
             self._deadlines[session_id] = self._clock() + self.ttl
 
+    def remaining(self, session_id: str) -> float:
+        """Seconds until the session's lease runs out (0 when unknown or past)."""
+        deadline = self._deadlines.get(session_id)
+        return max(0.0, deadline - self._clock()) if deadline is not None else 0.0
+
     def end(self, session_id: str) -> None:
         self._deadlines.pop(session_id, None)
 

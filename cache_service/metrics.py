@@ -45,8 +45,15 @@ class RpcMetrics:
         self.undecodable_messages = Counter(
             "kvcache_undecodable_messages_total", "Request messages that did not parse "
             "(answered INVALID_ARGUMENT).", ["grpc_service", "grpc_method"], registry=registry)
+        # Per pool (the gRPC series above cannot tell pools apart): what kvcache-ctl top and
+        # the dashboard show as a pool's Steps/s and Step latency.
+        self.pool_step_seconds = Histogram(
+            "kvcache_pool_step_seconds", "Time to apply one Step (or one StepStream "
+            "message) of a pool, durability wait included.", ["pool"],
+            buckets=_LATENCY_BUCKETS, registry=registry)
         self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
         self._handled: dict[tuple[str, str, str, str], Any] = {}
+        self._pool_steps: dict[str, Any] = {}
 
     def of(self, grpc_type: str, service: str, method: str) -> tuple[Any, Any, Any, Any]:
         """(started, seconds, received, sent) children of one method (label lookups are slow:
@@ -58,6 +65,13 @@ class RpcMetrics:
                         self.received.labels(*key), self.sent.labels(*key))
             self._children[key] = children
         return children
+
+    def observe_step(self, pool_id: str, seconds: float) -> None:
+        """Records one applied Step of ``pool_id`` (the internal id)."""
+        child = self._pool_steps.get(pool_id)
+        if child is None:
+            child = self._pool_steps[pool_id] = self.pool_step_seconds.labels(pool_id)
+        child.observe(seconds)
 
     def undecodable(self, service: str, method: str) -> None:
         """Counts one request message that did not parse."""
@@ -189,6 +203,65 @@ class SessionCollector:
             fam = CounterMetricFamily(name, doc)
             fam.add_metric([], float(getattr(counters, attr)))
             yield fam
+
+
+class DurabilityCollector:
+    """Scrape-time durability series of a state (``cache_service.state.ServiceState``):
+    failed log writes, the last logged record, background snapshots by result. Read with
+    ``getattr`` so that an in-memory server (no log, no snapshotter) exports zeros."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        durability = self._state.durability
+        errors = CounterMetricFamily("kvcache_wal_errors", "Write-ahead log appends and "
+                                     "syncs that failed (disk full, I/O error); each failed "
+                                     "its call.")
+        errors.add_metric([], float(getattr(self._state, "wal_errors", 0)))
+        yield errors
+        wal = getattr(durability, "wal", None)
+        last = GaugeMetricFamily("kvcache_wal_last_index", "Index of the last record in the "
+                                 "write-ahead log (0 without --data-dir).")
+        last.add_metric([], float(getattr(wal, "last_index", 0) or 0))
+        yield last
+        snapshotter = getattr(durability, "snapshotter", None)
+        snapshots = CounterMetricFamily("kvcache_snapshots", "Background snapshots by "
+                                        "result (written, failed).", labels=["result"])
+        for result, attr in (("written", "completed"), ("failed", "failed")):
+            snapshots.add_metric([result], float(getattr(snapshotter, attr, 0) or 0))
+        yield snapshots
+
+
+class ClusterCollector:
+    """Scrape-time cluster-mode series of a ``cache_service.cluster.node.ClusterNode``: whether
+    this replica's etcd lease is certainly alive (0 = it cannot reach etcd, or could not
+    renew in time, and serves no pool), the members and the pools it owns as it sees them."""
+
+    def __init__(self, node: Any) -> None:
+        self._node = node
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterable:
+        node = self._node
+        valid = GaugeMetricFamily("kvcache_cluster_etcd_lease_valid", "1 while this "
+                                  "replica's etcd lease is certainly alive, else 0 (etcd "
+                                  "unreachable).")
+        valid.add_metric([], 1.0 if node.membership.lease_valid() else 0.0)
+        yield valid
+        members = GaugeMetricFamily("kvcache_cluster_members", "Live members as this "
+                                    "replica's view of etcd has them.")
+        members.add_metric([], float(len(node.placement.members)))
+        yield members
+        owned = GaugeMetricFamily("kvcache_cluster_owned_pools", "Pools this replica owns "
+                                  "(and may serve).")
+        owned.add_metric([], float(len(node.placement.owned)))
+        yield owned
 
 
 def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]],

@@ -31,7 +31,7 @@ from cache_service.durability import (
 )
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
-from cache_service.metrics import new_registry
+from cache_service.metrics import ClusterCollector, DurabilityCollector, new_registry
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
@@ -182,9 +182,13 @@ async def serve(settings: Settings) -> int:
         from cache_service.cluster.node import ClusterNode
         node = ClusterNode(settings, state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
+    prom_registry.register(DurabilityCollector(state))
+    if node is not None:
+        prom_registry.register(ClusterCollector(node))
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
+    servicer.step_observer = rpc_metrics.observe_step
     if node is not None:
         node.leases = servicer.leases  # adopted sessions get leases here
         node.read_peer = read_peer_state

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import re
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
         #: their etcd keys, fans PeekPrefix out. None when standalone.
         self.cluster: Any = None
+        #: Called with (internal pool id, seconds) after each applied Step (the server
+        #: sets it to RpcMetrics.observe_step).
+        self.step_observer: Callable[[str, float], None] | None = None
         self.leases = LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
@@ -151,7 +155,11 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 kind, request, _tenant_context(calls.tenant.get()), SLICE_REQUESTS)
             response = await self.gate.run(work, self.state.pools_of_call(kind, request))
             if self.state.durability.needs_sync:
-                await self.state.durability.sync()  # raises if the log broke meanwhile
+                try:
+                    await self.state.durability.sync()  # raises if the log broke meanwhile
+                except KVCacheError:
+                    self.state.wal_errors += 1  # kvcache_wal_errors_total
+                    raise
         except (KVCacheError, SequenceOutOfRange) as exc:
             await _abort(context, exc)
         return response
@@ -245,10 +253,18 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     # -- steps -------------------------------------------------------------------------
 
+    async def _step(self, context: grpc.aio.ServicerContext,
+                    request: pb.StepRequest) -> pb.StepResponse:
+        start = time.perf_counter()
+        response = await self._mutate(context, "step", request, request.session_id,
+                                      before=functools.partial(self._own, request))
+        if self.step_observer is not None:  # request.pool_id is the internal id by now
+            self.step_observer(request.pool_id, time.perf_counter() - start)
+        return response
+
     async def Step(self, request: pb.StepRequest,
                    context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self._mutate(context, "step", request, request.session_id,
-                                  before=lambda: self._own(request))
+        return await self._step(context, request)
 
     async def StepStream(self, request_iterator: AsyncIterator[pb.StepRequest],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepResponse]:
@@ -258,8 +274,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if self.draining:
                 await _abort(context, Unavailable(
                     "server is draining; reconnect to another instance"))
-            yield await self._mutate(context, "step", request, request.session_id,
-                                     before=functools.partial(self._own, request))
+            yield await self._step(context, request)
 
     # -- sessions ----------------------------------------------------------------------
 
@@ -297,6 +312,30 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         _log.info("session_closed", session_id=request.session_id,
                   requests_freed=response.num_requests_freed)
         return response
+
+    async def ListSessions(self, request: pb.ListSessionsRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListSessionsResponse:
+        tenant = calls.tenant.get()
+        ns = Namespace(tenant)
+        answer = pb.ListSessionsResponse()
+        for sid, session in sorted(self.state.sessions.items()):
+            if not (tenant.admin or session.tenant == tenant.name):
+                continue
+            by_pool: dict[str, list[str]] = {}
+            for pool_id, request_id in session.requests:
+                by_pool.setdefault(pool_id, []).append(request_id)
+            info = answer.sessions.add(
+                session_id_prefix=sid[:8], client_name=session.client_name,
+                lease_remaining_seconds=self.leases.remaining(sid),
+                last_sequence=session.last_sequence, expiring=session.expiring)
+            for pool_id, request_ids in sorted(by_pool.items()):
+                pool = self.registry.entry(pool_id).pool if pool_id in self.registry else None
+                stats = pool.stats() if pool is not None else None
+                info.pools.add(pool_id=ns.outer(pool_id), num_requests=len(request_ids),
+                               request_ids=request_ids[:1000],
+                               blocks_held=pool.account_blocks(sid) if pool else 0,
+                               block_quota=stats.account_block_quota if stats else 0)
+        return answer
 
     # -- queries -----------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from cache_service.core.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KVCacheError,
     NotFound,
 )
 from cache_service.core.ops import Free
@@ -129,6 +130,8 @@ class ServiceState:
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
+        #: Log appends and syncs that failed with an OSError (disk full, I/O error).
+        self.wal_errors = 0
         # pool id -> request id -> owning session id (requests added without a session
         # are not listed: nothing expires them)
         self._owners: dict[str, dict[str, str]] = {}
@@ -246,7 +249,11 @@ class ServiceState:
                 record = WalRecord(**{kind: request})
                 if tenant is not None:
                     record.tenant.CopyFrom(tenant)
-            durability.append(record)
+            try:
+                durability.append(record)
+            except (KVCacheError, OSError):  # DataDirFull / DataDirUnwritable: nothing logged
+                self.wal_errors += 1  # metrics (kvcache_wal_errors_total); the call fails
+                raise
         response = commit()
         if isinstance(response, GeneratorType):  # a Step's commit, in slices
             response = yield from response

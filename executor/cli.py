@@ -37,7 +37,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ex = prepare(settings)
     except InvalidArgument as exc:
         return exit_with_error(PROG, str(exc), 2)
-    return asyncio.run(serve(settings, ex))
+    code = asyncio.run(serve(settings, ex))
+    if argv is None:
+        # The process's own command line: it ends here. Everything that matters is closed
+        # (the 'stopped' line is out); the interpreter's teardown of the model and its
+        # object graph (a final garbage collection) would take seconds more.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from executor.client import AsyncExecutorClient, Generation
 from executor.presets import DEFAULT_PRESET, PRESETS
+from kvcache_common.cli import OneLineParser
 
 if TYPE_CHECKING:  # rich is imported when the demo runs, not when its module is imported
     from rich.console import Console
@@ -198,7 +199,7 @@ def target_model(target: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvcache-demo", description=__doc__,
+    p = OneLineParser(prog="kvcache-demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="model preset")
     p.add_argument("--requests", type=int, default=48, help="number of requests")
@@ -260,8 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     [] if args.no_compare else [("caching off", "--no-enable-prefix-caching")])
                 targets = []
                 for label, flag in variants:
+                    # --drain-seconds 0: the demo's executors serve only the demo, so when
+                    # it stops (Ctrl-C) or dies (SIGKILL: PR_SET_PDEATHSIG sends them
+                    # SIGTERM) nobody waits for their in-flight requests: stop at once
                     ex = start_executor(cache.target, "--preset", args.preset, flag,
-                                        "--max-num-seqs", str(max(args.concurrency, 1)))
+                                        "--max-num-seqs", str(max(args.concurrency, 1)),
+                                        "--drain-seconds", "0")
                     procs.append(ex)
                     targets.append((label, ex.target))
             console.print(f"cache service {cache.target}; executors "
@@ -277,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         console.print("interrupted; stopping servers")
         return 130
     finally:
+        for p in procs:  # all at once: each one's shutdown overlaps the others'
+            p.signal(signal.SIGTERM)
         for p in reversed(procs):
             p.stop()
     identical = None

@@ -228,12 +228,14 @@ class Executor:
         self.ready.set()
         on_ready()
 
-    def close(self) -> None:
+    def close(self, join_seconds: float = 5.0) -> None:
+        """Stops the engine and the link; waits up to ``join_seconds`` per thread (one
+        blocked on a cache service that is gone would hold the stop that long)."""
         self._closing.set()
         if self.engine is not None:
             self.engine.stop()
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=join_seconds)
         self.link.close()
 
 
@@ -431,7 +433,8 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
             await asyncio.sleep(0.05)
 
     async def close() -> None:
-        await asyncio.to_thread(ex.close)
+        # --drain-seconds 0 means "stop at once": then no thread gets 5 s to finish.
+        await asyncio.to_thread(ex.close, min(5.0, max(0.5, settings.drain_seconds)))
 
     # stop_grace 1 s: the requests were waited for above; what is left (a finished
     # stream's last message, health watchers) must not hold the process until a

@@ -7,6 +7,7 @@ oracle implementations live in `kernels.reference`. This package imports no gRPC
 import triton until a Triton implementation is actually used. See docs/kernels.md.
 """
 
+import kvcache_common.quiet_torch  # noqa: F401  (before any torch import)
 from kernels._dispatch import IMPLS, select_impl
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.conv1d import causal_conv1d, causal_conv1d_update

@@ -3,16 +3,18 @@
 Precedence: flags over environment variables over defaults. ``--help`` lists every field as a
 ``--kebab-case`` flag with its description, its environment variable and its default;
 booleans are ``--x`` / ``--no-x`` flags and ``Literal`` fields list their choices. A bad
-value is a usage error: one line naming the flag, exit status 2 (no traceback).
+value, and an unknown flag, is a usage error: one line naming the flag, exit status 2 (no
+traceback, no usage dump).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 from argparse import ArgumentParser
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings, CliSettingsSource
@@ -33,6 +35,17 @@ def _document_env_vars(model: type[BaseSettings]) -> None:
         model.model_rebuild(force=True)
 
 
+class OneLineParser(ArgumentParser):
+    """An argparse parser whose usage errors (an unknown flag, a missing or bad value) are
+    ONE line on stderr, ``<prog>: error: <what> (see <prog> --help)``, exit status 2: not
+    the whole usage first (8-18 lines that bury the line that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        sys.stderr.flush()
+        raise SystemExit(2)
+
+
 def parse_cli(model: type[S], argv: Sequence[str] | None, *, prog: str,
               description: str) -> S:
     """``model`` from ``argv`` (default ``sys.argv[1:]``) and the environment."""
@@ -42,6 +55,8 @@ def parse_cli(model: type[S], argv: Sequence[str] | None, *, prog: str,
         model, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True,
         cli_exit_on_error=True, cli_hide_none_type=True)
     source.root_parser.description = description
+    source.root_parser.error = types.MethodType(  # type: ignore[method-assign]
+        OneLineParser.error, source.root_parser)
     try:
         settings = model(_cli_settings_source=source(args=args))
     except ValidationError as exc:

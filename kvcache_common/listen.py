@@ -26,8 +26,10 @@ def port_in_use(host: str, port: int, flag: str = "--port") -> str | None:
                 probe.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
+                    # the hint names the flag that is in use, not always --port
+                    off = ", -1 for none" if flag == "--metrics-port" else ""
                     return (f"{flag}: {host}:{port} is already in use (another server "
-                            f"running? pick another port, or --port 0 for a free one)")
+                            f"running? pick another port, or {flag} 0 for a free one{off})")
                 return f"--host: cannot listen on {host}:{port} ({exc.strerror})"
     return None
 

@@ -20,6 +20,33 @@ import structlog
 _lifecycle: Any = structlog.get_logger("lifecycle")
 
 
+class _Stdout:
+    """Where log lines go: ``sys.stdout`` until its reader is gone (EPIPE, e.g. the launcher
+    of a server was SIGKILLed), then nowhere. A log line nobody can read must not fail the
+    code that logs it: a shutdown dying on its own 'draining' line leaves the process up."""
+
+    def __init__(self) -> None:
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return sys.stdout.write(text)
+            except (BrokenPipeError, ValueError):  # ValueError: stdout closed
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):
+                self._gone = True
+
+
+_STDOUT = _Stdout()
+
+
 def configure_logging(level: str) -> None:
     """structlog JSON lines on stdout, with the call's request id (context variables)."""
     threshold = getattr(logging, level.upper())
@@ -32,12 +59,12 @@ def configure_logging(level: str) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.PrintLoggerFactory(sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(_STDOUT),  # type: ignore[arg-type]
         cache_logger_on_first_use=True,
     )
     global _lifecycle
     _lifecycle = structlog.wrap_logger(
-        structlog.PrintLogger(sys.stdout),
+        structlog.PrintLogger(_STDOUT),  # type: ignore[arg-type]
         wrapper_class=structlog.make_filtering_bound_logger(min(logging.INFO, threshold)))
 
 

@@ -281,9 +281,16 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      skip_capacity_check: bool = False,
                      session_block_quota: int = 0,
                      prefix_cache_retention_interval: int | None = None,
-                     enable_mamba_shared_prefix_checkpoint: bool = False
-                     ) -> pb.RegisterPoolRequest:
-    """The RegisterPool message for the keyword arguments of ``register_pool``."""
+                     enable_mamba_shared_prefix_checkpoint: bool = False,
+                     **unexpected: object) -> pb.RegisterPoolRequest:
+    """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
+    one is a TypeError naming ``register_pool`` and the arguments it takes, not this
+    function, which the caller never called)."""
+    if unexpected:
+        code = register_request.__code__
+        known = code.co_varnames[2:code.co_argcount + code.co_kwonlyargcount]
+        raise TypeError(f"register_pool() got an unexpected keyword argument "
+                        f"{next(iter(unexpected))!r}; it takes: {', '.join(known)}")
     if (num_blocks is None) == (available_memory_bytes is None):
         raise ValueError("give exactly one of num_blocks and available_memory_bytes")
     options = pb.PoolOptions(

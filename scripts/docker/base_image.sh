@@ -5,7 +5,8 @@
 # with debootstrap from the machine's own Debian mirror and `docker import`ed. The rootfs tarball
 # is cached (KVC_DOCKER_CACHE, default /var/cache/kvcache-docker) so a wiped engine re-imports it
 # in seconds. bookworm's python3 is 3.11, the same ABI as the host-built wheelhouse (cp311).
-# Needs DOCKER_HOST pointing at an engine, root, and debootstrap. Progress goes to stderr.
+# Needs DOCKER_HOST pointing at an engine, root, and debootstrap; a missing one is ONE line on
+# stderr naming it (exit 1, nothing on stdout). Progress goes to stderr.
 set -euo pipefail
 
 tag="${KVCACHE_LOCAL_BASE_TAG:-kvcache-local/base:bookworm-py311}"
@@ -15,6 +16,16 @@ include=python3,python3-venv
 tarball="$cache_dir/rootfs-$suite-minbase-$(echo "$include" | tr ',' '+').tar"
 
 log() { echo "base_image: $*" >&2; }
+
+# What is missing, in one line each, with the way out: scripts/docker_env.sh gets all of it.
+command -v docker >/dev/null || {
+    log "the docker CLI is not installed (as root: apt-get install docker.io, or source scripts/docker_env.sh, which also starts an engine)"
+    exit 1
+}
+timeout 15 docker version --format '{{.Server.Version}}' >/dev/null 2>&1 || {
+    log "no Docker engine answers at ${DOCKER_HOST:-the default socket} (start one, or source scripts/docker_env.sh: as root it installs and starts one)"
+    exit 1
+}
 
 if docker image inspect "$tag" >/dev/null 2>&1; then
     echo "$tag"
@@ -32,7 +43,10 @@ apt_mirror() {
 }
 
 if [ ! -s "$tarball" ]; then
-    command -v debootstrap >/dev/null || { log "debootstrap is not installed"; exit 1; }
+    command -v debootstrap >/dev/null || {
+        log "debootstrap is not installed (as root: apt-get install debootstrap; source scripts/docker_env.sh does it) -- or use a registry's python:3.11-slim and leave KVCACHE_BASE_IMAGE unset"
+        exit 1
+    }
     mirror="$(apt_mirror)"
     mkdir -p "$cache_dir"
     rootfs="$(mktemp -d "$cache_dir/rootfs.XXXXXX")"

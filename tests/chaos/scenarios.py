@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from cache_service.client import CacheClient
-from cache_service.wal import HEADER_SIZE, MAGIC
+from cache_service.wal import HEADER_SIZE, SEGMENT_HEADER_SIZE
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.etcd_launch import EtcdServer
@@ -67,7 +67,7 @@ def lost_answers(seed: int, workdir: Path) -> Verdict:
 def wal_records(path: Path) -> list[int]:
     """The byte offset of every record of a log segment."""
     data = path.read_bytes()
-    offsets, at = [], len(MAGIC)
+    offsets, at = [], SEGMENT_HEADER_SIZE
     while at + HEADER_SIZE <= len(data):
         offsets.append(at)
         at += HEADER_SIZE + int.from_bytes(data[at:at + 4], "little")

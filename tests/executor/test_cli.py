@@ -6,6 +6,7 @@ readiness line at any log level, and a killed demo leaves no servers behind."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -222,3 +223,95 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.parametrize("module,prog", [("cache_service", "kvcache-server"),
+                                         ("executor", "kvcache-executor"),
+                                         ("executor.demo", "kvcache-demo")])
+def test_an_unknown_flag_is_one_line_not_the_usage(module: str, prog: str) -> None:
+    done = run("-m", module, "--no-such-flag")
+    assert done.returncode == 2
+    line = one_error_line(done, prog)
+    assert "unrecognized arguments: --no-such-flag" in line and f"{prog} --help" in line
+
+
+def test_a_metrics_port_in_use_names_the_metrics_flag(busy_port: int) -> None:
+    done = run("-m", "cache_service", "--port", "0", "--metrics-port", str(busy_port))
+    assert done.returncode == 2
+    line = one_error_line(done, "kvcache-server")
+    assert line.startswith(f"kvcache-server: error: --metrics-port: 127.0.0.1:{busy_port} is "
+                           "already in use")
+    assert "--metrics-port 0 for a free one, -1 for none" in line and "--port 0" not in line
+
+
+def test_no_numpy_warning_without_numpy(tmp_path) -> None:
+    """Where numpy is not installed (a fresh venv, the images), torch warns at import; the
+    executor's one-line errors stay one line."""
+    (tmp_path / "numpy.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    bare = run("-c", "import torch", env=env)
+    assert "Failed to initialize NumPy" in bare.stderr  # what a user without numpy saw
+    done = run("-m", "executor", "--port", "0", "--preset", "hybrid-fsm",
+               "--max-tokens-per-step", "24", env=env)
+    assert done.returncode == 2
+    assert "--max-tokens-per-step: 24" in one_error_line(done, "kvcache-executor")
+    quiet = run("-c", "import executor, torch, warnings; warnings.warn('other')", env=env)
+    assert "NumPy" not in quiet.stderr and "UserWarning: other" in quiet.stderr
+
+
+def test_an_executor_whose_log_reader_died_still_stops_cleanly(cache_service) -> None:
+    """A killed demo leaves its executors a stdout pipe with no reader: the SIGTERM that
+    PR_SET_PDEATHSIG sends must still stop them (their 'draining' line used to raise
+    BrokenPipeError and leave them up until the cache service went away)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([sys.executable, "-m", "executor", "--port", "0", "--cache-service",
+                             cache_service.target, "--drain-seconds", "0"],
+                            stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    with os.fdopen(r) as out:
+        for line in out:
+            if '"event": "serving"' in line:
+                break
+    proc.send_signal(signal.SIGTERM)  # the reader is closed now
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "BrokenPipeError" not in err
+
+
+def _demo_mid_workload() -> tuple[subprocess.Popen, list[int]]:
+    demo = subprocess.Popen([sys.executable, "-m", "executor.demo", "--requests", "2000"],
+                            stdout=subprocess.PIPE, text=True)
+    assert demo.stdout is not None
+    for line in demo.stdout:  # printed once all three are up, before the workload
+        if line.startswith("cache service "):
+            break
+    children = _children(demo.pid)
+    assert len(children) == 3, children
+    return demo, children
+
+
+def _gone_within(children: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (alive := [pid for pid in children if _alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_sigkill_of_the_demo_mid_workload_stops_all_three_at_once() -> None:
+    """Its executors used to drain for 11-16 s after a kill -9 (nobody waits for their
+    requests then): they stop at once now (--drain-seconds 0 for the demo's own)."""
+    demo, children = _demo_mid_workload()
+    demo.kill()
+    demo.wait()
+    assert not _gone_within(children, 5), "servers outlived the demo by more than 5 s"
+
+
+def test_ctrl_c_of_the_demo_mid_workload_is_fast() -> None:
+    """Ctrl-C used to take 6-8 s: the servers now stop together and without a drain."""
+    demo, children = _demo_mid_workload()
+    started = time.monotonic()
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(timeout=30) == 130
+    assert time.monotonic() - started < 5
+    assert not _gone_within(children, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,20 @@ def test_any_trace_without_answers_is_checked_against_the_replay_tool(
 @pytest.mark.parametrize("args", [["--trace", "x.jsonl"], ["--expected", "e.jsonl"]])
 def test_bad_arguments_exit_2(server: ServerProcess, args: list[str]) -> None:
     assert conformance(server, *args).returncode == 2
+
+
+def test_a_dead_target_is_one_line_exit_2() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    proc = shell(substitute(BUNDLED, {"target": dead}), ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith(f"python -m cache_service.conformance: error: --target {dead}: "
+                                  "UNAVAILABLE")
+
+
+def test_the_docs_example_count_is_the_bundled_count() -> None:
+    doc = (ROOT / "docs/conformance.md").read_text()
+    n = len(bundled())
+    assert f"`{n}/{n} traces conform`" in doc

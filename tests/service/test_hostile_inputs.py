@@ -278,8 +278,8 @@ def test_rejected_whole_with_the_field_named(case: Case, client: CacheClient, st
 
 
 # RPCs whose hostile input is tested elsewhere: StepStream carries Step's messages (the
-# stream tests), SubscribeEvents below, ListPools takes no input.
-ELSEWHERE = {"StepStream", "SubscribeEvents", "ListPools"}
+# stream tests), SubscribeEvents below, ListPools and ListSessions take no input.
+ELSEWHERE = {"StepStream", "SubscribeEvents", "ListPools", "ListSessions"}
 
 
 def test_the_table_covers_every_rpc_and_every_op_kind() -> None:

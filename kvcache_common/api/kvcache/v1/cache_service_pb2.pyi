@@ -786,3 +786,43 @@ class GetPrefixSnapshotResponse(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[GroupPrefixes]
     incarnation: int
     def __init__(self, sequence: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupPrefixes, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionPoolUsage(_message.Message):
+    __slots__ = ("pool_id", "num_requests", "request_ids", "blocks_held", "block_quota")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    num_requests: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    blocks_held: int
+    block_quota: int
+    def __init__(self, pool_id: _Optional[str] = ..., num_requests: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., blocks_held: _Optional[int] = ..., block_quota: _Optional[int] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id_prefix", "client_name", "lease_remaining_seconds", "last_sequence", "expiring", "pools")
+    SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_REMAINING_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRING_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    session_id_prefix: str
+    client_name: str
+    lease_remaining_seconds: float
+    last_sequence: int
+    expiring: bool
+    pools: _containers.RepeatedCompositeFieldContainer[SessionPoolUsage]
+    def __init__(self, session_id_prefix: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_remaining_seconds: _Optional[float] = ..., last_sequence: _Optional[int] = ..., expiring: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[SessionPoolUsage, _Mapping]]] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...

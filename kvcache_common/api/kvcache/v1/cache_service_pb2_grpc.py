@@ -110,6 +110,11 @@ class CacheServiceStub:
                 request_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvcache.v1.CacheService/ListSessions',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -257,6 +262,17 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The open sessions the caller's tenant owns (an admin tenant: every tenant's), for
+        operators (kvcache-ctl sessions): each one's client name, remaining lease, last
+        sequence number, and per pool the requests it holds and the blocks they hold against
+        the pool's session_block_quota. Read-only: renews no lease. A session id is shown as
+        its first 8 characters only (the whole id lets its holder act as the session).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -334,6 +350,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.GetPrefixSnapshot,
                     request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -742,6 +763,33 @@ class CacheService:
             '/kvcache.v1.CacheService/GetPrefixSnapshot',
             kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotRequest.SerializeToString,
             kvcache_dot_v1_dot_cache__service__pb2.GetPrefixSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/ListSessions',
+            kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,5 @@
+import sys
+
+from cache_service.ctl.cli import main
+
+sys.exit(main())
