@@ -29,6 +29,7 @@ treated as full attention); ``vllm`` = the oracle run as a subprocess with ``--b
     python3 bench/bench_core.py --profile                # + cProfile hot spots of our core
     python3 bench/bench_core.py --baseline-tree ../main  # + the same sides from another tree
     python3 bench/bench_core.py --vs-pure                # + the pure-Python core (compiled run)
+    python3 bench/bench_core.py --retention --num-requests 300   # Mamba checkpoints dense vs sparse
 
 Prints tables and writes bench/results/core.json.
 """
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import print_table, ratio, summarize_ns, write_results
+from _retention import retention_report
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.pool import Pool, PoolOptions
@@ -725,7 +727,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vs-pure", action="store_true",
                    help="also run the core and pool sides with KVCACHE_CORE=pure (the "
                         "pure-Python core) in a subprocess, and print compiled / pure")
+    p.add_argument("--retention", action="store_true",
+                   help="instead: Mamba checkpoint retention dense vs sparse vs "
+                        "--retention-interval on a full + Mamba workload (bench/_retention.py)")
+    p.add_argument("--retention-interval", type=int, default=512,
+                   help="the interval N of the --retention run (default 512)")
     args = p.parse_args(argv)
+    if args.retention:
+        out = write_results("core_retention", {"args": vars(args) | {"out": str(args.out)},
+                                               **retention_report(args)}, args.out)
+        print(f"wrote {out}")
+        return 0
     configs = [c for c in args.configs.split(",") if c]
     sides = [s for s in args.sides.split(",") if s]
     for c in configs:

@@ -122,7 +122,9 @@ def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
         max_model_len=options.max_model_len, enable_caching=options.enable_caching,
         hash_algo=options.hash_algo, scheduler_block_size=options.scheduler_block_size,
         hash_block_size=options.hash_block_size, watermark=options.watermark,
-        max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True)
+        max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True,
+        prefix_cache_retention_interval=options.prefix_cache_retention_interval,
+        enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint)
 
 
 def parse_trace(text: str) -> list[Any]:

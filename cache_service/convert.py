@@ -154,6 +154,12 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
                               field=f"{p}.watermark")
     if opts.hash_algo and not HASH_ALGOS.name(opts.hash_algo):
         raise InvalidArgument(f"unknown hash_algo {opts.hash_algo}", field=f"{p}.hash_algo")
+    # Absent = dense (docs/semantics.md#checkpoint-retention); whether a value fits the
+    # pool's groups and scheduler block size is checked when the pool is built.
+    retention = None
+    if opts.HasField("prefix_cache_retention_interval"):
+        retention = _non_negative(opts.prefix_cache_retention_interval,
+                                  f"{p}.prefix_cache_retention_interval", limit=1 << 31)
     core = PoolOptions(
         max_model_len=opts.max_model_len,
         enable_caching=opts.enable_caching if opts.HasField("enable_caching") else True,
@@ -165,6 +171,8 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         enable_events=opts.enable_events if opts.HasField("enable_events") else True,
         vocab_size=opts.vocab_size or None,
         account_block_quota=opts.session_block_quota or None,
+        prefix_cache_retention_interval=retention,
+        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -178,7 +186,9 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         hash_block_size=opts.hash_block_size or 0, watermark=opts.watermark,
         max_in_flight_tokens=opts.max_in_flight_tokens or 0,
         enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid,
-        session_block_quota=opts.account_block_quota or 0)
+        session_block_quota=opts.account_block_quota or 0,
+        prefix_cache_retention_interval=opts.prefix_cache_retention_interval,
+        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:

@@ -16,7 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.core.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from cache_service.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    KVCacheError,
+    NotFound,
+    ResourceExhausted,
+)
 from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.prefix_index import PrefixIndex, keyspace_of
@@ -37,6 +43,7 @@ DEFAULT_MAX_TOTAL_BLOCKS = 1 << 24
 # Core spec attribute -> the protocol field that carries it (for diff messages).
 _SPEC_FIELD_NAMES = {"shapes": "mamba_states", "dtypes": "mamba_states"}
 _OPTION_FIELD_NAMES = {"account_block_quota": "session_block_quota"}
+_CHECKED_WITH_LAYOUT = frozenset({"prefix_cache_retention_interval"})
 _CONFIG_FIELD_NAMES = {"available_memory": "available_memory_bytes",
                        "max_model_len": "options.max_model_len"}
 
@@ -201,8 +208,14 @@ class PoolRegistry:
                 f"the pool would have {config.num_blocks} blocks; the server's block budget "
                 f"(--max-total-blocks) has {self.max_total_blocks - self.total_blocks} of "
                 f"{self.max_total_blocks} left", field=budget_field(desc))
-        return PoolEntry(pool_id, desc, Pool(config, desc.options),
-                         EventFeed(self._event_buffer)), True
+        try:
+            pool = Pool(config, desc.options)
+        except KVCacheError as exc:
+            # Options the core checks against the layout: name them as the protocol does.
+            if exc.field in _CHECKED_WITH_LAYOUT:
+                exc.field = f"options.{exc.field}"
+            raise
+        return PoolEntry(pool_id, desc, pool, EventFeed(self._event_buffer)), True
 
     def add(self, entry: PoolEntry) -> None:
         """Registers a pool from :meth:`prepare_register`, giving it the next incarnation."""

@@ -46,7 +46,8 @@ _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
                "mamba_cache_mode"}
 _CONFIG_KEYS = {"num_blocks", "max_model_len", "enable_caching", "hash_algo", "groups",
                 "scheduler_block_size", "hash_block_size", "watermark",
-                "max_in_flight_tokens"}
+                "max_in_flight_tokens", "prefix_cache_retention_interval",
+                "enable_mamba_shared_prefix_checkpoint"}
 
 
 class ConfigFileError(ValueError):
@@ -118,8 +119,17 @@ def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:
     enable_caching = data.get("enable_caching", True)
     if not isinstance(enable_caching, bool):
         raise ConfigFileError("enable_caching must be true or false")
+    retention = data.get("prefix_cache_retention_interval")
+    if retention is not None and type(retention) is not int:
+        raise ConfigFileError("prefix_cache_retention_interval must be null (dense) or an "
+                              f"integer, got {retention!r}")
+    shared_prefix_checkpoint = data.get("enable_mamba_shared_prefix_checkpoint", False)
+    if not isinstance(shared_prefix_checkpoint, bool):
+        raise ConfigFileError("enable_mamba_shared_prefix_checkpoint must be true or false")
     options = PoolOptions(
         max_model_len=max_model_len, enable_caching=enable_caching,
+        prefix_cache_retention_interval=retention,
+        enable_mamba_shared_prefix_checkpoint=shared_prefix_checkpoint,
         hash_algo=data.get("hash_algo", "sha256"),
         scheduler_block_size=data.get("scheduler_block_size"),
         hash_block_size=data.get("hash_block_size"),

@@ -214,6 +214,8 @@ REGISTRY: dict[str, Entry] = {
     "python -m cache_service": Run("service", serve=_SERVING),
     # docs/benchmarks.md
     "python3 bench/bench_core.py": _bench("core", "--num-requests 200"),
+    "python3 bench/bench_core.py --retention --num-requests 300 --max-batched-tokens 512 "
+    "--num-blocks 4096": _bench("core_retention", "--num-requests 20"),
     "python3 bench/bench_service.py":
         _bench("service", "--steps 10 --warmup 1 --clients 1 --sizes 8"),
     "python3 bench/bench_cluster.py": _bench(  # needs etcd: the cluster tier

@@ -280,6 +280,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      hybrid: bool = True,
                      skip_capacity_check: bool = False,
                      session_block_quota: int = 0,
+                     prefix_cache_retention_interval: int | None = None,
+                     enable_mamba_shared_prefix_checkpoint: bool = False,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -297,7 +299,9 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         scheduler_block_size=scheduler_block_size or 0, hash_block_size=hash_block_size or 0,
         max_in_flight_tokens=max_in_flight_tokens or 0, enable_events=enable_events,
         hybrid=hybrid, skip_capacity_check=skip_capacity_check,
-        session_block_quota=session_block_quota)
+        session_block_quota=session_block_quota,
+        prefix_cache_retention_interval=prefix_cache_retention_interval,
+        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks

@@ -28,6 +28,7 @@ from cache_service.core.single_type_managers import (
     HitBlocks,
     MambaManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     manager_class_for,
 )
 from cache_service.core.specs import (
@@ -110,7 +111,36 @@ class KVCacheCoordinator:
         self._cache_alignment = 1
         #: Hits may end inside blocks (hybrid pools with a coarse Mamba "align" group).
         self.partial_hits = False
+        #: See :meth:`configure_retention`.
+        self.retention_interval: int | None = None
         self.empty_blocks: HitBlocks = tuple([] for _ in managers)  # shared: never mutated
+
+    def configure_retention(self, retention_interval: int | None) -> None:
+        """Set the checkpoint retention of every group (docs/semantics.md#checkpoint-retention).
+        None = dense; 0 = sparse; N > 0 (a multiple of the scheduler block size) = sparse
+        plus one checkpoint per N tokens, and only for pools with a sliding-window or
+        Mamba group (vLLM 0.33 accepts 0 without one: it changes nothing there)."""
+        if retention_interval is not None:
+            if type(retention_interval) is not int:
+                raise ConfigError("prefix_cache_retention_interval must be an integer or "
+                                  f"unset, got {retention_interval!r}",
+                                  field="prefix_cache_retention_interval")
+            sparse_kinds = any(isinstance(m, (SlidingWindowManager, MambaManager))
+                               for m in self.managers)
+            if retention_interval and not sparse_kinds:
+                raise ConfigError(
+                    "prefix_cache_retention_interval is set but the pool has no "
+                    "sliding-window or Mamba group, so retention has no effect; set it to 0 "
+                    "or leave it unset", field="prefix_cache_retention_interval")
+            if sparse_kinds and (retention_interval < 0
+                                 or retention_interval % self.scheduler_block_size):
+                raise ConfigError(
+                    f"prefix_cache_retention_interval ({retention_interval}) must be "
+                    "non-negative and a multiple of scheduler_block_size "
+                    f"({self.scheduler_block_size})", field="prefix_cache_retention_interval")
+        self.retention_interval = retention_interval
+        for manager in self.managers:
+            manager.retention_interval = retention_interval
 
     # -- hits --------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],

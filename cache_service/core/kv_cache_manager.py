@@ -90,7 +90,8 @@ class KVCacheManager:
     def __init__(self, config: KVCacheConfig, *, max_model_len: int, scheduler_block_size: int,
                  hash_block_size: int, max_in_flight_tokens: int | None = None,
                  enable_caching: bool = True, enable_events: bool = False,
-                 watermark: float = 0.0) -> None:
+                 watermark: float = 0.0, prefix_cache_retention_interval: int | None = None,
+                 enable_mamba_shared_prefix_checkpoint: bool = False) -> None:
         if watermark < 0:
             raise ConfigError("watermark must be non-negative", field="watermark")
         self.config = config
@@ -100,6 +101,12 @@ class KVCacheManager:
             config, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight_tokens,
             enable_caching=enable_caching, enable_events=enable_events,
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
+        self.coordinator.configure_retention(prefix_cache_retention_interval)
+        # vLLM narrows the flag to EAGLE pools with partial hits (a junction inside a
+        # block is only reachable by a hit that drops back from the block past it); this
+        # pool has no EAGLE, so the flag is accepted and has no effect.
+        self.mamba_shared_prefix_checkpoint = False
+        self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
         self.pool = self.coordinator.pool
         self.watermark_blocks = int(watermark * config.num_blocks)
         self.empty_blocks: HitBlocks = self.coordinator.empty_blocks

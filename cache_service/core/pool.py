@@ -108,6 +108,12 @@ class PoolOptions:
     vocab_size: int | None = None
     #: Most blocks the requests of one account may hold (see :mod:`quota`); None = none.
     account_block_quota: int | None = None
+    #: Sliding-window / Mamba checkpoint retention (docs/semantics.md#checkpoint-retention):
+    #: None = dense (every eligible checkpoint; the default here, see the doc for why),
+    #: 0 = sparse (vLLM 0.33's engine default), N = sparse plus one every N tokens.
+    prefix_cache_retention_interval: int | None = None
+    #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE).
+    enable_mamba_shared_prefix_checkpoint: bool = False
 
 
 @dataclass(slots=True)
@@ -267,7 +273,9 @@ class Pool:
             config, max_model_len=options.max_model_len, scheduler_block_size=sched,
             hash_block_size=hbs, max_in_flight_tokens=options.max_in_flight_tokens,
             enable_caching=options.enable_caching, enable_events=options.enable_events,
-            watermark=options.watermark)
+            watermark=options.watermark,
+            prefix_cache_retention_interval=options.prefix_cache_retention_interval,
+            enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint)
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
@@ -434,6 +442,8 @@ class Pool:
         if isinstance(op, Lookup):
             req = self._requests[op.request_id]
             blocks, hit, boundary = self._manager.get_computed_blocks(req)
+            # As vLLM's scheduler does: the junction's checkpoint is then retained.
+            req.shared_prefix_boundary = boundary
             self._pending[op.request_id] = (blocks, hit, self._epoch)
             result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
             if op.explain:
@@ -549,7 +559,7 @@ class Pool:
             blocks, hit, epoch = pending
             if epoch != self._epoch:
                 # Blocks may have been reused since the lookup: look the prefix up again.
-                blocks, hit, _ = manager.get_computed_blocks(req)
+                blocks, hit, req.shared_prefix_boundary = manager.get_computed_blocks(req)
         else:
             blocks, hit = None, 0
         # The batch check admits 0 new tokens only with a fresh hit to adopt.

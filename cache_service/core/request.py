@@ -36,7 +36,7 @@ class Request:
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
                  "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
-                 "client_hashes", "num_placeholders")
+                 "client_hashes", "num_placeholders", "shared_prefix_boundary")
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
@@ -52,6 +52,10 @@ class Request:
         self.num_placeholders = 0
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # The junction of the last lookup (a shared prefix a sparse-retention group has
+        # not cached yet; 0 = none): its checkpoint is retained
+        # (docs/semantics.md#checkpoint-retention).
+        self.shared_prefix_boundary = 0
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         # Hashed with the name as ("lora", name, path), as vLLM does (it always has a path).
@@ -115,6 +119,7 @@ class Request:
 def _restore_request(state: dict[str, Any]) -> Request:
     req = Request.__new__(Request)
     req.num_placeholders = 0  # snapshots written before placeholders existed lack it
+    req.shared_prefix_boundary = 0  # ... and before sparse retention
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
         setattr(req, name, value)

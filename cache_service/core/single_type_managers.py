@@ -96,6 +96,10 @@ class SingleTypeKVCacheManager:
         self.max_admission_blocks = admission_cap
         # Set by the coordinator: hit lengths must be multiples of this.
         self.cache_hit_alignment_tokens = spec.block_size
+        # Set by the coordinator (docs/semantics.md#checkpoint-retention): None = dense;
+        # 0 = only the replay boundary and shared-prefix junctions; N = also one
+        # checkpoint per N-token segment. Only sliding-window and Mamba groups act on it.
+        self.retention_interval: int | None = None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -251,10 +255,21 @@ class SingleTypeKVCacheManager:
         return cow + new if cow else new
 
     # -- caching -----------------------------------------------------------------------
-    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
+    def block_mask(self, request: Request, start_block: int,
+                   end_block: int) -> list[bool] | None:
         """Which blocks of ``[start, end)`` of the request's table may be hashed; None =
         all (docs/semantics.md#cacheable-tokens)."""
         return None
+
+    @staticmethod
+    def reachable_boundaries(request: Request) -> tuple[int, ...]:
+        """Token positions a later request can resume at, whose checkpoint sparse
+        retention keeps: the replay boundary (a resend's hit is capped at
+        ``num_prompt_tokens - 1``) and the shared-prefix junction its lookup reported."""
+        junction = request.shared_prefix_boundary
+        if junction:
+            return (request.num_prompt_tokens - 1, junction)
+        return (request.num_prompt_tokens - 1,)
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Hash the table's full blocks among the first ``num_tokens`` tokens
@@ -270,7 +285,7 @@ class SingleTypeKVCacheManager:
         self.pool.cache_full_blocks(request, self.req_to_blocks[rid],
                                     hash_view(hashes, hbs, self.block_size), cached, num_full,
                                     self.block_size, self.group_id,
-                                    self.block_mask(rid, cached, num_full))
+                                    self.block_mask(request, cached, num_full))
         self.num_cached_block[rid] = num_full
 
     # -- freeing -----------------------------------------------------------------------
@@ -439,18 +454,34 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not blocks[n - 1].is_null:
             self._null_out_range(request_id, 0, n, stop_at_null=True)
 
-    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
-        # Under hybrid alignment only the last `need` blocks of each aligned segment can
-        # ever end a hit; the others are not worth a cache entry.
+    def block_mask(self, request: Request, start_block: int,
+                   end_block: int) -> list[bool] | None:
+        # Only the last `need` blocks before a hit boundary are ever looked up. Dense:
+        # a boundary at every aligned segment (under hybrid alignment, the others are
+        # not worth a cache entry); sparse: see docs/semantics.md#checkpoint-retention.
         bs = self.block_size
         alignment = self.cache_hit_alignment_tokens
         if alignment % bs:
             return None
         need = cdiv(self.sliding_window - 1, bs)
-        per_segment = alignment // bs
-        if need >= per_segment:
-            return None
-        return [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
+        retention = self.retention_interval
+        if retention is None:
+            per_segment = alignment // bs
+            if need >= per_segment:
+                return None
+            return [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
+        if retention:
+            per_segment = retention // bs
+            if need >= per_segment:
+                return None
+            mask = [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
+        else:
+            mask = [False] * (end_block - start_block)
+        for boundary in self.reachable_boundaries(request):
+            end = boundary // alignment * alignment // bs
+            for j in range(max(start_block, end - need), min(end_block, end)):
+                mask[j - start_block] = True
+        return mask
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
@@ -694,11 +725,39 @@ class MambaManager(SingleTypeKVCacheManager):
         returned.extend(new)
         return returned
 
-    def block_mask(self, request_id: str, start_block: int, end_block: int) -> list[bool] | None:
-        stale = self.stale_states.get(request_id)
+    def block_mask(self, request: Request, start_block: int,
+                   end_block: int) -> list[bool] | None:
+        stale = self.stale_states.get(request.request_id)
+        mask = None if self.retention_interval is None \
+            else self.retained_states(request, start_block, end_block)
         if not stale or not any(start_block <= i < end_block for i in stale):
-            return None
-        return [i not in stale for i in range(start_block, end_block)]
+            return mask
+        if mask is None:
+            return [i not in stale for i in range(start_block, end_block)]
+        return [keep and i not in stale for i, keep in zip(range(start_block, end_block), mask)]
+
+    def retained_states(self, request: Request, start_block: int,
+                        end_block: int) -> list[bool] | None:
+        """Sparse retention of state checkpoints (docs/semantics.md#checkpoint-retention):
+        block ``i`` holds the state after ``(i + 1) * block_size`` tokens; keep one per
+        ``retention_interval`` segment (none for 0) plus the state at each reachable
+        boundary rounded down to the hit alignment. None = keep all."""
+        retention = self.retention_interval
+        bs = self.block_size
+        mask = [False] * (end_block - start_block)
+        if retention:
+            per_segment = retention // bs
+            if per_segment <= 1:
+                return None
+            first = (start_block + per_segment) // per_segment * per_segment - 1
+            for i in range(first - start_block, len(mask), per_segment):
+                mask[i] = True
+        alignment = self.cache_hit_alignment_tokens
+        for boundary in self.reachable_boundaries(request):
+            idx = boundary // alignment * alignment // bs - 1
+            if start_block <= idx < end_block:
+                mask[idx - start_block] = True
+        return mask
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id

@@ -13,6 +13,11 @@ every trace operation (this project's replay applies each one as a batch of its 
 wrapper drains the copies the same way and adds ``"block_copies": [[src, dst], ...]`` to
 the operation's result when there are any. On traces without copies it answers exactly
 as ``vllm_oracle.py`` does.
+
+It also does what the scheduler does with a lookup's shared-prefix boundary
+(``Scheduler.schedule``: ``request.shared_prefix_boundary`` is set from
+``get_computed_blocks``): sparse retention (``--retention-interval 0|N``) keeps the
+checkpoint at that junction. ``vllm_oracle.py`` alone leaves it 0.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ import vllm_oracle  # noqa: E402  (found through the path set above)
 
 class SchedulingOracle(vllm_oracle.Oracle):
     """The oracle, draining copy-on-write copies after each operation."""
+
+    def op_lookup(self, op: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = super().op_lookup(op)
+        self._req(op).request.shared_prefix_boundary = out.get("shared_prefix_boundary", 0)
+        return out
 
     def apply(self, op: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = super().apply(op)

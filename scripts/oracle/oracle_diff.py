@@ -40,6 +40,8 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
             "--block-size", str(config["groups"][0]["block_size"]),
             "--hash-fn", config.get("hash_algo", "sha256"),
             "--enable-caching" if config.get("enable_caching", True) else "--no-caching"]
+    retention = config.get("prefix_cache_retention_interval")
+    args += ["--retention-interval", "none" if retention is None else str(retention)]
     for g in config["groups"]:
         if g["type"] == "sliding_window":
             args += ["--sliding-window", str(g["sliding_window"])]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Dev tool (never run by tests): regenerate the sample traces and the vLLM oracle's
 # expected outputs. Needs the oracle venv (shared/tools/vllm-oracle/setup_venv.sh).
-#   bash scripts/oracle/regenerate.sh
+#   bash scripts/oracle/regenerate.sh [NAME ...]     (default: every sample)
 set -euo pipefail
 TOOLS="$(cd "$(dirname "$0")" && pwd)"
 cd "$TOOLS/../../cache_service/replay_samples"
@@ -11,11 +11,22 @@ declare -A SCENARIO=([full]="full" [full_swa]="full_swa" [full_mamba]="full_mamb
   [swa_mamba_nocache]="swa_mamba" [full_swa_mamba_nocache]="full_swa_mamba"
   [full_swa_mamba]="full_swa_mamba --enable-caching"
   [full_mamba32]="full_mamba --mamba-block-size 32")
+# Sparse checkpoint retention (vLLM 0.33's engine default 0, and an interval): the
+# configs say so in prefix_cache_retention_interval, the bench runs with the same setting.
+for r in 0 128; do
+  SCENARIO[full_swa_r$r]="full_swa --retention-interval $r"
+  SCENARIO[full_mamba_r$r]="full_mamba --retention-interval $r"
+done
+SCENARIO[full_swa_mamba_r0]="full_swa_mamba --enable-caching --retention-interval 0"
+SCENARIO[mamba_align_r0]="mamba --enable-caching --retention-interval 0"  # attention-free
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"
 export VLLM_ORACLE="$ORACLE" VLLM_ORACLE_PY="$PY" PYTHONPATH="$TOOLS/../.."
-for name in "${!SCENARIO[@]}"; do
+names=("$@")
+[ "${#names[@]}" -gt 0 ] || names=("${!SCENARIO[@]}")
+for name in "${names[@]}"; do
+  [ -n "${SCENARIO[$name]+x}" ] || { echo "regenerate: unknown sample $name" >&2; exit 2; }
   # A realistic scheduler workload (shared prefixes, chunked prefill, decode,
   # preemption) from the oracle's own bench, small enough to commit.
   # shellcheck disable=SC2086
