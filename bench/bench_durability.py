@@ -98,15 +98,16 @@ def bench_steps(root: Path, n: int, steps: int, warmup: int, rounds: int) -> dic
 
 
 def build_state(directory: Path, num_blocks: int, requests: int, prompt: int,
-                tail: int, tail_batch: int) -> dict:
-    """A data directory with a big pool: admissions + a snapshot + a log tail."""
+                tail: int, tail_batch: int, headroom: int = 64) -> dict:
+    """A data directory with a big pool: admissions + a snapshot + a log tail
+    (``headroom``: tokens each request may still grow by after the tail)."""
     settings = parse_settings(["--event-buffer", "10000"])
     data_dir, state = open_data_dir(directory, new_state=lambda i: _new_state(settings, i),
                                     apply=_replay, fsync="never", snapshot_every=10**9)
     state.durability = data_dir
     started = time.perf_counter()
     state.apply(WalRecord(register_pool=register_request(
-        "big", model(), num_blocks=num_blocks, max_model_len=prompt + tail + 64)))
+        "big", model(), num_blocks=num_blocks, max_model_len=prompt + tail + headroom)))
     for start in range(0, requests, 500):
         batch = StepBuilder("big", begin_step=True)
         for i in range(start, min(requests, start + 500)):

@@ -4,17 +4,21 @@ directory (write-ahead log + snapshots), and how a data directory is recovered a
 Data directory layout::
 
     LOCK                     flock'ed by the running server (one server per directory)
-    instance                 this directory's instance id (pool incarnations derive from it)
+    instance                 the instance id of this directory's history (pool incarnations
+                             derive from it); a new one whenever a history starts
     snapshot-<index>.snap    the newest snapshot (state through WAL record <index>)
     wal-<index>.log          log segments (records from <index> on)
 
-Recovery (:func:`open_data_dir`): load the newest snapshot (or build an empty state), then
-replay every logged record after it, in order, through the same ``apply`` function the
-live server uses. ``apply`` is deterministic (no clock, no randomness: lease expiries and
-generated ids are records themselves), so the replayed state equals the state the server
-had after its last logged record: block tables, free-queue order, prefix-cache map, stats,
-event sequence numbers, sessions. A record that apply rejects was rejected identically when
-it was live (same state, same input), so replay skips it the same way.
+Recovery (:func:`open_data_dir`): load the newest snapshot (or build an empty state), check
+that it is the one the log continues (the oldest segment starts right after it, or
+earlier: a snapshot that is missing or older than that is corruption, never an empty
+start), then replay every logged record after it, in order, through the same ``apply``
+function the live server uses. ``apply`` is deterministic (no clock, no randomness:
+lease expiries and generated ids are records themselves), so the replayed state equals
+the state the server had after its last logged record: block tables, free-queue order,
+prefix-cache map, stats, event sequence numbers, sessions. A record that apply rejects
+was rejected identically when it was live (same state, same input), so replay skips it
+the same way.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import asyncio
 import errno
 import fcntl
 import gc
+import hashlib
 import os
 import secrets
 import time
@@ -35,9 +40,25 @@ import structlog
 from google.protobuf.message import Message
 
 from cache_service.core.errors import KVCacheError
-from cache_service.snapshot import Snapshotter, load_latest
+from cache_service.snapshot import (
+    SnapshotCorruption,
+    SnapshotMissing,
+    Snapshotter,
+    import_path,
+    list_snapshots,
+    load_latest,
+    snapshot_name,
+    write_snapshot,
+)
 from cache_service.status import ResourceExhausted, Unavailable
-from cache_service.wal import FsyncPolicy, WalBroken, WriteAheadLog, scan
+from cache_service.wal import (
+    FsyncPolicy,
+    ScanResult,
+    WalBroken,
+    WriteAheadLog,
+    list_segments,
+    scan,
+)
 
 S = TypeVar("S")
 
@@ -176,9 +197,10 @@ class DataDir(Generic[S]):
 
     def close(self, state: Any = None) -> None:
         """Flushes the log; with ``state`` (clean shutdown) writes a final snapshot so the
-        next start replays nothing. A snapshot that cannot be written (a full disk) is
-        logged and skipped: the log still holds everything, the next start replays it."""
-        self.snapshotter.wait()
+        next start replays nothing (a compaction still running is ended first). A snapshot
+        that cannot be written (a full disk) is logged and skipped: the log still holds
+        everything, the next start replays it."""
+        self.snapshotter.stop()
         try:
             if state is not None and self.wal.last_index > self.snapshotter.last_index \
                     and self.wal.broken is None:
@@ -208,10 +230,16 @@ def _lock(directory: Path) -> int:
     return fd
 
 
-def _instance_id(directory: Path) -> str:
-    """The directory's instance id, created once (atomically) when it is first used."""
+def _instance_id(directory: Path, *, new_history: bool) -> str:
+    """The id of the directory's history: a fresh one (written atomically) when a history
+    starts (no snapshot, no log: a new directory, or one whose files were removed), so
+    that pools registered in it never get the incarnations of a lost one."""
     path = directory / "instance"
-    if path.exists():
+    if not new_history:
+        if not path.is_file():
+            raise DataDirError(f"data directory {directory} holds a log or snapshot but no "
+                               "instance file (restore it, or move the directory away to "
+                               "start empty)")
         return path.read_text().strip()
     new_id = secrets.token_hex(8)
     tmp = path.with_suffix(".tmp")
@@ -220,6 +248,36 @@ def _instance_id(directory: Path) -> str:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return new_id
+
+
+def directory_tag(instance_id: str) -> int:
+    """The tag snapshots and log segments carry to name the directory (history) they were
+    written for: a file copied in from another one is refused."""
+    return int.from_bytes(hashlib.blake2b(instance_id.encode(), digest_size=8).digest(),
+                          "big")
+
+
+def _check_link(directory: Path, snapshot_index: int) -> None:
+    """The newest snapshot must be the one the log continues: it must reach the record
+    before the oldest segment, else that snapshot was deleted or replaced by an older one
+    (and the records it held are gone)."""
+    segments = list_segments(directory)
+    if segments and segments[0][0] - 1 > snapshot_index:
+        first, path = segments[0]
+        found = (f"the newest snapshot here ends at record {snapshot_index}"
+                 if snapshot_index else "there is no snapshot")
+        raise SnapshotMissing(directory / snapshot_name(first - 1),
+                              f"the log ({path}) continues the state after record "
+                              f"{first - 1}, which only that snapshot holds, and {found}")
+
+
+def _check_end(directory: Path, snapshot_index: int, log: ScanResult) -> None:
+    """...and must not pass the log's end (a snapshot of a later state than the log's)."""
+    if log.log_end is not None and snapshot_index > log.log_end:
+        raise SnapshotCorruption(directory / snapshot_name(snapshot_index),
+                                 f"it holds records through {snapshot_index}, the log ends "
+                                 f"at {log.log_end} (a snapshot of a later state, or an "
+                                 "older log)")
 
 
 def new_instance_id() -> str:
@@ -251,12 +309,17 @@ def read_data_dir(directory: Path, *, new_state: Callable[[str], S],
     instance = directory / "instance"
     if not instance.is_file():
         raise DataDirError(f"{directory} holds no data directory (no instance file)")
-    loaded = load_latest(directory, read_only=True)
+    instance_id = instance.read_text().strip()
+    tag = directory_tag(instance_id)
+    loaded = load_latest(directory, read_only=True, tag=tag)
     if loaded is None:
-        state, snapshot_index = new_state(instance.read_text().strip()), 0
+        state, snapshot_index = new_state(instance_id), 0
     else:
         state, snapshot_index = loaded
-    _replay(state, scan(directory, snapshot_index, repair=False).records, apply)
+    _check_link(directory, snapshot_index)
+    log = scan(directory, snapshot_index, repair=False, tag=tag)
+    _check_end(directory, snapshot_index, log)
+    _replay(state, log.records, apply)
     return state
 
 
@@ -266,12 +329,18 @@ def open_data_dir(directory: Path, *, new_state: Callable[[str], S],
                   ) -> tuple[DataDir[S], S]:
     """Locks ``directory`` (created if missing), restores its state (snapshot + log
     replay through ``apply``) and opens its log for appends. ``new_state(instance_id)``
-    builds the empty state of a fresh directory. Raises :class:`DataDirError`,
+    builds the empty state of a new history. ``apply`` must be a module-level function:
+    the compaction process that writes background snapshots imports it (see
+    :class:`~cache_service.snapshot.Snapshotter`). Raises :class:`DataDirError`,
     :class:`~cache_service.wal.WalCorruption` or
-    :class:`~cache_service.snapshot.SnapshotCorruption`."""
+    :class:`~cache_service.snapshot.SnapshotCorruption` (also
+    :class:`~cache_service.snapshot.SnapshotMissing`: the snapshot the log continues is
+    not there)."""
+    replay = import_path(apply)
     try:
-        return _open_data_dir(directory, new_state=new_state, apply=apply, fsync=fsync,
-                              fsync_interval=fsync_interval, snapshot_every=snapshot_every)
+        return _open_data_dir(directory, new_state=new_state, apply=apply, replay=replay,
+                              fsync=fsync, fsync_interval=fsync_interval,
+                              snapshot_every=snapshot_every)
     except OSError as exc:  # a file in the way, read-only, not permitted, ...
         raise DataDirError(_unusable(directory, exc)) from exc
 
@@ -297,7 +366,7 @@ def _unusable(directory: Path, exc: OSError) -> str:
 
 
 def _open_data_dir(directory: Path, *, new_state: Callable[[str], S],
-                   apply: Callable[[S, bytes], Any], fsync: FsyncPolicy,
+                   apply: Callable[[S, bytes], Any], replay: str, fsync: FsyncPolicy,
                    fsync_interval: float, snapshot_every: int,
                    ) -> tuple[DataDir[S], S]:
     directory.mkdir(parents=True, exist_ok=True)
@@ -305,15 +374,19 @@ def _open_data_dir(directory: Path, *, new_state: Callable[[str], S],
         raise DataDirError(f"data directory {directory} is not a directory")
     lock_fd = _lock(directory)
     try:
-        instance_id = _instance_id(directory)
+        new_history = not list_snapshots(directory) and not list_segments(directory)
+        instance_id = _instance_id(directory, new_history=new_history)
+        tag = directory_tag(instance_id)
         started, cpu_started = time.perf_counter(), time.process_time()
-        loaded = load_latest(directory)
+        loaded = load_latest(directory, tag=tag)
         if loaded is None:
             state, snapshot_index = new_state(instance_id), 0
         else:
             state, snapshot_index = loaded
         loaded_at = time.perf_counter()
-        result = scan(directory, snapshot_index)
+        _check_link(directory, snapshot_index)
+        result = scan(directory, snapshot_index, tag=tag)
+        _check_end(directory, snapshot_index, result)
         rejected = _replay(state, result.records, apply)
         # The recovered state lives as long as the server: keep the cyclic collector from
         # traversing it again and again (a full collection over a million-block pool
@@ -323,13 +396,14 @@ def _open_data_dir(directory: Path, *, new_state: Callable[[str], S],
         recovery = Recovery(snapshot_index, len(result.records), rejected,
                             result.truncated_bytes, loaded_at - started,
                             replayed_at - loaded_at, time.process_time() - cpu_started)
+        if loaded is None:
+            # The base the first compaction replays the log into (the empty state).
+            write_snapshot(directory, new_state(instance_id), 0, tag)
         wal = WriteAheadLog(directory, result.last_index + 1, fsync=fsync,
-                            sync_interval=fsync_interval, group_commit=True)
+                            sync_interval=fsync_interval, tag=tag, group_commit=True)
     except BaseException:
         os.close(lock_fd)
         raise
-    snapshotter = Snapshotter(directory, wal, lambda: state, every=snapshot_every)
-    # The snapshot child pickles ``state``; it must not hold this object (open files,
-    # threads): ServiceState leaves its durability hook out of its pickled form.
+    snapshotter = Snapshotter(directory, wal, every=snapshot_every, replay=replay, tag=tag)
     snapshotter.last_index = snapshot_index
     return DataDir(directory, lock_fd, instance_id, wal, snapshotter, recovery), state

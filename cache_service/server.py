@@ -89,7 +89,21 @@ def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
 
 
 def _replay(state: ServiceState, payload: bytes) -> None:
-    state.apply(WalRecord.FromString(payload))
+    """Applies one logged record (recovery, the compaction process). It was accepted when
+    it was live, under that run's limits, which need not be the ones the state holds now
+    (a restart with other --max-ops-per-step / --max-tokens-per-step / --max-total-blocks,
+    a snapshot taken before them): the limits are lifted while it is applied, so that
+    replay never drops an acknowledged record."""
+    registry = state.registry
+    limits = state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks
+    state.max_ops_per_step = state.max_tokens_per_step = registry.max_total_blocks = _NO_LIMIT
+    try:
+        state.apply(WalRecord.FromString(payload))
+    finally:
+        state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
+
+
+_NO_LIMIT = 1 << 62
 
 
 def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:

@@ -11,6 +11,7 @@ Reads go to the state directly. Sessions: every call naming a session renews its
 from __future__ import annotations
 
 import functools
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Generator
@@ -50,6 +51,9 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
 _log = structlog.get_logger("cache_service.servicer")
+
+#: A session id a client may propose (OpenSessionRequest.session_id): random hex, >= 128 bits.
+_PROPOSED_SESSION_ID = re.compile(r"[0-9a-f]{32,128}")
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -279,9 +283,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         if len(request.client_name) > 256:
             await _abort(context, InvalidArgument("client_name is longer than 256 characters",
                                                   field="client_name"))
-        # The id is chosen here, outside apply, and carried by the record (apply stays
+        # The id is chosen here (or proposed by the client, so that it can resend a lost
+        # OpenSession), outside apply, and carried by the record (apply stays
         # deterministic). 128 random bits: unguessable by other clients.
-        sid = secrets.token_hex(16)
+        if request.session_id and not _PROPOSED_SESSION_ID.fullmatch(request.session_id):
+            await _abort(context, InvalidArgument(
+                "session_id must be 32-128 lowercase hex characters (random) or empty",
+                field="session_id"))
+        sid = request.session_id or secrets.token_hex(16)
         response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
             session_id=sid, client_name=request.client_name))
         self.leases.start(sid)

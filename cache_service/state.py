@@ -19,7 +19,8 @@ error naming the field), then the registry's fence for a pool's record (a cluste
 that does not own the pool now refuses it, see ``cache_service.cluster.registry``), then
 ``durability.append(record)``, then mutate (which cannot fail once validated). A record
 that fails validation (or the fence) is therefore never logged, and a retry answered from
-a session's stored response is not logged either (nothing changes).
+a session's stored response is not logged either (nothing changes). A resent OpenSession of
+a session that is open is logged and changes nothing (its replay does the same).
 """
 
 from __future__ import annotations
@@ -522,9 +523,15 @@ class ServiceState:
         sid = request.session_id
         if not sid or len(sid) > 128:
             raise InvalidArgument("session id must be 1-128 characters", field="session_id")
-        if sid in self.sessions:
-            raise AlreadyExists(f"session {sid!r} exists", field="session_id")
         tenant = self._tenant.name
+        existing = self.sessions.get(sid)
+        if existing is not None:
+            if existing.tenant != tenant or existing.expiring:
+                raise AlreadyExists(f"session {sid!r} exists", field="session_id")
+            # A resent OpenSession (its answer was lost): the same session again, not a
+            # second one; nothing changes (replaying the record does the same).
+            return lambda: pb.OpenSessionResponse(session_id=sid,
+                                                  lease_ttl_seconds=self.lease_ttl_seconds)
 
         def commit() -> pb.OpenSessionResponse:
             self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)

@@ -1,13 +1,19 @@
 """The write-ahead log: every accepted mutation, framed and checksummed, in segment files.
 
 Layout of a data directory's log: segment files ``wal-<first index, 20 digits>.log``, each
-starting with an 8-byte magic (format version), then records back to back::
+starting with a header, then records back to back::
 
-    u32 payload length | u32 crc32(length, index, payload) | u64 index | payload
+    header: 8-byte magic (format version) | u64 directory tag | u64 first index |
+            u32 crc32(tag, first index)
+    record: u32 payload length | u32 crc32(length, index, payload) | u64 index | payload
 
-Indexes are 1, 2, 3, ... across segments without gaps; a segment's name says its first
-index, so a reader can check that nothing is missing between files. The payload is opaque
-here (the service stores serialized ``WalRecord`` messages).
+Indexes are 1, 2, 3, ... across segments without gaps; a segment's name (and its header)
+says its first index, so a reader can check that nothing is missing between files, and the
+oldest segment says which snapshot the log continues: the one through ``first index - 1``
+(none for a log starting at 1). The directory tag names the data directory the segment was
+written for (a file copied in from elsewhere is refused). Segments of format 1 (an 8-byte
+magic and no more) are still read. The payload is opaque here (the service stores
+serialized ``WalRecord`` messages).
 
 Reading (:func:`scan`) tells a crash from corruption:
 
@@ -52,7 +58,10 @@ from typing import Literal
 
 FsyncPolicy = Literal["always", "batch", "never"]
 
-MAGIC = b"KVCWAL1\n"
+MAGIC = b"KVCWAL2\n"
+MAGIC_V1 = b"KVCWAL1\n"  # format 1: the magic alone (read, never written)
+_SEGMENT = struct.Struct("<8sQQI")  # magic, directory tag, first index, crc32(tag, first)
+SEGMENT_HEADER_SIZE = _SEGMENT.size
 _HEADER = struct.Struct("<IIQ")  # payload length, crc32, index
 HEADER_SIZE = _HEADER.size
 MAX_RECORD_BYTES = 1 << 30  # a longer length field can only be garbage
@@ -88,6 +97,37 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def segment_header(first_index: int, tag: int) -> bytes:
+    """The header a segment starting at ``first_index`` begins with."""
+    return _SEGMENT.pack(MAGIC, tag, first_index,
+                         zlib.crc32(struct.pack("<QQ", tag, first_index)))
+
+
+def _segment_start(path: Path, data: bytes, first: int, *, last: bool
+                   ) -> tuple[int, int | None] | None:
+    """``(offset of the first record, directory tag or None for format 1)`` of a
+    segment's bytes; None for the last segment cut short inside its header (created,
+    then a crash before the header was written: it holds no record)."""
+    if data.startswith(MAGIC_V1):
+        return len(MAGIC_V1), None
+    if len(data) < SEGMENT_HEADER_SIZE:
+        if last and (MAGIC.startswith(data) or data.startswith(MAGIC)):
+            return None
+        raise WalCorruption(path, 0, "file too short for the segment header")
+    magic, tag, first_index, crc = _SEGMENT.unpack_from(data)
+    if magic != MAGIC:
+        raise WalCorruption(path, 0, f"bad magic {magic!r} (not a segment of this format "
+                            "version)")
+    if zlib.crc32(struct.pack("<QQ", tag, first_index)) != crc:
+        if last and not data[SEGMENT_HEADER_SIZE:].strip(b"\0"):
+            return None  # a torn header write, nothing after it
+        raise WalCorruption(path, 0, "segment header checksum mismatch")
+    if first_index != first:
+        raise WalCorruption(path, 0, f"the header says the segment starts at index "
+                            f"{first_index}, its name says {first} (a renamed file)")
+    return SEGMENT_HEADER_SIZE, tag
+
+
 def _crc(length: int, index: int, payload: bytes) -> int:
     return zlib.crc32(payload, zlib.crc32(struct.pack("<IQ", length, index)))
 
@@ -105,22 +145,24 @@ class ScanResult:
     records: list[tuple[int, bytes]]
     last_index: int  # the last good index in the log (``after`` if none is later)
     truncated_bytes: int  # torn-tail bytes dropped from the last segment
+    first_index: int | None = None  # of the oldest segment (None: no segment)
+    log_end: int | None = None  # the last index the segments hold (None: no segment)
 
 
-def _read_segment(path: Path, expect_first: int, *, last: bool,
+def _read_segment(path: Path, expect_first: int, *, last: bool, tag: int | None = None,
                   ) -> tuple[list[tuple[int, bytes]], int, int | None]:
     """Records of one segment, the index after its last, and (last segment only) the
-    offset to truncate a torn tail at (None = intact)."""
+    offset to truncate a torn tail at (None = intact; 0 = a torn header: the file holds
+    no record and must be created again). ``tag``: the directory tag it must carry."""
     data = path.read_bytes()
-    if len(data) < len(MAGIC):
-        if last and MAGIC.startswith(data):
-            return [], expect_first, 0  # created, crashed before the magic was written
-        raise WalCorruption(path, 0, "file too short for the segment header")
-    if data[:len(MAGIC)] != MAGIC:
-        raise WalCorruption(path, 0, f"bad magic {data[:len(MAGIC)]!r} (not a segment of "
-                            "this format version)")
+    start = _segment_start(path, data, expect_first, last=last)
+    if start is None:
+        return [], expect_first, 0
+    pos, found = start
+    if tag is not None and found is not None and found != tag:
+        raise WalCorruption(path, 0, f"the segment belongs to another data directory (tag "
+                            f"{found:016x}, this directory's is {tag:016x})")
     records: list[tuple[int, bytes]] = []
-    pos = len(MAGIC)
     index = expect_first
     end = len(data)
     unpack = _HEADER.unpack_from
@@ -188,10 +230,14 @@ def _intact_record_after(data: bytes, pos: int, index: int) -> tuple[int, int] |
     return None
 
 
-def scan(directory: Path, after: int = 0, *, repair: bool = True) -> ScanResult:
+def scan(directory: Path, after: int = 0, *, repair: bool = True, tag: int | None = None
+         ) -> ScanResult:
     """Reads every segment, returns the records with index > ``after``; drops (and with
-    ``repair`` truncates) a torn tail; raises :class:`WalCorruption` on anything else.
-    Segments entirely at or before ``after`` must have been deleted or be intact."""
+    ``repair`` truncates) a torn tail; raises :class:`WalCorruption` on anything else,
+    also when the oldest segment starts after ``after + 1`` (the records in between, which
+    a snapshot through ``after`` would hold, are missing) or a segment's header names
+    another directory than ``tag`` (None: not checked). Segments entirely at or before
+    ``after`` must have been deleted or be intact."""
     segments = list_segments(directory)
     records: list[tuple[int, bytes]] = []
     truncated = 0
@@ -201,27 +247,36 @@ def scan(directory: Path, after: int = 0, *, repair: bool = True) -> ScanResult:
         if expect is not None and first != expect:
             raise WalCorruption(path, 0, f"segment starts at index {first} but the previous "
                                 f"one ended before {expect} (a segment is missing)")
+        if expect is None and first > after + 1:
+            raise WalCorruption(path, 0, f"the log continues the state after record "
+                                f"{first - 1}, but the snapshot ends at {after} (records "
+                                f"{after + 1}..{first - 1} are missing)")
         is_last = n == len(segments) - 1
-        recs, nxt, torn_at = _read_segment(path, first, last=is_last)
+        recs, nxt, torn_at = _read_segment(path, first, last=is_last, tag=tag)
         if torn_at is not None:
             truncated = path.stat().st_size - torn_at
             if repair:
-                with open(path, "r+b") as f:
-                    f.truncate(max(torn_at, len(MAGIC)))
-                    if torn_at < len(MAGIC):
-                        f.seek(0)
-                        f.write(MAGIC)
-                    f.flush()
-                    os.fsync(f.fileno())
-        if expect is None and first > after + 1 and (recs or not is_last):
-            raise WalCorruption(path, 0, f"the log starts at index {first} but the snapshot "
-                                f"ends at {after} (records {after + 1}..{first - 1} are "
-                                "missing)")
+                _cut(path, torn_at)
         records.extend(r for r in recs if r[0] > after)
         if recs:
             last_index = max(last_index, recs[-1][0])
         expect = nxt
-    return ScanResult(records, last_index, truncated)
+    return ScanResult(records, last_index, truncated,
+                      segments[0][0] if segments else None,
+                      expect - 1 if expect is not None else None)
+
+
+def _cut(path: Path, torn_at: int) -> None:
+    """Drops a torn tail: the file is truncated at ``torn_at``, or deleted if its header
+    was torn (it holds no record; the log creates it again)."""
+    if torn_at == 0:
+        path.unlink()
+        _fsync_dir(path.parent)
+        return
+    with open(path, "r+b") as f:
+        f.truncate(torn_at)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -254,20 +309,26 @@ class WriteAheadLog:
     the caller calls :meth:`sync` (once for many appends) before answering."""
 
     def __init__(self, directory: Path, next_index: int, *, fsync: FsyncPolicy = "batch",
-                 sync_interval: float = 0.05, group_commit: bool = False) -> None:
+                 sync_interval: float = 0.05, tag: int = 0, group_commit: bool = False
+                 ) -> None:
         if fsync not in ("always", "batch", "never"):
             raise ValueError(f"fsync must be always, batch or never, got {fsync!r}")
         self.directory = directory
         self.fsync = fsync
         self.next_index = next_index
+        self.tag = tag  # the directory tag new segments carry
         self.broken: str | None = None
         self._sync_each = fsync == "always" and not group_commit
         self._lock = threading.Lock()  # guards _fd against rotation during a batch sync
         self._dirty = False
         self._closed = threading.Event()
+        self._rotated: list[int] = []  # descriptors of segments rotated out, to sync
         segments = list_segments(directory)
         if segments and segments[-1][0] == next_index \
-                and segments[-1][1].stat().st_size == len(MAGIC):
+                and segments[-1][1].read_bytes() != segment_header(next_index, tag):
+            # Left empty by the previous run, in format 1: written again in this one.
+            segments.pop()[1].unlink()
+        if segments and segments[-1][0] == next_index:
             self._first, self._path = segments[-1]  # left empty by the previous run
             self._fd = os.open(self._path, os.O_WRONLY | os.O_APPEND)
         else:
@@ -290,23 +351,25 @@ class WriteAheadLog:
         """The segment appends go to."""
         return self._path
 
-    def _create(self, first_index: int) -> int:
-        """Creates the segment starting at ``first_index`` (magic written and synced,
-        directory synced) and makes it current; on failure nothing is left behind and the
-        current segment stays."""
+    def _create(self, first_index: int, *, sync: bool = True) -> int:
+        """Creates the segment starting at ``first_index`` (header written and, with
+        ``sync``, synced with the directory) and makes it current; on failure nothing is
+        left behind and the current segment stays."""
         path = self.directory / segment_name(first_index)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL, 0o644)
+        header = segment_header(first_index, self.tag)
         try:
-            if os.write(fd, MAGIC) != len(MAGIC):
+            if os.write(fd, header) != len(header):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            os.fsync(fd)
-            _fsync_dir(self.directory)
+            if sync:
+                os.fsync(fd)
+                _fsync_dir(self.directory)
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise
         self._first, self._path = first_index, path
-        self._size = len(MAGIC)
+        self._size = len(header)
         return fd
 
     def append(self, payload: bytes) -> int:
@@ -340,19 +403,46 @@ class WriteAheadLog:
         except OSError as exc:
             self.broken = f"a failed append could not be undone ({exc})"
 
-    def rotate(self) -> int:
+    def rotate(self, *, defer_sync: bool = False) -> int:
         """Starts a new segment at the next index; returns the last index of the old ones
-        (what a snapshot taken now covers). If the new segment cannot be created, raises
-        with the current segment still in use."""
+        (what a snapshot taken now covers). ``defer_sync`` (not under ``always``, whose
+        answers wait for the disk): the syncs of the old segment, the new one and the
+        directory are left to :meth:`finish_rotation`, to be run off the event loop (a
+        crash of the machine before it loses no more than the ``batch`` window)."""
+        defer = defer_sync and self.fsync != "always"
         with self._lock:
-            if self.fsync != "never":
+            if self.fsync != "never" and not defer:
                 self._fdatasync()
             if self._first != self.next_index:  # else the current segment is still empty
                 old = self._fd
-                self._fd = self._create(self.next_index)
-                os.close(old)
-            self._dirty = False
+                self._fd = self._create(self.next_index, sync=not defer)
+                if defer:
+                    self._rotated.append(old)
+                else:
+                    os.close(old)
+            self._dirty = defer  # the sync thread then syncs the new segment soon
         return self.next_index - 1
+
+    def finish_rotation(self) -> None:
+        """The syncs a :meth:`rotate` with ``defer_sync`` left (any thread); a failure
+        breaks the log, as a failed fdatasync does (see :meth:`_fdatasync`)."""
+        if not self._rotated:
+            return
+        try:
+            while self._rotated:
+                fd = self._rotated.pop()
+                try:
+                    if self.fsync != "never":
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            if self.fsync != "never":
+                with self._lock:
+                    os.fsync(self._fd)
+                _fsync_dir(self.directory)
+        except OSError as exc:
+            self.broken = f"syncing the rotated log in {self.directory} failed ({exc})"
+            raise
 
     def drop_through(self, index: int) -> int:
         """Deletes segments whose records all have index <= ``index`` (a snapshot covers
@@ -396,6 +486,7 @@ class WriteAheadLog:
                         return  # broken: appends now refuse, and say why
 
     def close(self) -> None:
+        self.finish_rotation()
         self._closed.set()
         if self._thread is not None:
             self._thread.join()

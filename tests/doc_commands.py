@@ -220,6 +220,13 @@ REGISTRY: dict[str, Entry] = {
         "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5", tier="cluster"),
     "python3 bench/bench_durability.py": _bench(
         "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
+    "python3 bench/bench_snapshot.py": _bench(
+        "snapshot", "--blocks 20000 --requests 200 --tail 5 --tail-batch 16 --seconds 0.5"),
+    "python3 bench/bench_chaos.py": _bench("chaos", "--runs 1 --scenarios lost_answers"),
+    "python3 bench/bench_chaos.py --runs 2 --scenarios lost_answers,damaged_payload,"
+    "damaged_length,sigkill_owner,sigstop_owner,rolling_restart,etcd_restart": Gated(
+        "minutes of machine time and etcd", "the run the numbers come from; `python3 "
+        "bench/bench_chaos.py` runs in tests/bench"),
     "python3 bench/bench_wal.py": _bench("wal", "--records 30 --rounds 2"),
     "python3 bench/bench_fairness.py --seconds 6": _bench("fairness"),
     "python3 bench/bench_fuzz.py --seeds 1,2,3 --calls 3000":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -33,7 +34,14 @@ from cache_service.client._results import (
     step_result,
 )
 from cache_service.client._retry import OnRetry, resend_delay
-from cache_service.client._routing import MAX_REDIRECTS, CallRoute, Moved, Routes, reroute
+from cache_service.client._routing import (
+    MAX_REDIRECTS,
+    CallRoute,
+    Deadline,
+    Moved,
+    Routes,
+    reroute,
+)
 from cache_service.client._session import (
     Carrier,
     SequencedCall,
@@ -58,7 +66,7 @@ class AsyncCacheClient:
                  root_certificates: bytes | None = None, default_timeout: float = 10.0,
                  max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
                  ssl_target_name_override: str | None = None, session: bool = True,
-                 client_name: str = "") -> None:
+                 client_name: str = "", attempt_timeout: float = 2.0) -> None:
         self._backoff = Backoff(backoff_base, backoff_max)
         options = channel_options(max_retries, self._backoff, ssl_target_name_override)
         creds = channel_credentials(tls, root_certificates)
@@ -75,6 +83,9 @@ class AsyncCacheClient:
         self._stub = self._routes.stub(self._routes.seeds[0])
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
+        #: The first attempt's deadline of a call that is safe to resend (doubled on each
+        #: resend; see :class:`CallRoute`): a hung replica costs a call about this long.
+        self.attempt_timeout = attempt_timeout
         self._retries = max_retries
         self._use_session = session
         self._client_name = client_name
@@ -114,32 +125,43 @@ class AsyncCacheClient:
         return session.session_id if session else None
 
     async def _call(self, method: str, request: Any, timeout: float | None,
-                    pin: str | None = None) -> Any:
+                    pin: str | None = None, *, resend: bool = True) -> Any:
         """``method`` on the pool's replica, following redirects and moving past a replica
         that stays unavailable until the call's timeout (see :class:`CallRoute`); ``pin``:
         on that replica only (a call stamped with its session), raising :class:`Moved`
-        when it must go elsewhere."""
+        when it must go elsewhere; ``resend``: safe to send again (a read, or stamped with
+        a session), so each attempt has its own deadline and a lost answer is resent."""
         route = CallRoute(self._routes, getattr(request, "pool_id", ""),
-                          timeout or self.default_timeout, self._backoff, pin)
+                          timeout or self.default_timeout, self._backoff, pin,
+                          resend=resend and self._retries > 0,
+                          attempt_timeout=self.attempt_timeout)
         while True:
             address = route.address
             try:
                 return await getattr(self._routes.stub(address), method)(
                     request, timeout=route.timeout(), metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise CacheError.from_rpc(exc) from None
                 error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
-            await asyncio.sleep(route.unavailable(address, error, trailers))
+            if error.code == grpc.StatusCode.UNAVAILABLE or (
+                    error.code == grpc.StatusCode.CANCELLED and route.resend):
+                # (CANCELLED: a server that stopped with the call in flight; this client
+                # never cancels a unary call itself)
+                delay = route.unavailable(address, error, trailers)
+            elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                delay = route.expired(address, error)
+            else:
+                raise error
+            await asyncio.sleep(delay)
 
     async def _ensure_session(self, address: str) -> SessionStamp | None:
         """The session open on ``address``, opened on first use (call with the lock
         held)."""
         session = self._sessions.get(address)
         if session is None and self._use_session:
-            resp = await self._call("OpenSession",
-                                    pb.OpenSessionRequest(client_name=self._client_name), None,
-                                    pin=address)
+            # A proposed id makes OpenSession safe to resend (see the blocking client).
+            resp = await self._call("OpenSession", pb.OpenSessionRequest(
+                client_name=self._client_name, session_id=secrets.token_hex(16)), None,
+                pin=address)
             session = self._sessions[address] = SessionStamp(resp.session_id,
                                                              resp.lease_ttl_seconds)
             self._start_keepalive(session, address)
@@ -198,8 +220,9 @@ class AsyncCacheClient:
                 return response
 
     async def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
-        return await self._sequenced(
-            lambda r, a: self._call(method, r, timeout, pin=a), request, timeout)
+        deadline = Deadline(timeout or self.default_timeout)
+        return await self._sequenced(lambda r, a: self._call(
+            method, r, deadline.left(), pin=a, resend=bool(r.session_id)), request, timeout)
 
     async def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                             timeout: float | None = None, **kwargs: Any) -> PoolInfo:

@@ -62,6 +62,17 @@ class Routes:
             self._seed = (self._seed + 1) % len(self.seeds)
 
 
+class Deadline:
+    """A point in time ``seconds`` from now: one call's bound over all its attempts."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        """Seconds left (at least 1 ms: an attempt that starts late fails at once)."""
+        return max(self.at - time.monotonic(), 0.001)
+
+
 class Moved(Exception):
     """A stamped call must go to another replica (a redirect, or its replica stopped
     answering): the caller stamps it for that replica's session and sends it again.
@@ -86,29 +97,48 @@ class CallRoute:
     """The budget of one call over the replicas, until ``timeout`` seconds from now.
 
     gRPC retries UNAVAILABLE on one replica (``_channel.py``; a redirect carries a pushback
-    that stops it). Here a redirect is followed at once (up to :data:`MAX_REDIRECTS` in a
-    row), and a replica that stays unavailable is left for the next one after a backoff;
-    the call gives up when the next attempt would start past its deadline, or at once with
-    one replica and no owner to move to (gRPC already retried it there). ``pin``: the call
-    is stamped for that replica's session; it raises :class:`Moved` instead of moving.
+    that stops it) as long as no answer has begun. Here a redirect is followed at once (up
+    to :data:`MAX_REDIRECTS` in a row), and a replica that stays unavailable is left for
+    the next one after a backoff. ``resend``: the call is safe to send again (a read, or a
+    call stamped with a session: the service answers a resend from the stored answer), so
+
+    * an UNAVAILABLE with no replica to move to (one replica: a connection lost after the
+      answer's headers, which gRPC never retries), or a CANCELLED (a server that stopped
+      with the call in flight), sends it again to the same replica after a backoff, until
+      the call's deadline;
+    * each attempt has its own deadline, ``attempt_timeout`` (doubled on every attempt, so
+      a slow but live answer still comes; always within the call's): a replica that hangs
+      (SIGSTOP) costs one attempt, then the call goes to the next replica or is resent.
+
+    Without ``resend`` (a sessionless mutating call, or ``max_retries=0``) an attempt has
+    the whole deadline, and the call gives up at once with no replica to move to. ``pin``:
+    the call is stamped for that replica's session; it raises :class:`Moved` instead of
+    moving to another replica.
     """
 
     def __init__(self, routes: Routes, pool_id: str, timeout: float, backoff: Backoff,
-                 pin: str | None = None) -> None:
+                 pin: str | None = None, *, resend: bool = False,
+                 attempt_timeout: float | None = None) -> None:
         self.routes = routes
         self.pool_id = pool_id
-        self.deadline = time.monotonic() + timeout
+        self.deadline = Deadline(timeout).at
         self.backoff = backoff
         self.pin = pin
-        self._hops = self._rounds = 0
+        self.resend = resend
+        self.attempt_timeout = attempt_timeout if resend else None
+        self._hops = self._rounds = self._attempts = 0
 
     @property
     def address(self) -> str:
         return self.pin or self.routes.address(self.pool_id)
 
     def timeout(self) -> float:
-        """Seconds left for the next attempt."""
-        return max(self.deadline - time.monotonic(), 0.001)
+        """The deadline of the next attempt, in seconds from now (counts the attempt)."""
+        left = max(self.deadline - time.monotonic(), 0.001)
+        if self.attempt_timeout is None:
+            return left
+        self._attempts += 1
+        return min(left, self.attempt_timeout * 2 ** min(self._attempts - 1, 16))
 
     def unavailable(self, address: str, error: Exception, trailing_metadata: Any) -> float:
         """After UNAVAILABLE (``error``) from ``address``: seconds to wait before the next
@@ -116,9 +146,20 @@ class CallRoute:
         moved = reroute(self.routes, self.pool_id, address, trailing_metadata)
         if moved is not None and self.pin is not None:
             raise Moved(error, moved)
-        if moved is None:
+        if moved is None and not self.resend:
             raise error
-        return self._wait(error, redirect=moved)
+        return self._wait(error, redirect=bool(moved))
+
+    def expired(self, address: str, error: Exception) -> float:
+        """After DEADLINE_EXCEEDED (``error``) from ``address``: like :meth:`unavailable`
+        while the call's own deadline has not passed (only an attempt's did), without the
+        backoff (the wait already passed); else raises ``error``."""
+        if self.attempt_timeout is None or time.monotonic() >= self.deadline:
+            raise error
+        moved = reroute(self.routes, self.pool_id, address, None)
+        if moved is not None and self.pin is not None:
+            raise Moved(error, moved)
+        return 0.0
 
     def moved(self, moved: Moved) -> float:
         """After a pinned attempt raised ``moved``: seconds to wait before restamping the

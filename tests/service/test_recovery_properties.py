@@ -1,5 +1,6 @@
 """Recovery as a property (no processes): random record sequences go through
-``ServiceState.apply`` with a data directory (background snapshots every few records),
+``ServiceState.apply`` with a data directory (background snapshots every few records:
+compactions of the log into the previous snapshot),
 then the "machine crashes" at a random byte of the log's last segment. The state
 recovered from the directory must equal the state after exactly the records whose bytes
 survived whole -- block tables, free-queue order, prefix-cache map, stats, event feeds,
@@ -23,7 +24,7 @@ from cache_service.core.errors import KVCacheError
 from cache_service.durability import open_data_dir
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
-from cache_service.wal import HEADER_SIZE, MAGIC, list_segments
+from cache_service.wal import HEADER_SIZE, SEGMENT_HEADER_SIZE, list_segments
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -153,6 +154,10 @@ def test_recovered_state_is_the_state_after_the_surviving_records(
         data_dir, state = open_data_dir(directory, new_state=_new_state, apply=_replay,
                                         fsync="never", snapshot_every=snapshot_every)
         state.durability = data_dir
+        # The compaction on a thread: the code a compaction process runs, without starting
+        # an interpreter per snapshot (tests/service/test_wal.py and test_durability.py
+        # run the real process).
+        data_dir.snapshotter.in_process = True
         accepted = _apply_all(state, recs)
         assert accepted[0] is recs[0]  # the pool exists: the history is not vacuous
         # The crash: no final snapshot; a snapshot child may have died mid-write.
@@ -198,7 +203,7 @@ def _answer(state: ServiceState, rec: WalRecord) -> Any:
 def _surviving_records(path: Path) -> int:
     """How many whole records the (truncated) segment holds."""
     data = path.read_bytes()
-    pos, count = len(MAGIC), 0
+    pos, count = SEGMENT_HEADER_SIZE, 0
     while pos + HEADER_SIZE <= len(data):
         length = struct.unpack_from("<I", data, pos)[0]
         if pos + HEADER_SIZE + length > len(data):

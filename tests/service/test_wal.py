@@ -1,6 +1,6 @@
 """The write-ahead log, snapshots and data-directory recovery, on a small deterministic
 stand-in state (a list of payloads): framing, torn tails, corruption, rotation, snapshots
-in a forked child, recovery = snapshot + replayed tail."""
+written by the compaction process, recovery = snapshot + replayed tail."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from cache_service.durability import DataDirError, open_data_dir
 from cache_service.snapshot import SnapshotCorruption, list_snapshots, read_snapshot
 from cache_service.wal import (
     HEADER_SIZE,
-    MAGIC,
+    SEGMENT_HEADER_SIZE,
     FsyncPolicy,
     WalCorruption,
     WriteAheadLog,
@@ -117,7 +117,7 @@ def test_corrupt_middle_record_names_file_and_offset(tmp_path: Path) -> None:
     _write(tmp_path, payloads).close()
     path = list_segments(tmp_path)[0][1]
     data = bytearray(path.read_bytes())
-    offset = len(MAGIC) + HEADER_SIZE + len(payloads[0])  # the second record
+    offset = SEGMENT_HEADER_SIZE + HEADER_SIZE + len(payloads[0])  # the second record
     data[offset + HEADER_SIZE + 2] ^= 0x40
     path.write_bytes(bytes(data))
     with pytest.raises(WalCorruption) as exc:

@@ -22,7 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import CacheClient, CacheError, StepBuilder
-from cache_service.wal import HEADER_SIZE, MAGIC
+from cache_service.wal import HEADER_SIZE, SEGMENT_HEADER_SIZE
 from kvcache_common.launch import ServerProcess, start_cache_service
 
 from .builders import hybrid_layers
@@ -42,7 +42,7 @@ def _start_fails(data_dir: Path) -> subprocess.CompletedProcess[str]:
 def _record_offsets(path: Path) -> list[int]:
     """Byte offsets of the records of one segment (walked by their length fields)."""
     data = path.read_bytes()
-    offsets, pos = [], len(MAGIC)
+    offsets, pos = [], SEGMENT_HEADER_SIZE
     while pos < len(data):
         offsets.append(pos)
         pos += HEADER_SIZE + struct.unpack_from("<I", data, pos)[0]

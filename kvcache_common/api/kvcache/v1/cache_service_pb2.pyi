@@ -716,10 +716,12 @@ class SubscribeEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name",)
+    __slots__ = ("client_name", "session_id")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     client_name: str
-    def __init__(self, client_name: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, client_name: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "lease_ttl_seconds")
