@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -239,20 +240,42 @@ def _events(client: Any, args: argparse.Namespace, out: Callable[[str], None]) -
             start = max(1, end - 19)
         if end < start:
             return EXIT_OK
-    last: tuple[int, int] | None = None
+    printing = [False, False]  # [printing a line now, a Ctrl-C came meanwhile]
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if printing[0]:
+            printing[1] = True
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         for event in client.subscribe_events(args.pool_id, start, args.incarnation):
             row = event_data(args.pool_id, event)
+            # The line and its note as one step for Ctrl-C: the resume hint names exactly
+            # the last line printed (a Ctrl-C meanwhile is raised right after).
+            printing[0] = True
             out(json.dumps(row) if args.json else event_line(row))
-            last = (event.sequence, event.incarnation)
+            args.resume = (event.sequence, event.incarnation)
+            printing[0] = False
+            if printing[1]:
+                raise KeyboardInterrupt
             if end is not None and event.sequence >= end:
                 return EXIT_OK
     except KeyboardInterrupt:
-        if last is not None:
-            sys.stderr.write(f"{PROG}: resume with: {PROG} events {args.pool_id} --from "
-                             f"{last[0] + 1} --incarnation {last[1]} --follow\n")
+        _resume_hint(args)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return EXIT_OK
+
+
+def _resume_hint(args: argparse.Namespace) -> None:
+    """After Ctrl-C of ``events``: how to go on after the last line printed."""
+    last = getattr(args, "resume", None)
+    if last is not None:
+        sys.stderr.write(f"{PROG}: resume with: {PROG} events {args.pool_id} --from "
+                         f"{last[0] + 1} --incarnation {last[1]} --follow\n")
 
 
 _COMMANDS: dict[str, Callable[[Any, argparse.Namespace], Output]] = {
@@ -318,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except UsageError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # wherever it landed (e.g. while the stream was torn down)
+        _resume_hint(args)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvcache-ctl events ... | head`
         sys.stderr.close()
