@@ -62,14 +62,10 @@ def test_sigstop_of_an_owner_costs_a_bounded_stall(tmp_path: Path) -> None:
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(strict=False, reason="needs wt-failover: the sealed hand-over of a "
-                   "SIGTERM (issue 20 item 7; loses Steps in some runs only)")
 def test_a_rolling_restart(tmp_path: Path) -> None:
     _exact(SCENARIOS["rolling_restart"](SEED, tmp_path))
 
 
 @pytest.mark.cluster
-@pytest.mark.xfail(strict=False, reason="needs wt-failover: a replica cut off from etcd "
-                   "rejoins (issue 20 item 8; fails in some runs only)")
 def test_etcd_killed_and_restarted(tmp_path: Path) -> None:
     _exact(SCENARIOS["etcd_restart"](SEED, tmp_path))
