@@ -167,20 +167,24 @@ class AsyncCacheClient:
             self._start_keepalive(session, address)
         return session
 
-    def _start_keepalive(self, session: SessionStamp, address: str) -> None:
+    def _start_keepalive(self, session: SessionStamp, address: str, *,
+                         now: bool = False) -> None:
+        """Keeps ``session`` alive at ``address``; ``now``: the first KeepAlive at once."""
         key = address if self._sessions.get(address) is session else (
             f"{address}/{session.session_id}")
         old = self._keepalives.get(key)
         if old is not None:
             old.cancel()
-        self._keepalives[key] = asyncio.create_task(self._keep_alive(session, address))
+        self._keepalives[key] = asyncio.create_task(self._keep_alive(session, address, now))
 
-    async def _keep_alive(self, session: SessionStamp, address: str) -> None:
+    async def _keep_alive(self, session: SessionStamp, address: str, now: bool) -> None:
         interval = keepalive_interval(session.lease_ttl_seconds)
         request = pb.KeepAliveRequest(session_id=session.session_id)
         stub = self._routes.stub(address)
+        wait = 0.0 if now else interval
         while self._carrier.alive(address, session, self._sessions):
-            await asyncio.sleep(interval)
+            await asyncio.sleep(wait)
+            wait = interval
             try:
                 await stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
@@ -215,8 +219,8 @@ class AsyncCacheClient:
                     if call.failed(address, session, err):
                         continue
                     raise
-                if session is not None and call.accepted(address, session):
-                    self._start_keepalive(session, address)
+                for stamp in call.accepted(address, session) if session is not None else ():
+                    self._start_keepalive(stamp, address, now=stamp is not session)
                 return response
 
     async def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:

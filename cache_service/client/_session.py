@@ -80,13 +80,20 @@ class Carrier:
     answer, not applied twice). A replica that does not know the session answers NOT_FOUND
     on ``session_id`` and the call is stamped for its own session instead (state lost).
     Once a replica accepted a carried session, the client keeps it alive there (its
-    requests are owned by it) next to that replica's own session."""
+    requests are owned by it) next to that replica's own session.
+
+    A replica that handed its pool over and still answers (it restarted on its address,
+    or drained before the pool saw a call) redirects instead: the call is answered
+    elsewhere under that replica's own session, so the redirecting replica's session is
+    kept alive there too (see :meth:`redirected`)."""
 
     def __init__(self) -> None:
         #: address given up -> its session as it was then.
         self.orphans: dict[str, SessionStamp] = {}
         #: (address, session id) -> a carried session accepted there (not its own).
         self.adopted: dict[tuple[str, str], SessionStamp] = {}
+        #: (address, session id) pairs :meth:`redirected` tried already.
+        self._tried: set[tuple[str, str]] = set()
 
     def gave_up(self, address: str, session: SessionStamp) -> SessionStamp:
         """``address`` was given up by a call stamped with its ``session``: the session to
@@ -118,6 +125,24 @@ class Carrier:
         self.adopted[key] = session
         return True
 
+    def redirected(self, address: str, origin: str, session: SessionStamp,
+                   sessions: dict[str, SessionStamp]) -> SessionStamp | None:
+        """A call stamped with ``origin``'s own ``session`` was redirected from there and
+        answered at ``address``: the pool may have been handed over with the session (it
+        owns requests there now), which nothing else renews. The stamp to keep alive at
+        ``address`` from now on (a copy; KeepAlive has no sequence number, and a replica
+        that never adopted the session answers NOT_FOUND, which ends it), once per
+        (address, session); None when there is nothing to keep."""
+        key = (address, session.session_id)
+        own = sessions.get(address)
+        if (origin == address or session.next_sequence == 1  # nothing applied: no requests
+                or key in self.adopted or key in self._tried
+                or (own is not None and own.session_id == session.session_id)):
+            return None
+        self._tried.add(key)
+        stamp = self.adopted[key] = replace(session, in_doubt=False)
+        return stamp
+
     def alive(self, address: str, session: SessionStamp,
               sessions: dict[str, SessionStamp]) -> bool:
         """Whether ``session`` is still the client's at ``address`` (its keep-alive goes on)."""
@@ -135,6 +160,8 @@ class SequencedCall:
         self.carrier = carrier
         self.carried: SessionStamp | None = None  # the session of a replica given up
         self.origin = ""  # that replica
+        #: (replica, its own session) of each replica that redirected the call.
+        self.redirects: list[tuple[str, SessionStamp]] = []
 
     def carried_stamp(self, address: str) -> SessionStamp | None:
         """The stamp of the carried session for ``address``; None: use its own session."""
@@ -145,6 +172,8 @@ class SequencedCall:
     def moved(self, address: str, session: SessionStamp | None, moved: Moved) -> None:
         """The call left ``address``; unless redirected (nothing applied) it is in doubt
         there and the replica's session is carried along."""
+        if session is not None and moved.redirect and session is self.sessions.get(address):
+            self.redirects.append((address, session))
         if session is not None and not moved.redirect:
             session.failed(moved.error)
             if self.carried is None and session is self.sessions.get(address):
@@ -163,8 +192,15 @@ class SequencedCall:
             del self.sessions[address]
         return False
 
-    def accepted(self, address: str, session: SessionStamp) -> bool:
-        """The call was answered; True when ``session`` now needs a keep-alive there."""
+    def accepted(self, address: str, session: SessionStamp) -> list[SessionStamp]:
+        """The call was answered: the stamps that now need a keep-alive at ``address``
+        (``session``, carried there; the sessions of replicas that redirected the call,
+        whose first keep-alive is due at once: their lease there was not renewed)."""
         session.accepted()
-        return self.carried is not None and self.carrier.settled(address, session,
-                                                                  self.sessions)
+        keep = [session] if self.carried is not None and self.carrier.settled(
+            address, session, self.sessions) else []
+        for origin, own in self.redirects:
+            stamp = self.carrier.redirected(address, origin, own, self.sessions)
+            if stamp is not None:
+                keep.append(stamp)
+        return keep

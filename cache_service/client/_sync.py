@@ -166,16 +166,20 @@ class CacheClient:
             self._start_keepalive(session, address)
         return session
 
-    def _start_keepalive(self, session: SessionStamp, address: str) -> None:
-        threading.Thread(target=self._keep_alive, args=(session, address),
+    def _start_keepalive(self, session: SessionStamp, address: str, *,
+                         now: bool = False) -> None:
+        """Keeps ``session`` alive at ``address``; ``now``: the first KeepAlive at once."""
+        threading.Thread(target=self._keep_alive, args=(session, address, now),
                          name="kvcache-keepalive", daemon=True).start()
 
-    def _keep_alive(self, session: SessionStamp, address: str) -> None:
+    def _keep_alive(self, session: SessionStamp, address: str, now: bool) -> None:
         interval = keepalive_interval(session.lease_ttl_seconds)
         request = pb.KeepAliveRequest(session_id=session.session_id)
         stub = self._routes.stub(address)
-        while (not self._keepalive_stop.wait(interval)
+        wait = 0.0 if now else interval
+        while (not self._keepalive_stop.wait(wait)
                and self._carrier.alive(address, session, self._sessions)):
+            wait = interval
             try:
                 stub.KeepAlive(request, timeout=interval, metadata=self._metadata)
             except grpc.RpcError as exc:
@@ -212,8 +216,8 @@ class CacheClient:
                     if call.failed(address, session, err):
                         continue
                     raise
-                if session is not None and call.accepted(address, session):
-                    self._start_keepalive(session, address)
+                for stamp in call.accepted(address, session) if session is not None else ():
+                    self._start_keepalive(stamp, address, now=stamp is not session)
                 return response
 
     def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:

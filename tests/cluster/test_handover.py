@@ -208,3 +208,59 @@ def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica
             client.step(pool, [ops.add("after", [1, 2])])
     for replica in members:
         assert not any(r.get("event") == "pool_not_adopted" for r in replica.records)
+
+
+def first_member_pool(targets: str, cluster: Cluster, first: ServerProcess) -> str:
+    """A pool (registered here) that ``first``, the first seed, owns: the clients' channel
+    to it is their first (see below)."""
+    with CacheClient(targets, default_timeout=30) as client:
+        for i in range(24):
+            pool = f"idle{i}"
+            client.register_pool(pool, small_layers(), num_blocks=256, max_model_len=256)
+            if owner_of(cluster, pool) == first.target:
+                return pool
+    raise AssertionError("no pool placed on the first member")
+
+
+def restart_after_handover(cluster: Cluster, root: Path, members: list[ServerProcess],
+                           pool: str) -> str:
+    """SIGTERMs members[0] (it hands ``pool`` over), restarts it on its address and member
+    id, and returns the heir once the restarted member redirects to it."""
+    old = members[0]
+    old.signal(signal.SIGTERM)
+    assert old.proc.wait(60) == 0
+    old.wait_for(lambda r: r.get("event") == "handed_over", 1)
+    members[0] = start_member(cluster, root, "m0", old.port)
+    heir = owner_of(cluster, pool)  # one owner; the restarted member redirects to it
+    assert heir != old.target
+    return heir
+
+
+def test_a_pool_handed_over_while_idle_keeps_the_requests_of_the_session_it_brought(
+        cluster: Cluster, tmp_path):
+    """The owner X hands an idle pool over to Y and restarts on its address; the client's
+    next Step goes to X, is redirected and answered at Y under the client's session there.
+    X's session, which Y took over with the pool (it owns the requests added at X), is kept
+    alive at Y by the client: after more than two session leases of idleness, every request
+    is still there with its blocks."""
+    root = tmp_path / "shared"
+    members = [start_member(cluster, root, f"m{i}") for i in range(3)]
+    targets = ",".join(r.target for r in members)
+    pool = first_member_pool(targets, cluster, members[0])
+    with CacheClient(targets, default_timeout=30, backoff_max=0.2) as client:
+        tables = {}
+        for i in range(5):
+            result = client.step(pool, [ops.add(f"r{i}", [i, 1, 2]), ops.allocate(f"r{i}", 3)])
+            tables[f"r{i}"] = result.result(1, AllocateResult).block_ids
+        restart_after_handover(cluster, root, members, pool)
+        # The client's channel to X (its first: X is the first seed) is connected again, so
+        # the Step meets X's redirect (not a refused connection: X given up, its session
+        # carried along, a case of its own).
+        grpc.channel_ready_future(client._channels[0]).result(timeout=30)
+        result = client.step(pool, [ops.add("after", [7, 8]), ops.allocate("after", 2)])
+        tables["after"] = result.result(1, AllocateResult).block_ids
+        # Idleness is the point: no call for over two session leases.
+        idle = time.monotonic() + 2 * SESSION_TTL + 1
+        wait_until(lambda: time.monotonic() > idle, 3 * SESSION_TTL, "the idle window")
+        for rid, table in tables.items():
+            assert client.get_request(pool, rid).block_ids == table, rid
