@@ -16,7 +16,7 @@ import aetcd
 import grpc
 import pytest
 
-from cache_service.client import AllocateResult, CacheClient, CacheError, ops
+from cache_service.client import AllocateResult, AsyncCacheClient, CacheClient, CacheError, ops
 from kvcache_common.launch import ServerProcess
 from tests.cluster.conftest import LEASE_TTL, Cluster, owner_of, small_layers, wait_until
 
@@ -264,3 +264,30 @@ def test_a_pool_handed_over_while_idle_keeps_the_requests_of_the_session_it_brou
         wait_until(lambda: time.monotonic() > idle, 3 * SESSION_TTL, "the idle window")
         for rid, table in tables.items():
             assert client.get_request(pool, rid).block_ids == table, rid
+
+
+def test_the_async_client_keeps_the_session_of_a_redirecting_replica_alive_too(
+        cluster: Cluster, tmp_path):
+    """The asyncio client follows the same rule (see the test above)."""
+    root = tmp_path / "shared"
+    members = [start_member(cluster, root, f"m{i}") for i in range(3)]
+    targets = ",".join(r.target for r in members)
+    pool = first_member_pool(targets, cluster, members[0])
+
+    async def run() -> None:
+        async with AsyncCacheClient(targets, default_timeout=30, backoff_max=0.2) as client:
+            tables = {}
+            for i in range(5):
+                result = await client.step(pool, [ops.add(f"r{i}", [i, 1, 2]),
+                                                  ops.allocate(f"r{i}", 3)])
+                tables[f"r{i}"] = result.result(1, AllocateResult).block_ids
+            await asyncio.to_thread(restart_after_handover, cluster, root, members, pool)
+            await asyncio.wait_for(client._channels[0].channel_ready(), 30)
+            result = await client.step(pool, [ops.add("after", [7, 8]),
+                                              ops.allocate("after", 2)])
+            tables["after"] = result.result(1, AllocateResult).block_ids
+            await asyncio.sleep(2 * SESSION_TTL + 1)  # idleness is the point (no call)
+            for rid, table in tables.items():
+                assert (await client.get_request(pool, rid)).block_ids == table, rid
+
+    asyncio.run(run())
