@@ -199,7 +199,7 @@ class AsyncCacheClient:
         ``default_timeout``) has passed (see :class:`CallRoute`)."""
         route = CallRoute(self._routes, getattr(request, "pool_id", ""),
                           timeout or self.default_timeout, self._backoff)
-        call = SequencedCall(self._sessions, self._carrier)
+        call = SequencedCall(self._sessions, self._carrier, route.pool_id)
         async with self._lock:
             while True:
                 address = route.address

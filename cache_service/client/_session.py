@@ -83,16 +83,20 @@ class Carrier:
     requests are owned by it) next to that replica's own session.
 
     A replica that handed its pool over and still answers (it restarted on its address,
-    or drained before the pool saw a call) redirects instead: the call is answered
-    elsewhere under that replica's own session, so the redirecting replica's session is
-    kept alive there too (see :meth:`redirected`)."""
+    or drained before the pool saw a call) redirects instead, and a read may have learned
+    the new owner first: the call is answered there under that replica's own session. So
+    every session that had calls on a pool accepted is kept alive wherever the pool is
+    answered next (see :meth:`answered`)."""
 
     def __init__(self) -> None:
         #: address given up -> its session as it was then.
         self.orphans: dict[str, SessionStamp] = {}
         #: (address, session id) -> a carried session accepted there (not its own).
         self.adopted: dict[tuple[str, str], SessionStamp] = {}
-        #: (address, session id) pairs :meth:`redirected` tried already.
+        #: pool id -> the sessions calls on it were accepted under, by id (they may own
+        #: its requests, wherever the pool is now).
+        self.owning: dict[str, dict[str, SessionStamp]] = {}
+        #: (address, session id) pairs :meth:`answered` started keeping alive.
         self._tried: set[tuple[str, str]] = set()
 
     def gave_up(self, address: str, session: SessionStamp) -> SessionStamp:
@@ -125,23 +129,28 @@ class Carrier:
         self.adopted[key] = session
         return True
 
-    def redirected(self, address: str, origin: str, session: SessionStamp,
-                   sessions: dict[str, SessionStamp]) -> SessionStamp | None:
-        """A call stamped with ``origin``'s own ``session`` was redirected from there and
-        answered at ``address``: the pool may have been handed over with the session (it
-        owns requests there now), which nothing else renews. The stamp to keep alive at
-        ``address`` from now on (a copy; KeepAlive has no sequence number, and a replica
-        that never adopted the session answers NOT_FOUND, which ends it), once per
-        (address, session); None when there is nothing to keep."""
-        key = (address, session.session_id)
+    def answered(self, pool_id: str, address: str, session: SessionStamp,
+                 sessions: dict[str, SessionStamp]) -> list[SessionStamp]:
+        """A call on ``pool_id`` was accepted at ``address`` under ``session``. The other
+        sessions a call on the pool was accepted under (on another replica: the pool moved
+        since, and a hand-over brings them along with the requests they own) are kept
+        alive at ``address`` too, nothing else renews them there: the stamps (copies;
+        KeepAlive has no sequence number) to keep alive from now on, once per (address,
+        session). A replica that never adopted one answers NOT_FOUND, which ends it."""
+        if not pool_id:
+            return []
+        seen = self.owning.setdefault(pool_id, {})
+        seen[session.session_id] = session
         own = sessions.get(address)
-        if (origin == address or session.next_sequence == 1  # nothing applied: no requests
-                or key in self.adopted or key in self._tried
-                or (own is not None and own.session_id == session.session_id)):
-            return None
-        self._tried.add(key)
-        stamp = self.adopted[key] = replace(session, in_doubt=False)
-        return stamp
+        keep = []
+        for sid, other in seen.items():
+            key = (address, sid)
+            if (other is session or (own is not None and own.session_id == sid)
+                    or key in self.adopted or key in self._tried):
+                continue
+            self._tried.add(key)
+            keep.append(self.adopted.setdefault(key, replace(other, in_doubt=False)))
+        return keep
 
     def alive(self, address: str, session: SessionStamp,
               sessions: dict[str, SessionStamp]) -> bool:
@@ -155,13 +164,13 @@ class SequencedCall:
     both clients (no I/O): which stamp it carries where, and what an outcome means for the
     session it was sent under (see :class:`Carrier`)."""
 
-    def __init__(self, sessions: dict[str, SessionStamp], carrier: Carrier) -> None:
+    def __init__(self, sessions: dict[str, SessionStamp], carrier: Carrier,
+                 pool_id: str = "") -> None:
         self.sessions = sessions
+        self.pool_id = pool_id
         self.carrier = carrier
         self.carried: SessionStamp | None = None  # the session of a replica given up
         self.origin = ""  # that replica
-        #: (replica, its own session) of each replica that redirected the call.
-        self.redirects: list[tuple[str, SessionStamp]] = []
 
     def carried_stamp(self, address: str) -> SessionStamp | None:
         """The stamp of the carried session for ``address``; None: use its own session."""
@@ -172,8 +181,6 @@ class SequencedCall:
     def moved(self, address: str, session: SessionStamp | None, moved: Moved) -> None:
         """The call left ``address``; unless redirected (nothing applied) it is in doubt
         there and the replica's session is carried along."""
-        if session is not None and moved.redirect and session is self.sessions.get(address):
-            self.redirects.append((address, session))
         if session is not None and not moved.redirect:
             session.failed(moved.error)
             if self.carried is None and session is self.sessions.get(address):
@@ -194,13 +201,10 @@ class SequencedCall:
 
     def accepted(self, address: str, session: SessionStamp) -> list[SessionStamp]:
         """The call was answered: the stamps that now need a keep-alive at ``address``
-        (``session``, carried there; the sessions of replicas that redirected the call,
-        whose first keep-alive is due at once: their lease there was not renewed)."""
+        (``session``, carried there; other sessions that own requests of the pool, see
+        :meth:`Carrier.answered`, whose first keep-alive is due at once: nothing renewed
+        their lease there)."""
         session.accepted()
         keep = [session] if self.carried is not None and self.carrier.settled(
             address, session, self.sessions) else []
-        for origin, own in self.redirects:
-            stamp = self.carrier.redirected(address, origin, own, self.sessions)
-            if stamp is not None:
-                keep.append(stamp)
-        return keep
+        return keep + self.carrier.answered(self.pool_id, address, session, self.sessions)

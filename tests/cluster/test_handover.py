@@ -236,13 +236,15 @@ def restart_after_handover(cluster: Cluster, root: Path, members: list[ServerPro
     return heir
 
 
+@pytest.mark.parametrize("read_first", [False, True], ids=["step", "read-first"])
 def test_a_pool_handed_over_while_idle_keeps_the_requests_of_the_session_it_brought(
-        cluster: Cluster, tmp_path):
+        cluster: Cluster, tmp_path, read_first: bool):
     """The owner X hands an idle pool over to Y and restarts on its address; the client's
-    next Step goes to X, is redirected and answered at Y under the client's session there.
-    X's session, which Y took over with the pool (it owns the requests added at X), is kept
-    alive at Y by the client: after more than two session leases of idleness, every request
-    is still there with its blocks."""
+    next Step goes to X, is redirected and answered at Y under the client's session there
+    (``read_first``: a read was redirected first, the Step goes to Y directly). X's session,
+    which Y took over with the pool (it owns the requests added at X), is kept alive at Y by
+    the client: after more than two session leases of idleness, every request is still
+    there with its blocks."""
     root = tmp_path / "shared"
     members = [start_member(cluster, root, f"m{i}") for i in range(3)]
     targets = ",".join(r.target for r in members)
@@ -257,6 +259,8 @@ def test_a_pool_handed_over_while_idle_keeps_the_requests_of_the_session_it_brou
         # the Step meets X's redirect (not a refused connection: X given up, its session
         # carried along, a case of its own).
         grpc.channel_ready_future(client._channels[0]).result(timeout=30)
+        if read_first:
+            assert client.get_request(pool, "r0").block_ids == tables["r0"]
         result = client.step(pool, [ops.add("after", [7, 8]), ops.allocate("after", 2)])
         tables["after"] = result.result(1, AllocateResult).block_ids
         # Idleness is the point: no call for over two session leases.
