@@ -152,6 +152,11 @@ class Carrier:
             keep.append(self.adopted.setdefault(key, replace(other, in_doubt=False)))
         return keep
 
+    def lost(self, session_id: str) -> None:
+        """The session expired: it owns no requests anywhere (nothing to keep alive)."""
+        for seen in self.owning.values():
+            seen.pop(session_id, None)
+
     def alive(self, address: str, session: SessionStamp,
               sessions: dict[str, SessionStamp]) -> bool:
         """Whether ``session`` is still the client's at ``address`` (its keep-alive goes on)."""
@@ -197,6 +202,7 @@ class SequencedCall:
                 self.carried = None  # the carried session was not taken over here
                 return True
             del self.sessions[address]
+            self.carrier.lost(session.session_id)
         return False
 
     def accepted(self, address: str, session: SessionStamp) -> list[SessionStamp]:

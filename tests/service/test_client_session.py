@@ -37,3 +37,11 @@ def test_other_pools_and_calls_without_a_pool_keep_nothing_more():
     assert answer(sessions, carrier, "q", "y") == []  # sx never had a call on q
     assert answer(sessions, carrier, "", "y") == []
     assert carrier.adopted == {}
+
+
+def test_an_expired_session_is_not_kept_alive_anywhere():
+    sessions = {"x": SessionStamp("sx", 3.0), "y": SessionStamp("sy", 3.0)}
+    carrier = Carrier()
+    assert answer(sessions, carrier, "p", "x") == []
+    carrier.lost("sx")
+    assert answer(sessions, carrier, "p", "y") == []
