@@ -166,6 +166,7 @@ def write_plot(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
             ax.set_xticks(range(len(panel.labels)), panel.labels)
             if panel.reference is not None:
                 ax.axhline(panel.reference, color="black", linestyle="--", linewidth=1)
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
             ax.set_ylabel(panel.ylabel)
         elif isinstance(panel, Cdf):
             for name, samples in panel.samples.items():
@@ -176,7 +177,8 @@ def write_plot(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
                         label=name)
             if panel.log_x:
                 ax.set_xscale("log")
-                plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2, not 2x10^0
+                # 2, not 2x10^0; and only 1, 2 and 5 of each decade, so the labels fit.
+                plain = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "125" else "")
                 ax.xaxis.set_major_formatter(plain)
                 ax.xaxis.set_minor_formatter(plain)
             ax.set_xlabel(panel.xlabel)
