@@ -1,6 +1,6 @@
-"""Small helpers shared by the benchmarks in bench/: latency summaries, a rich table, and
-the JSON results file. Benchmarks are scripts, not tests; results go to bench/results/
-(git-ignored).
+"""Small helpers shared by the benchmarks in bench/: latency summaries, a rich table, the
+JSON results file and a PNG plot beside it. Benchmarks are scripts, not tests; results go to
+bench/results/ (git-ignored).
 
 Benchmarks run from a checkout, installed or not (``python3 bench/<name>.py``): Python puts
 bench/ on sys.path, and importing this module puts the checkout's root there too, so a
@@ -13,7 +13,8 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,13 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     console.print(table)
 
 
-def write_results(name: str, payload: dict[str, Any], path: Path | None = None) -> Path:
-    """Write ``payload`` plus run metadata to ``bench/results/<name>.json`` (or ``path``)."""
+def write_results(name: str, payload: dict[str, Any], path: Path | None = None,
+                  plot: Sequence[Panel] = ()) -> Path:
+    """Write ``payload`` plus run metadata to ``bench/results/<name>.json`` (or ``path``),
+    and, when ``plot`` has panels, the picture of them beside it (same name, ``.png``)."""
     out = path or RESULTS_DIR / f"{name}.json"
+    if plot:
+        write_plot(out.with_suffix(".png"), plot, title=name)
     out.parent.mkdir(parents=True, exist_ok=True)
     variant = sys.modules.get("cache_service.core._variant")
     doc = {
@@ -99,3 +104,97 @@ def write_results(name: str, payload: dict[str, Any], path: Path | None = None) 
     }
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return out
+
+
+# Plots: a small declarative spec per panel, drawn by write_plot. matplotlib is imported only
+# there (the `bench` extra), so a benchmark that does not plot runs without it.
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Grouped bars: one group per label, one bar per series (``series[name][i]`` belongs to
+    ``labels[i]``; NaN leaves a gap). ``reference`` draws a dashed line, e.g. 1.0 for parity."""
+
+    title: str
+    labels: Sequence[str]
+    series: Mapping[str, Sequence[float]]
+    ylabel: str = ""
+    reference: float | None = None
+
+
+@dataclass(frozen=True)
+class Cdf:
+    """The empirical distribution (fraction of samples <= x) of each named sample set."""
+
+    title: str
+    samples: Mapping[str, Sequence[float]]
+    xlabel: str = ""
+    log_x: bool = True
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line per series over the shared ``x`` values, with markers at the points."""
+
+    title: str
+    x: Sequence[float]
+    series: Mapping[str, Sequence[float]]
+    xlabel: str = ""
+    ylabel: str = ""
+
+
+Panel = Bars | Cdf | Line
+
+
+def write_plot(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
+    """Draw ``panels`` side by side into the PNG ``path`` (Agg backend: no display needed)."""
+    import matplotlib  # noqa: PLC0415 -- the optional `bench` extra, only when plotting
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        ax.set_title(panel.title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if isinstance(panel, Bars):
+            width = 0.8 / max(1, len(panel.series))
+            for i, (name, values) in enumerate(panel.series.items()):
+                ax.bar([j + (i - (len(panel.series) - 1) / 2) * width
+                        for j in range(len(panel.labels))], values, width, label=name)
+            ax.set_xticks(range(len(panel.labels)), panel.labels)
+            if panel.reference is not None:
+                ax.axhline(panel.reference, color="black", linestyle="--", linewidth=1)
+            ax.set_ylim(top=ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
+            ax.set_ylabel(panel.ylabel)
+        elif isinstance(panel, Cdf):
+            for name, samples in panel.samples.items():
+                xs = sorted(samples)
+                if not xs:
+                    continue
+                ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post",
+                        label=name)
+            if panel.log_x:
+                ax.set_xscale("log")
+                # 2, not 2x10^0; and only 1, 2 and 5 of each decade, so the labels fit.
+                plain = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "125" else "")
+                ax.xaxis.set_major_formatter(plain)
+                ax.xaxis.set_minor_formatter(plain)
+            ax.set_xlabel(panel.xlabel)
+            ax.set_ylabel("fraction of samples <=")
+        else:
+            for name, values in panel.series.items():
+                ax.plot(panel.x, values, marker="o", label=name)
+            ax.set_xticks(list(panel.x))
+            ax.set_ylim(bottom=0)  # a scaling curve read from zero, not from its minimum
+            ax.set_xlabel(panel.xlabel)
+            ax.set_ylabel(panel.ylabel)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

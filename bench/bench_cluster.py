@@ -42,13 +42,14 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc
 
-from _common import percentile, print_table, ratio, write_results
+from _common import Bars, Line, Panel, percentile, print_table, ratio, write_results
 from cache_service.client import CacheClient, CacheError, layers, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -284,6 +285,26 @@ def bench_scaling(etcd: EtcdServer, clients: int, seconds: float) -> list[dict]:
     return rows
 
 
+def plot(results: dict[str, Any]) -> list[Panel]:
+    """Steps/s against the number of replicas, and the failover times (kill to the pool
+    answering again) without and with a shared data root; the parts this run measured."""
+    panels: list[Panel] = []
+    if "scaling" in results:
+        scaling = results["scaling"]
+        panels.append(Line("Steps/s vs replicas", [r["replicas"] for r in scaling],
+                           {"Steps/s, all clients": [r["steps_per_s"] for r in scaling]},
+                           "replicas", "Steps/s"))
+    if "failover" in results:
+        runs = {"no shared storage": results["failover"],
+                "shared data root": results["failover_shared"]}
+        panels.append(Bars(f"failover, kill to answering (lease TTL {TTL} s)",
+                           ["p50", "p99", "max"],
+                           {name: [r[q] if r[q] is not None else float("nan")
+                                   for q in ("p50_s", "p99_s", "max_s")]
+                            for name, r in runs.items()}, "seconds"))
+    return panels
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=5)
@@ -343,7 +364,7 @@ def main() -> int:
                   (f"{ratio(r['steps_per_s'], one)} of 1 replica; pools per replica "
                    f"{r['pools_per_replica']}")] for r in results["scaling"]]
     print_table("Cluster mode (etcd)", ["measure", "value", "notes"], rows)
-    path = write_results("cluster", results)
+    path = write_results("cluster", results, plot=plot(results))
     print(f"wrote {path}")
     return 0
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import print_table, ratio, summarize_ns, write_results
+from _common import Bars, Panel, print_table, ratio, summarize_ns, write_results
 from _retention import retention_report
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
@@ -645,6 +645,20 @@ def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> di
     return summary
 
 
+def plot(summary: dict[str, Any]) -> list[Panel]:
+    """Each side's manager ops/s over vLLM's (over the naive baseline's without the oracle),
+    per config: the ratio bars of the tables above."""
+    kinds = [k for k in CONFIGS if k in summary]
+    ref = "vllm" if all("vllm" in summary[k] for k in kinds) else "naive"
+    sides = [s for s in ("core", "pool", "naive", "vllm")
+             if s != ref and any(s in summary[k] for k in kinds)]
+    if not kinds or not all(ref in summary[k] for k in kinds):
+        return []
+    return [Bars(f"manager ops/s / {ref}'s (higher is faster)", kinds,
+                 {side: [summary[k].get(side, float("nan")) / summary[k][ref] for k in kinds]
+                  for side in sides}, f"x {ref}", reference=1.0)]
+
+
 def run_other(args: argparse.Namespace, script: Path, env: dict[str, str],
               cwd: Path | None) -> list[dict[str, Any]]:
     """The core and pool sides of this run's workload, run by ``script`` in a subprocess with
@@ -780,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
-                         args.out)
+                         args.out, plot=plot(summary))
     print(f"wrote {path}")
     return 0
 

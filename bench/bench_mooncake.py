@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import print_table, ratio, summarize_ns, write_results
+from _common import Bars, Panel, print_table, ratio, summarize_ns, write_results
 from cache_service.client import CacheClient, DecodeResult, StepBuilder, layers
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
@@ -469,9 +469,27 @@ def main(argv: list[str] | None = None) -> int:
     path = write_results("mooncake", {
         "trace": str(args.trace), "requests": len(reqs),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "summary": summary, "vllm": vllm_status or "ran", "runs": runs}, args.out)
+        "summary": summary, "vllm": vllm_status or "ran", "runs": runs}, args.out,
+        plot=plot(summary))
     print(f"wrote {path}")
     return 0
+
+
+def plot(summary: dict[str, Any]) -> list[Panel]:
+    """Each side's block ops/s (Dynamo's count) over vLLM's, or over our core's where the
+    oracle did not run, per config."""
+    kinds = [k for k in summary if "core" in summary[k]]
+    ref = "vllm" if kinds and all("vllm" in summary[k] and isinstance(summary[k]["vllm"], dict)
+                                  for k in kinds) else "core"
+    sides = sorted({s for k in kinds for s, v in summary[k].items()
+                    if isinstance(v, dict) and s != ref})
+    if not kinds:
+        return []
+    rate = "block_ops_per_s_dynamo"
+    return [Bars(f"block ops/s / {ref}'s (Mooncake replay)", kinds,
+                 {side: [summary[k][side][rate] / summary[k][ref][rate]
+                         if side in summary[k] else float("nan") for k in kinds]
+                  for side in sides}, f"x {ref}", reference=1.0)]
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -63,7 +63,7 @@ from typing import Any
 
 import grpc
 
-from _common import print_table, ratio, summarize_ns, write_results
+from _common import Bars, Cdf, Panel, print_table, ratio, summarize_ns, write_results
 from cache_service import convert
 from cache_service.client import (
     AllocateResult,
@@ -462,6 +462,25 @@ CASES = (("core", "in-process Pool, append+allocate loop"),
          ("stream_tables", "StepStream generic (block tables)"))
 
 
+# What the picture compares: the decode Step, unary and streamed, and their echo floors.
+PLOTTED = ("service_decode", "stream_decode", "echo_unary", "echo_stream",
+           "baseline_service_decode")
+
+
+def plot(cases: list[dict[str, Any]], raw: dict[str, list[int]]) -> list[Panel]:
+    """The latency distribution of the largest size's Step against the echo floor, and each
+    size's Step p50 / echo p50 (how close to a bare gRPC round trip the Step is)."""
+    labels = dict((key, label) for key, label, _ in FLOOR_CASES)
+    n = cases[-1]["running_requests"]
+    floor = {key: [c[key]["p50_vs_echo"] for c in cases] for key in ("service_decode",
+                                                                      "stream_decode")}
+    return [Cdf(f"latency per call, {n} running requests",
+                {labels[key]: [x / 1e6 for x in xs] for key, xs in raw.items()}, "ms"),
+            Bars("Step p50 / echo floor p50", [f"{c['running_requests']} req" for c in cases],
+                 {labels[key]: values for key, values in floor.items()}, "x the echo floor",
+                 reference=1.0)]
+
+
 def start_baseline(tree: Path) -> ServerProcess:
     """A cache server started from another checkout (its own code, this run's flags)."""
     tree = tree.resolve()
@@ -525,6 +544,8 @@ def main() -> int:
                 ops = 2 * n
                 keys = [key for key, _ in CASES] + [key for key, _, _ in FLOOR_CASES
                                                      if key in case]
+                # The largest size's raw samples, for the latency picture.
+                raw = {key: case[key] for key in PLOTTED if key in case}
                 for key in keys:
                     case[key] = c = summarize_ns(case[key])
                     c["ops_per_s"] = round(ops / (c["p50_us"] / 1e6))
@@ -590,7 +611,7 @@ def main() -> int:
                       f"{case[key]['p50_vs_baseline']:.2f}x; server CPU per call "
                       f"{case[key]['server_cpu_us']} vs {base['server_cpu_us']} us "
                       f"({case[key]['server_cpu_us'] / base['server_cpu_us']:.2f}x)")
-    out = write_results("service", results, args.out)
+    out = write_results("service", results, args.out, plot=plot(results["cases"], raw))
     print(f"wrote {out}")
     return 0
 

@@ -159,9 +159,20 @@ _BY_DOCKER_TIER = "tests/docker runs it when an engine answers (scripts/docker_e
 _GPU = "a CUDA GPU"
 
 
-def _bench(name: str, shrink: str = "", tier: str = "bench") -> Run:
-    """A benchmark: exit 0 and bench/results/<name>.json written."""
-    return Run(tier, files=(f"bench/results/{name}.json",), timeout=300, shrink=shrink)
+def _bench(name: str, shrink: str = "", tier: str = "bench", plot: bool = False) -> Run:
+    """A benchmark: exit 0 and bench/results/<name>.json written (and, for one that ``plot``s,
+    its picture bench/results/<name>.png)."""
+    files = (f"bench/results/{name}.json",) + ((f"bench/results/{name}.png",) if plot else ())
+    return Run(tier, files=files, timeout=300, shrink=shrink)
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def is_png(path: Path) -> bool:
+    """``path`` starts with the PNG signature (a real image file, not an empty or text one)."""
+    with path.open("rb") as f:
+        return f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
 
 _CTL_TEST = "tests/service/test_ctl.py"
 
@@ -213,14 +224,14 @@ REGISTRY: dict[str, Entry] = {
     "pip install": Prose("names the tool in a sentence"),
     "python -m cache_service": Run("service", serve=_SERVING),
     # docs/benchmarks.md
-    "python3 bench/bench_core.py": _bench("core", "--num-requests 200"),
+    "python3 bench/bench_core.py": _bench("core", "--num-requests 200", plot=True),
     "python3 bench/bench_core.py --retention --num-requests 300 --max-batched-tokens 512 "
     "--num-blocks 4096": _bench("core_retention", "--num-requests 20"),
     "python3 bench/bench_service.py":
-        _bench("service", "--steps 10 --warmup 1 --clients 1 --sizes 8"),
+        _bench("service", "--steps 10 --warmup 1 --clients 1 --sizes 8", plot=True),
     "python3 bench/bench_cluster.py": _bench(  # needs etcd: the cluster tier
         "cluster", "--kills 1 --steps 10 --rounds 1 --clients 1 --seconds 0.5 --pools 3",
-        tier="cluster"),
+        tier="cluster", plot=True),
     "python3 bench/bench_cluster.py --parts failover,rolling --kills 3": Gated(
         "minutes of machine time and etcd", "the run the numbers come from; `python3 "
         "bench/bench_cluster.py` (every part, smaller sizes) runs in tests/cluster"),
@@ -252,7 +263,7 @@ REGISTRY: dict[str, Entry] = {
     "python3 bench/profile_step.py": _bench("profile_step"),
     "KVCACHE_CORE=auto python3 bench/bench_core.py --num-requests 1000 --vs-pure --no-oracle "
     "--pool-blocks 0":
-        _bench("core", "--num-requests 100"),
+        _bench("core", "--num-requests 100", plot=True),
     "python3 bench/instruction_counts.py --check": RunBy("tests/bench/test_instruction_budgets.py"),
     "python3 bench/bench_mooncake.py --trace "
     "../shared/data/mooncake-traces/conversation_trace.jsonl --max-requests 500": Gated(
@@ -403,6 +414,8 @@ def _check(command: str, entry: Run, root: Path) -> None:
         assert (root / name).is_file(), f"{command}: did not write {name}\n{tail}"
         if name.endswith(".json"):
             json.loads((root / name).read_text())
+        if name.endswith(".png"):
+            assert is_png(root / name), f"{command}: {name} is not a PNG image"
 
 
 @contextlib.contextmanager

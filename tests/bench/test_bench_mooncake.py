@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.doc_commands import is_png
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -50,6 +51,7 @@ def run_bench(trace: Path, out: Path, *extra: str) -> dict:
          "--out", str(out), *extra],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert is_png(out.with_suffix(".png"))  # the ratio bars beside the JSON
     return json.loads(out.read_text())
 
 

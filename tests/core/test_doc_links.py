@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.doc_commands import is_png
+
 ROOT = Path(__file__).resolve().parents[2]
 POINTER = re.compile(r"docs/([a-z_]+)\.md#([a-z0-9-]+)")
 SCANNED = ("cache_service", "executor", "kernels", "kvcache_common", "bench", "tests", "docs",
@@ -58,3 +60,21 @@ def test_no_section_sign_references():
                  if p.is_file() and p.suffix in (".py", ".md", ".proto")
                  and "\u00a7" in p.read_text(errors="replace")]
     assert not offenders, f"section-sign references to outside documents in {offenders}"
+
+
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_every_image_link_names_a_small_committed_png():
+    """A picture a doc shows exists beside it (relative to the doc), is a real PNG and stays
+    small enough to keep in git (docs/images/, written by the benchmarks' plots)."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    links = [(doc, target) for doc in docs for target in IMAGE.findall(doc.read_text())]
+    bad = []
+    for doc, target in links:
+        path = (doc.parent / target).resolve()
+        if not path.is_file():
+            bad.append(f"{doc.relative_to(ROOT)}: {target} does not exist")
+        elif not is_png(path) or path.stat().st_size > 150_000:
+            bad.append(f"{doc.relative_to(ROOT)}: {target} is not a PNG under 150 KB")
+    assert not bad, "\n".join(bad)
