@@ -73,6 +73,8 @@ def test_the_documented_commands_are_the_ones_the_tier_runs():
     `up --build` with compose (test_compose.py): the docs cannot drift from what is tested."""
     shown = re.findall(r"^docker build .*$", DOCS, re.M)
     targets = ("cache-service", "executor")
-    assert shown == [f"docker build --target {t} -t kvcache/{t} ." for t in targets]
+    # (the base image: the one scripts/docker_env.sh exported, as conftest.build_image takes it)
+    assert shown == ['docker build --build-arg BASE_IMAGE="${KVCACHE_BASE_IMAGE:-python:3.11-slim}"'
+                     f" --target {t} -t kvcache/{t} ." for t in targets]
     assert re.search(r"^docker-compose up --build\b", DOCS, re.M)
     assert re.search(r"^docker compose up --build\b", DOCS, re.M)
