@@ -143,15 +143,31 @@ def register_all(targets: str) -> None:
             client.register_pool(pool, small_layers(), num_blocks=4096, max_model_len=256)
 
 
-def test_a_rolling_restart_under_load_hands_every_pool_over_and_loses_nothing(
-        cluster: Cluster, tmp_path):
-    root = tmp_path / "shared"
+def loaded_cluster(cluster: Cluster, root: Path, before: str) -> tuple[list[ServerProcess], Load]:
+    """Three members on the shared ``root``, every pool registered, the load running and
+    past 10 steps on every pool (``before``: what the wait is for, in its timeout message)."""
     members = [start_member(cluster, root, f"m{i}") for i in range(3)]
     targets = ",".join(r.target for r in members)
     register_all(targets)
     load = Load(targets)
     load.start()
-    load.wait_progress(10, 60, "steps on every pool before the restart")
+    load.wait_progress(10, 60, f"steps on every pool before {before}")
+    return members, load
+
+
+def finish_after_a_window(load: Load) -> None:
+    """Pauses the load for two session lease TTLs, then checks it: sessions a move carried
+    to another replica must be kept alive there (their requests outlive the lease)."""
+    load.pause()
+    window = time.monotonic() + 2 * SESSION_TTL
+    wait_until(lambda: time.monotonic() > window, 3 * SESSION_TTL, "the window")
+    load.finish()
+
+
+def test_a_rolling_restart_under_load_hands_every_pool_over_and_loses_nothing(
+        cluster: Cluster, tmp_path):
+    root = tmp_path / "shared"
+    members, load = loaded_cluster(cluster, root, "the restart")
     for i, old in enumerate(list(members)):
         port = old.port
         old.signal(signal.SIGTERM)
@@ -162,12 +178,7 @@ def test_a_rolling_restart_under_load_hands_every_pool_over_and_loses_nothing(
         load.wait_progress(5, 60, f"steps on every pool after restarting m{i}")
         assert handed["seconds"] < LEASE_TTL, handed
     load.wait_progress(5, 60, "steps on every pool after the rolling restart")
-    load.pause()
-    # An observation window: sessions a move carried to another replica must be kept
-    # alive there (their requests outlive the session lease several times over).
-    window = time.monotonic() + 2 * SESSION_TTL
-    wait_until(lambda: time.monotonic() > window, 3 * SESSION_TTL, "the window")
-    load.finish()
+    finish_after_a_window(load)
     for pool in POOLS:
         owner_of(cluster, pool)  # one owner, the others redirect to it
     # A pool moves in a few etcd round trips, not after a lease TTL (a loaded 2-core box
@@ -177,13 +188,7 @@ def test_a_rolling_restart_under_load_hands_every_pool_over_and_loses_nothing(
 
 def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica_rejoins(
         cluster: Cluster, tmp_path):
-    root = tmp_path / "shared"
-    members = [start_member(cluster, root, f"m{i}") for i in range(3)]
-    targets = ",".join(r.target for r in members)
-    register_all(targets)
-    load = Load(targets)
-    load.start()
-    load.wait_progress(10, 60, "steps on every pool before etcd dies")
+    members, load = loaded_cluster(cluster, tmp_path / "shared", "etcd dies")
     cluster.etcd.kill()
     for replica in members:
         replica.wait_for(lambda r: r.get("event") == "etcd_unreachable", 30)
@@ -192,10 +197,7 @@ def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica
     wait_until(lambda: time.monotonic() > outage, 10, "the outage")
     cluster.etcd.start()
     load.wait_progress(10, 90, "steps on every pool after etcd came back")
-    load.pause()
-    window = time.monotonic() + 2 * SESSION_TTL
-    wait_until(lambda: time.monotonic() > window, 3 * SESSION_TTL, "the window")
-    load.finish()
+    finish_after_a_window(load)
     for pool in POOLS:
         owner_of(cluster, pool)
     # Every replica is a member again (renewed its lease, or joined under a new one).
@@ -203,7 +205,7 @@ def test_etcd_killed_for_five_seconds_under_load_loses_no_pool_and_every_replica
         assert replica.returncode is None, replica.output()
     wait_until(lambda: members_in_etcd(cluster) == {"m0", "m1", "m2"}, 30,
                "every replica registered in etcd")
-    with CacheClient(targets, default_timeout=30) as client:
+    with CacheClient(",".join(r.target for r in members), default_timeout=30) as client:
         for pool in POOLS:
             client.step(pool, [ops.add("after", [1, 2])])
     for replica in members:
