@@ -294,10 +294,6 @@ class ServiceState:
         """Sessions whose expiry has begun but not finished (e.g. found on recovery)."""
         return [sid for sid, s in self.sessions.items() if s.expiring]
 
-    def session_requests(self, session_id: str) -> list[tuple[str, str]]:
-        """(pool id, request id) of the requests the session owns, oldest first."""
-        return list(self.sessions[session_id].requests)
-
     def owner_of(self, pool_id: str, request_id: str) -> str | None:
         """The session owning a request, or None (no session, or unknown)."""
         return self._owners.get(pool_id, {}).get(request_id)

@@ -51,7 +51,6 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -496,8 +495,3 @@ class WriteAheadLog:
                     self._fdatasync()
             finally:
                 os.close(self._fd)
-
-
-def iter_payloads(result: ScanResult) -> Iterator[bytes]:
-    """The payloads of a scan, in index order."""
-    return (payload for _, payload in result.records)
