@@ -31,9 +31,10 @@ from cache_service.core.errors import (
     NotFound,
     qualify,
 )
-from cache_service.core.pool import Pool, run_to_end
+from cache_service.core.pool import Pool
 from cache_service.core.prefix_index import KeySpace
 from cache_service.core.residency import ExtraKeys, Residency
+from cache_service.core.slices import run_to_end
 from cache_service.event_feed import SequenceOutOfRange
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,

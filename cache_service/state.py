@@ -44,6 +44,7 @@ from cache_service.core.errors import (
     NotFound,
 )
 from cache_service.core.ops import Free
+from cache_service.core.slices import run_to_end
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
 from cache_service.status import ResourceExhausted
@@ -165,12 +166,7 @@ class ServiceState:
         call's response message (``ExpireSessionResult`` for an expiry). Raises a core
         error naming the field, with nothing changed and nothing logged, if the record
         is rejected."""
-        steps = self.apply_in_slices(record)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.apply_in_slices(record))
 
     def apply_in_slices(self, record: WalRecord, slice_cost: int | None = None
                         ) -> Generator[None, None, Message]:
@@ -190,12 +186,7 @@ class ServiceState:
                    tenant: wal_pb2.TenantContext | None = None) -> Message:
         """:meth:`apply` of the record ``WalRecord(<kind>=request, tenant=tenant)``, built
         only when the durability keeps records (no copy of the request in memory)."""
-        steps = self.apply_call_in_slices(kind, request, tenant)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.apply_call_in_slices(kind, request, tenant))
 
     def apply_call_in_slices(self, kind: str, request: Message,
                              tenant: wal_pb2.TenantContext | None = None,

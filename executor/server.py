@@ -365,8 +365,8 @@ class EngineCollector:
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
             c.add_metric([], float(value))
             yield c
-        for name, value in (("running_requests", len(engine.running)),
-                            ("waiting_requests", len(engine.waiting))):
+        for name, value in (("running_requests", len(engine.scheduler.running)),
+                            ("waiting_requests", len(engine.scheduler.waiting))):
             g = GaugeMetricFamily(f"kvcache_executor_{name}", name.replace("_", " "))
             g.add_metric([], float(value))
             yield g
@@ -428,7 +428,7 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     async def engine_idle(grace_seconds: float) -> None:
         """Running and waiting requests finish, or the grace passes."""
         deadline = time.monotonic() + grace_seconds
-        while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+        while (ex.engine is not None and ex.engine.scheduler.has_requests
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 

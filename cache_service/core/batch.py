@@ -51,6 +51,7 @@ from cache_service.core.ops import (
     Preempt,
 )
 from cache_service.core.request import Request
+from cache_service.core.slices import run_to_end
 
 MAX_REQUEST_ID_LEN = 256  # keeps hostile ids from bloating every table and event
 
@@ -405,12 +406,7 @@ class BatchCheck:
     def _check_decode(self, op: Decode) -> list[Request] | None:
         """Per request, an allocate of 1 token with 1 appended. The pool's request
         objects when no earlier op of the batch touched them (the usual case), else None."""
-        checks = self.decode_checks(op, 1 << 62)
-        while True:
-            try:
-                next(checks)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_to_end(self.decode_checks(op, 1 << 62))
 
     def decode_checks(self, op: Decode, slice_cost: int
                       ) -> Generator[None, None, list[Request] | None]:
