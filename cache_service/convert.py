@@ -15,7 +15,7 @@ from typing import Any, cast
 
 from cache_service.client._builders import layers
 from cache_service.core import events as ev
-from cache_service.core import grouping, ops
+from cache_service.core import grouping, operations
 from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.core.hashing import DeclaredRecipe, external_block_hash
 from cache_service.core.kv_cache_manager import BlockCopy
@@ -364,7 +364,7 @@ _OP_KINDS = ", ".join(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields[i].name
                       for i in range(len(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields)))
 
 
-def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
+def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op:
     """The core op of one ``Op`` message. Checks only the protocol's own rules (an op
     kind is set; client block hashes need the cross-language recipe): every other rule
     is the pool's, applied by ``Pool.apply_batch``. Errors name fields relative to the op."""
@@ -373,18 +373,18 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
         m = op.decode
         # Each read of a repeated string field builds new str objects, whose hashes every
         # dict lookup would compute again: convert once.
-        return ops.Decode(list(m.request_ids), list(m.token_ids), m.placeholders)
+        return operations.Decode(list(m.request_ids), list(m.token_ids), m.placeholders)
     if kind == "allocate":
         m = op.allocate
-        return ops.Allocate(m.request_id, m.num_new_tokens, m.num_lookahead_tokens,
+        return operations.Allocate(m.request_id, m.num_new_tokens, m.num_lookahead_tokens,
                             m.full_sequence_must_fit, not m.skip_lookup,
                             m.delay_cache_blocks, not m.skip_block_table, m.append_token_ids,
                             0, m.num_placeholder_tokens)
     if kind == "fill_placeholders":
         m = op.fill_placeholders
-        return ops.FillPlaceholders(list(m.request_ids), list(m.token_ids))
+        return operations.FillPlaceholders(list(m.request_ids), list(m.token_ids))
     if kind == "append_tokens":
-        return ops.AppendTokens(op.append_tokens.request_id, op.append_tokens.token_ids)
+        return operations.AppendTokens(op.append_tokens.request_id, op.append_tokens.token_ids)
     if kind == "add_request":
         m = op.add_request
         hashes = None
@@ -400,21 +400,21 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
                 declared = declared_recipe_from_proto(m.hash_recipe)
             except KVCacheError as exc:
                 raise qualify(exc, "add_request.hash_recipe") from None
-        return ops.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
+        return operations.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
                               account)
     if kind == "lookup":
-        return ops.Lookup(op.lookup.request_id, op.lookup.explain)
+        return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
-        return ops.Free(op.free.request_id)
+        return operations.Free(op.free.request_id)
     if kind == "preempt":
-        return ops.Preempt(op.preempt.request_id)
+        return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":
-        return ops.NewStep()
+        return operations.NewStep()
     raise InvalidArgument(f"an op must set one of {_OP_KINDS}", field="")
 
 
-def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[ops.Op]:
+def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[operations.Op]:
     """The core ops of a Step (errors name ``ops[i]...``). Requests it adds count against
     the quota of its session (or of the session-less account "")."""
     out = []
@@ -478,7 +478,7 @@ class BlockTableCache:
         self._entries.pop(request_id, None)
 
 
-def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
+def step_response(step_ops: Sequence[operations.Op], outcomes: Sequence[Any],
                   table_cache: BlockTableCache, num_free_blocks: int) -> pb.StepResponse:
     """The StepResponse of an applied batch: ``results[i]`` answers ``step_ops[i]``."""
     # Results are filled in place (add() + field writes): building submessages with
@@ -486,9 +486,9 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
     response = pb.StepResponse(num_free_blocks=num_free_blocks)
     add_result = response.results.add
     for op, r in zip(step_ops, outcomes):
-        if isinstance(op, ops.Decode):
+        if isinstance(op, operations.Decode):
             write_decode(add_result().decode, r)
-        elif isinstance(op, ops.Allocate):
+        elif isinstance(op, operations.Allocate):
             out = add_result().allocate
             out.num_computed_tokens = r.num_computed_tokens
             if r.ok:
@@ -503,12 +503,12 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                     write_copies(out, r.block_copies)
             if op.include_table:
                 table_cache.write(out, op.request_id, r.block_ids)
-        elif isinstance(op, (ops.AppendTokens, ops.AddRequest)):
-            out = add_result().append_tokens if isinstance(op, ops.AppendTokens) \
+        elif isinstance(op, (operations.AppendTokens, operations.AddRequest)):
+            out = add_result().append_tokens if isinstance(op, operations.AppendTokens) \
                 else add_result().add_request
             out.num_tokens = r.num_tokens
             out.num_block_hashes = r.num_block_hashes
-        elif isinstance(op, ops.Lookup):
+        elif isinstance(op, operations.Lookup):
             out = add_result().lookup
             out.hit_tokens = r.hit_tokens
             out.shared_prefix_boundary = r.shared_prefix_boundary
@@ -517,12 +517,12 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                 tables.add().block_ids.extend(ids)
             if r.groups is not None:
                 write_residency(out.groups, r.groups)
-        elif isinstance(op, ops.Free):
+        elif isinstance(op, operations.Free):
             add_result().free.num_free_blocks = r
             table_cache.forget(op.request_id)
-        elif isinstance(op, ops.Preempt):
+        elif isinstance(op, operations.Preempt):
             add_result().preempt.num_free_blocks = r
-        elif isinstance(op, ops.FillPlaceholders):
+        elif isinstance(op, operations.FillPlaceholders):
             add_result().fill_placeholders.num_filled = r
         else:
             add_result().new_step.SetInParent()

@@ -496,7 +496,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 num_computed_tokens=info.num_computed_tokens, num_tokens=info.num_tokens,
                 num_block_hashes=info.num_block_hashes, status=info.status,
                 num_preemptions=info.num_preemptions,
-                num_placeholder_tokens=info.num_placeholders)
+                num_placeholder_tokens=info.num_placeholder_tokens)
         return await self._unary(context, run)
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,

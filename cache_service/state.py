@@ -43,7 +43,7 @@ from cache_service.core.errors import (
     KVCacheError,
     NotFound,
 )
-from cache_service.core.ops import Free
+from cache_service.core.operations import Free
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
 from cache_service.status import ResourceExhausted
@@ -59,7 +59,7 @@ _Prepared = _Commit | Generator[None, None, _Commit]
 
 
 class DurabilityHook(Protocol):
-    """What the state needs of a durability hook (see :class:`Durability`)."""
+    """What the state needs of a durability hook (see :class:`NoDurability`)."""
 
     needs_sync: bool
     keeps_records: bool
@@ -69,7 +69,7 @@ class DurabilityHook(Protocol):
     async def sync(self) -> None: ...
 
 
-class Durability:
+class NoDurability:
     """Where accepted records go before they change the state. This default keeps
     nothing (the service is in-memory). ``append`` runs after validation and before the
     mutation; if it raises, nothing changes and the caller gets the error. ``sync`` is
@@ -126,7 +126,7 @@ class ServiceState:
         self.max_ops_per_step = max_ops_per_step
         self.max_tokens_per_step = max_tokens_per_step
         self._slice_cost: int | None = None  # of the record being applied
-        self.durability: DurabilityHook = durability or Durability()
+        self.durability: DurabilityHook = durability or NoDurability()
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
@@ -156,7 +156,7 @@ class ServiceState:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.durability = Durability()
+        self.durability = NoDurability()
 
     # -- the entry point -------------------------------------------------------------------
 

@@ -24,9 +24,9 @@ from cache_service.client import (
     layers,
 )
 from cache_service.core.specs import KVCacheSpec
-from executor.batch import GroupLayout
 from executor.cache import CacheGroup
 from executor.errors import CacheUnavailable, PoolLost
+from executor.forward_meta import GroupLayout
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.backoff import Backoff
 

@@ -55,9 +55,9 @@ import structlog
 from torch import Tensor
 
 from cache_service.client import AllocateResult, DecodeResult, LookupResult, StepResult, ops
-from executor.batch import GroupLayout, SeqChunk
 from executor.cache_link import CacheLink
 from executor.errors import CacheUnavailable, InvalidArgument, PoolLost, SettingError
+from executor.forward_meta import GroupLayout, SeqChunk
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
 

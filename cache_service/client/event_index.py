@@ -23,7 +23,7 @@ _CACHEABLE = {pb.LAYER_KIND_FULL_ATTENTION, pb.LAYER_KIND_SLIDING_WINDOW,
 Present = Callable[[int], bool]
 
 
-class PrefixIndex:
+class EventIndex:
     """Cached keys per group, counted: +1 per stored hash, -1 per removed one."""
 
     def __init__(self, config: pb.PoolConfig) -> None:
