@@ -36,7 +36,7 @@ from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
 from cache_service.snapshot import SnapshotCorruption
-from cache_service.state import ServiceState, WalRecord
+from cache_service.state import ServiceState, WalRecord, replay_record
 from cache_service.tenants import TenantsFileError
 from cache_service.wal import WalCorruption
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -75,8 +75,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
-               ) -> ServiceState:
+def new_state(settings: Settings, instance_id: str, *, cluster: bool = True) -> ServiceState:
+    """An empty service state with this run's limits; in cluster mode (unless ``cluster``
+    is False: a read-only look at another replica's directory) its registry fences pool
+    lookups by ownership."""
     registry_class = PoolRegistry
     if settings.etcd_endpoints and cluster:  # pool lookups check ownership (fencing)
         from cache_service.cluster.registry import ClusterRegistry
@@ -88,24 +90,6 @@ def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
                         max_tokens_per_step=settings.max_tokens_per_step)
 
 
-def _replay(state: ServiceState, payload: bytes) -> None:
-    """Applies one logged record (recovery, the compaction process). It was accepted when
-    it was live, under that run's limits, which need not be the ones the state holds now
-    (a restart with other --max-ops-per-step / --max-tokens-per-step / --max-total-blocks,
-    a snapshot taken before them): the limits are lifted while it is applied, so that
-    replay never drops an acknowledged record."""
-    registry = state.registry
-    limits = state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks
-    state.max_ops_per_step = state.max_tokens_per_step = registry.max_total_blocks = _NO_LIMIT
-    try:
-        state.apply(WalRecord.FromString(payload))
-    finally:
-        state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
-
-
-_NO_LIMIT = 1 << 62
-
-
 def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     """The service state: empty and in memory without ``--data-dir`` (says so in one log
     line), else recovered from the directory, which then logs every accepted record."""
@@ -115,10 +99,10 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
                          "live in memory only and a restart loses them (pools come back "
                          "with new incarnations)")
         # Every start is a new instance: its pools get new incarnations.
-        return _new_state(settings, new_instance_id()), None
+        return new_state(settings, new_instance_id()), None
     data_dir, state = open_data_dir(
-        directory, new_state=lambda instance_id: _new_state(settings, instance_id),
-        apply=_replay, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
+        directory, new_state=lambda instance_id: new_state(settings, instance_id),
+        apply=replay_record, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
         snapshot_every=settings.snapshot_every)
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
     state.lease_ttl_seconds = settings.lease_ttl_seconds
@@ -155,7 +139,7 @@ def read_peer_state(settings: Settings, directory: Path, pool_id: str) -> bytes:
             before_drop[:] = [state.export_pool(pool_id)]
         state.apply(record)
 
-    state = read_data_dir(directory, new_state=lambda instance_id: _new_state(
+    state = read_data_dir(directory, new_state=lambda instance_id: new_state(
         settings, instance_id, cluster=False), apply=apply)
     if pool_id not in state.registry and before_drop:
         return before_drop[0]

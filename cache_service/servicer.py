@@ -322,7 +322,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if not (tenant.admin or session.tenant == tenant.name):
                 continue
             by_pool: dict[str, list[str]] = {}
-            for pool_id, request_id in session.requests:
+            for pool_id, request_id in self.state.ownership.requests_of(sid):
                 by_pool.setdefault(pool_id, []).append(request_id)
             info = answer.sessions.add(
                 session_id_prefix=sid[:8], client_name=session.client_name,
