@@ -24,21 +24,19 @@ import structlog
 
 from cache_service.durability import (
     DataDir,
-    DataDirError,
     new_instance_id,
     open_data_dir,
     read_data_dir,
 )
+from cache_service.errors import DataDirError
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
 from cache_service.metrics import ClusterCollector, DurabilityCollector, new_registry
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
-from cache_service.snapshot import SnapshotCorruption
 from cache_service.state import ServiceState, WalRecord, replay_record
 from cache_service.tenants import TenantsFileError
-from cache_service.wal import WalCorruption
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.cli import exit_with_error, setting_name
@@ -172,7 +170,7 @@ async def serve(settings: Settings) -> int:
         creds = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
     try:
         state, data_dir = open_state(settings)
-    except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
+    except DataDirError as exc:  # the directory, its log or its snapshot
         # A start error like any other: one line on stderr naming the setting, exit 2.
         where = "shared_data_root" if settings.shared_data_root is not None else "data_dir"
         return exit_with_error(PROG, f"{setting_name(settings, where)}: {exc}", 2)

@@ -34,7 +34,7 @@ from cache_service.core.errors import (
 from cache_service.core.pool import Pool, run_to_end
 from cache_service.core.prefix_index import KeySpace
 from cache_service.core.residency import ExtraKeys, Residency
-from cache_service.event_feed import SequenceOutOfRange
+from cache_service.errors import Draining, ResourceExhausted
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,
     SLICE_REQUESTS,
@@ -44,7 +44,7 @@ from cache_service.fairness import (
 from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
-from cache_service.status import ResourceExhausted, Unavailable, to_status
+from cache_service.status import to_status
 from cache_service.tenants import ANONYMOUS, Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -160,14 +160,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 except KVCacheError:
                     self.state.wal_errors += 1  # kvcache_wal_errors_total
                     raise
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
         return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
 
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
@@ -272,8 +272,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # and the client may resend its last message on a new stream (same sequence).
         async for request in request_iterator:
             if self.draining:
-                await _abort(context, Unavailable(
-                    "server is draining; reconnect to another instance"))
+                await _abort(context, Draining())
             yield await self._step(context, request)
 
     # -- sessions ----------------------------------------------------------------------
@@ -348,7 +347,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 # credentials, within this call's deadline); the rest answered here.
                 return await self.cluster.peek_prefix(request, ns, context, self._peek_here)
             return await self._peek_here(ns, request)
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
             raise  # not reached: _abort raises the status
 
@@ -543,5 +542,5 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             async for batch in subscription:
                 yield pb.SubscribeEventsResponse(
                     events=[convert.event_to_proto(seq, e, incarnation) for seq, e in batch])
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)

@@ -44,10 +44,10 @@ from cache_service.core.errors import (
     NotFound,
 )
 from cache_service.core.operations import Free
+from cache_service.errors import ResourceExhausted
 from cache_service.ownership import Ownership
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
-from cache_service.status import ResourceExhausted
 from cache_service.tenants import tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb

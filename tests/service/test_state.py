@@ -12,10 +12,10 @@ import pytest
 
 from cache_service.client import StepBuilder, ops, register_request
 from cache_service.core.errors import KVCacheError, NotFound, UnknownRequest
+from cache_service.errors import Unavailable
 from cache_service.registry import PoolRegistry
 from cache_service.snapshot import dumps_state
 from cache_service.state import NoDurability, ServiceState, WalRecord
-from cache_service.status import Unavailable
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
