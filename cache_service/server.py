@@ -31,6 +31,7 @@ from cache_service.durability import (
 from cache_service.errors import DataDirError
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
+from cache_service.leases import LeaseKeeper
 from cache_service.metrics import ClusterCollector, DurabilityCollector, new_registry
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
@@ -175,21 +176,19 @@ async def serve(settings: Settings) -> int:
         where = "shared_data_root" if settings.shared_data_root is not None else "data_dir"
         return exit_with_error(PROG, f"{setting_name(settings, where)}: {exc}", 2)
     registry = state.registry
+    leases = LeaseKeeper(state.lease_ttl_seconds)
     node = None
     if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
         from cache_service.cluster.node import ClusterNode
-        node = ClusterNode(settings, state)
+        node = ClusterNode(settings, state, leases=leases, read_peer=read_peer_state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     prom_registry.register(DurabilityCollector(state))
     if node is not None:
         prom_registry.register(ClusterCollector(node))
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
-    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
-    servicer.step_observer = rpc_metrics.observe_step
-    if node is not None:
-        node.leases = servicer.leases  # adopted sessions get leases here
-        node.read_peer = read_peer_state
+    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens, leases=leases,
+                             cluster=node, step_observer=rpc_metrics.observe_step)
     try:
         listener = await start_server(
             service_name=SERVICE_NAME,
@@ -211,8 +210,7 @@ async def serve(settings: Settings) -> int:
             return exit_with_error(PROG, f"{setting_name(settings, 'etcd_endpoints')}: "
                                    f"cannot join the cluster, etcd at "
                                    f"{settings.etcd_endpoints} is unreachable ({exc})", 2)
-        servicer.cluster = node
-        await listener.mark_serving()
+        await listener.mark_serving()  # the servicer acts as a member from here on
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=listener.port,

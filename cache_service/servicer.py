@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -49,6 +49,9 @@ from cache_service.tenants import ANONYMOUS, Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # imported by the server only in cluster mode (etcd client)
+    from cache_service.cluster.node import ClusterNode
 
 _log = structlog.get_logger("cache_service.servicer")
 
@@ -109,19 +112,21 @@ def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """The gRPC handlers. ``draining`` (set on SIGTERM) turns new stream messages away."""
 
-    def __init__(self, state: ServiceState, *, max_peek_tokens: int = 1 << 22) -> None:
+    def __init__(self, state: ServiceState, *, max_peek_tokens: int = 1 << 22,
+                 leases: LeaseKeeper | None = None, cluster: ClusterNode | None = None,
+                 step_observer: Callable[[str, float], None] | None = None) -> None:
+        """``leases``: the server's lease keeper (shared with the cluster node; a new one
+        if None). ``cluster``: the node in cluster mode (see :attr:`cluster`).
+        ``step_observer`` is called with (internal pool id, seconds) after each applied
+        Step (the server's RpcMetrics.observe_step)."""
         self.state = state
         self.registry = state.registry
         self.max_peek_tokens = max_peek_tokens
         self.gate = PoolGate()
         self.draining = False
-        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
-        #: their etcd keys, fans PeekPrefix out. None when standalone.
-        self.cluster: Any = None
-        #: Called with (internal pool id, seconds) after each applied Step (the server
-        #: sets it to RpcMetrics.observe_step).
-        self.step_observer: Callable[[str, float], None] | None = None
-        self.leases = LeaseKeeper(state.lease_ttl_seconds)
+        self._node = cluster
+        self.step_observer = step_observer
+        self.leases = leases if leases is not None else LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
                 self.leases.start(sid)
@@ -131,6 +136,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
         # (tenant prefix, admin, pool ids) -> (registry version, its _PeekPlan)
         self._peek_plans: dict[tuple[str, bool, tuple[str, ...]], tuple[int, _PeekPlan]] = {}
+
+    @property
+    def cluster(self) -> ClusterNode | None:
+        """Cluster mode, once the node has joined: places pools, deletes their etcd keys,
+        fans PeekPrefix out. None when standalone, and before the join (the port is
+        open while the node connects; its registry checks nothing yet either)."""
+        node = self._node
+        return node if node is not None and node.joined else None
 
     # -- helpers -----------------------------------------------------------------------
 
