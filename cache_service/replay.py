@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,

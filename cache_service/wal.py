@@ -55,6 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from cache_service.errors import DataDirError
+
 FsyncPolicy = Literal["always", "batch", "never"]
 
 MAGIC = b"KVCWAL2\n"
@@ -67,7 +69,7 @@ MAX_RECORD_BYTES = 1 << 30  # a longer length field can only be garbage
 _PREFIX, _SUFFIX = "wal-", ".log"
 
 
-class WalCorruption(Exception):
+class WalCorruption(DataDirError):
     """The log cannot be read back as written. ``path`` and ``offset`` locate the bad
     bytes; the service must not start on it."""
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import structlog
 from torch import Tensor
 
-from executor.batch import GroupLayout, SeqChunk
 from executor.cache_link import CacheLink
 from executor.errors import CacheUnavailable, InvalidArgument, PoolLost, SettingError
+from executor.forward_meta import GroupLayout, SeqChunk
 from executor.runner import ModelRunner
 from executor.sampling import SamplingParams, sample
 from executor.scheduler import ScheduledChunk, Scheduler

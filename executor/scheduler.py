@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING
 import structlog
 
 from cache_service.client import AllocateResult, DecodeResult, LookupResult, StepResult, ops
-from executor.batch import GroupLayout
 from executor.cache_link import CacheLink
 from executor.errors import CacheUnavailable
+from executor.forward_meta import GroupLayout
 
 if TYPE_CHECKING:  # the engine owns the requests, its settings and its metrics
     from executor.engine import EngineConfig, EngineMetrics, EngineRequest

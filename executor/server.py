@@ -39,7 +39,6 @@ from prometheus_client.process_collector import ProcessCollector
 
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from executor.batch import SeqChunk
 from executor.cache import CacheTensors, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, cache_groups
 from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, check_engine_config
@@ -50,6 +49,7 @@ from executor.errors import (
     NotReady,
     RequestFailed,
 )
+from executor.forward_meta import SeqChunk
 from executor.model import HybridModel
 from executor.model_config import ModelConfig
 from executor.presets import get_preset

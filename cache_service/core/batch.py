@@ -39,7 +39,7 @@ from cache_service.core.errors import (
     qualify,
 )
 from cache_service.core.hashing import HashRecipe, check_declared_recipe
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,

@@ -47,7 +47,7 @@ from cache_service.core.hashing import (
 )
 from cache_service.core.invariants import check_pool_invariants
 from cache_service.core.kv_cache_manager import BlockCopy, KVCacheManager, resolve_block_sizes
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,
@@ -103,7 +103,7 @@ class RequestInfo:
     status: str
     num_preemptions: int
     #: Of ``num_tokens``, the trailing ones whose ids are not known yet.
-    num_placeholders: int = 0
+    num_placeholder_tokens: int = 0
 
 
 @dataclass(slots=True)

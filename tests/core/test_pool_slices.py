@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import AddRequest, Allocate, Decode, Free
+from cache_service.core.operations import AddRequest, Allocate, Decode, Free
 
 from builders import full, make_pool, swa
 
