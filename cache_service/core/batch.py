@@ -285,7 +285,8 @@ class BatchCheck:
 
     def _append(self, st: Simulated, rid: str, tokens: Any, name: str) -> list[int]:
         checked = check_tokens(tokens, self.limits.token_limit, name)
-        _no_placeholders_behind(st, rid, name)
+        if st.num_placeholders:
+            raise _placeholders_behind(st, rid, name)
         self._grow(st, rid, len(checked), name)
         return checked
 
@@ -487,19 +488,20 @@ class BatchCheck:
             if placeholders:
                 self._add_placeholders(st, rid, 1, name)
             else:
-                _no_placeholders_behind(st, rid, f"token_ids[{i}]")
+                if st.num_placeholders:
+                    raise _placeholders_behind(st, rid, f"token_ids[{i}]")
                 self._grow(st, rid, 1, f"token_ids[{i}]")
             st.may_have_computed = True
             st.num_computed = -1
         return None
 
 
-def _no_placeholders_behind(st: Simulated, rid: str, name: str) -> None:
-    """Known tokens go before placeholders only (see the module docstring)."""
-    if st.num_placeholders:
-        raise InvalidArgument(f"request {rid!r} ends in {st.num_placeholders} placeholder "
-                              "token(s); fill them (fill_placeholders) before appending known "
-                              "tokens", field=name)
+def _placeholders_behind(st: Simulated, rid: str, name: str) -> InvalidArgument:
+    """The error for known tokens appended behind placeholders (they go before them only:
+    see the module docstring)."""
+    return InvalidArgument(f"request {rid!r} ends in {st.num_placeholders} placeholder "
+                           "token(s); fill them (fill_placeholders) before appending known "
+                           "tokens", field=name)
 
 
 #: The check of each kind of op.

@@ -688,6 +688,7 @@ class Pool:
     def preempt(self, request_id: str) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
         return self._apply_one(Preempt(request_id))
+
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
