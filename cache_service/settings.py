@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
     max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step (each "
-                                  "request of a decode op counts as one)")
+                                  "request of a decode or fill_placeholders op counts as "
+                                  "one)")
     max_tokens_per_step: int = Field(1 << 20, ge=1, description="most token ids in one Step "
                                      "(summed over its ops)")
     max_peek_tokens: int = Field(1 << 22, ge=1, description="most token ids (or block "

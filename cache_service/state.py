@@ -43,7 +43,7 @@ from cache_service.core.errors import (
     KVCacheError,
     NotFound,
 )
-from cache_service.core.operations import Free
+from cache_service.core.operations import Free, op_cost, op_requests, op_tokens
 from cache_service.core.slices import run_to_end
 from cache_service.errors import ResourceExhausted
 from cache_service.ownership import Ownership
@@ -301,18 +301,8 @@ class ServiceState:
 
     @staticmethod
     def _step_cost(step_ops: list) -> int:
-        """Request-ops of a batch: one per op, per request of a decode op, and per 16
-        prompt tokens of an add (hashing them is the cost)."""
-        cost = 0
-        for op in step_ops:
-            kind = op.KIND
-            if kind in ("decode", "fill_placeholders"):
-                cost += len(op.request_ids)
-            elif kind == "add_request":
-                cost += 1 + len(op.token_ids) // 16
-            else:
-                cost += 1
-        return cost
+        """The work of a batch in slice units (:func:`ops.op_cost`)."""
+        return sum([op_cost(op.KIND, op) for op in step_ops])
 
     def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
                                 step_ops: list, slice_cost: int
@@ -340,8 +330,9 @@ class ServiceState:
         return commit
 
     def _check_step_cost(self, request: pb.StepRequest) -> None:
-        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: ops (each request of
-        a decode op counts as one) and token ids (summed over all ops)."""
+        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: request-ops (each
+        request a decode or fill op names counts as one: :func:`ops.op_requests`) and token
+        ids (summed over all ops: :func:`ops.op_tokens`)."""
         if len(request.ops) > self.max_ops_per_step:  # before counting a huge list
             raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
                                     f"{self.max_ops_per_step} per Step", field="ops")
@@ -349,21 +340,12 @@ class ServiceState:
         tokens = 0
         for op in request.ops:
             kind = op.WhichOneof("op")
-            if kind == "decode":
-                n = len(op.decode.request_ids)
-                ops += n
-                tokens += len(op.decode.token_ids)
-            elif kind == "fill_placeholders":
-                ops += len(op.fill_placeholders.request_ids)
-                tokens += len(op.fill_placeholders.token_ids)
-            else:
+            if kind is None:  # no op set: one op (the conversion rejects it)
                 ops += 1
-                if kind == "add_request":
-                    tokens += len(op.add_request.token_ids)
-                elif kind == "append_tokens":
-                    tokens += len(op.append_tokens.token_ids)
-                elif kind == "allocate":
-                    tokens += len(op.allocate.append_token_ids)
+                continue
+            body = getattr(op, kind)
+            ops += op_requests(kind, body)
+            tokens += op_tokens(kind, body)
         if ops > self.max_ops_per_step:
             raise ResourceExhausted(f"{ops} ops (a decode op counts one per request) exceed "
                                     f"the limit of {self.max_ops_per_step} per Step",

@@ -128,8 +128,10 @@ class EngineMetrics:
 
 
 class Engine:
-    """Owns the scheduling state; ``run()`` loops in a dedicated thread. ``submit`` and
-    ``abort`` are thread-safe (they go through an inbox the loop drains)."""
+    """Runs the requests: its :class:`Scheduler` (``scheduler``) plans each step and makes
+    its cache calls, the engine runs the forward pass and samples. ``run()`` loops in a
+    dedicated thread. ``submit`` and ``abort`` are thread-safe (they go through an inbox the
+    loop drains)."""
 
     def __init__(self, runner: ModelRunner, link: CacheLink, config: EngineConfig = EngineConfig(),
                  *, on_reregister: Callable[[], None] | None = None) -> None:

@@ -58,6 +58,7 @@ from cache_service.core.operations import (
     Op,
     OpOutcome,
     Preempt,
+    op_cost,
 )
 from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
 from cache_service.core.quota import BlockQuota
@@ -190,10 +191,11 @@ class PreparedBatch:
         return outcomes
 
     def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
-        """:meth:`apply` cut into slices of about ``slice_cost`` units (a request of a
-        decode op, or an op, is one unit), yielding between them; the generator returns the
-        outcomes. The end state and outcomes are exactly :meth:`apply`'s, provided nothing
-        else touches this pool between the slices (the caller's duty)."""
+        """:meth:`apply` cut into slices of about ``slice_cost`` units of work
+        (:func:`ops.op_cost`; a decode op naming more requests is cut too), yielding
+        between them; the generator returns the outcomes. The end state and outcomes are
+        exactly :meth:`apply`'s, provided nothing else touches this pool between the slices
+        (the caller's duty)."""
         pool = self._pool
         if self._begin_step:
             pool._manager.new_step_starts()
@@ -207,7 +209,7 @@ class PreparedBatch:
                 spent = 0
                 continue
             outcomes.append(apply(op, prepared))
-            spent += len(op.request_ids) if type(op) is Decode else 1
+            spent += op_cost(op.KIND, op)
             if spent >= slice_cost:
                 spent = 0
                 yield
@@ -344,12 +346,14 @@ class Pool:
 
     def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
                                 slice_cost: int) -> Generator[None, None, PreparedBatch]:
-        """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
-        caller lets nothing touch the pool until the batch is applied."""
+        """:meth:`prepare_batch` yielding after about ``slice_cost`` units of work
+        (:func:`ops.op_cost`); the caller lets nothing touch the pool until the batch is
+        applied."""
         plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
         if self._hash_fn is not None:
             # Long prompts are hashed here, a slice at a time, rather than in one piece
-            # when the request is created (the hashes are the same).
+            # when the request is created (the hashes are the same). A unit is one hash
+            # block here (TOKENS_PER_COST tokens at the usual block size of 16).
             for i, op in enumerate(ops):
                 if type(op) is AddRequest and plan[i][1] is None \
                         and len(plan[i][0]) > slice_cost * self._hbs:
@@ -374,7 +378,9 @@ class Pool:
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
-        outcome = self._apply(op, self._checker().check(op))
+        check = self._checker()
+        check.last = True  # nothing reads the simulation after the only op
+        outcome = self._apply(op, check.check(op))
         self._manager.release_copied_blocks()
         return outcome
 
@@ -682,6 +688,7 @@ class Pool:
     def preempt(self, request_id: str) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
         return self._apply_one(Preempt(request_id))
+
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
