@@ -5,8 +5,8 @@ Two roots:
 
 * errors a call answers extend the core's :class:`~cache_service.core.errors.KVCacheError`
   tree, so :mod:`cache_service.status` maps the core's errors and these with one table.
-  Each class below names the status it answers; the core's classes are re-exported here
-  so that shell code imports its errors from one module;
+  Each class below names the status it answers; the core's classes (and ``qualify``) are
+  re-exported here so that shell code imports its errors from one module;
 * :class:`DataDirError`: a data directory the server cannot start on (locked, not a
   directory, a damaged log or snapshot: ``cache_service.wal.WalCorruption``,
   ``cache_service.snapshot.SnapshotCorruption``). Never a call's answer: the server exits
@@ -22,13 +22,14 @@ from cache_service.core.errors import (
     KVCacheError,
     NotFound,
     ResourceExhausted,
+    qualify,
 )
 
 __all__ = [
     "AlreadyExists", "DataDirError", "DataDirFull", "DataDirUnwritable", "Draining",
     "FailedPrecondition", "Internal", "InvalidArgument", "KVCacheError", "NotFound",
     "ResourceExhausted", "SequenceOutOfRange", "Unauthenticated", "Unavailable",
-    "UndecodableMessage",
+    "UndecodableMessage", "qualify",
 ]
 
 

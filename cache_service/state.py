@@ -36,15 +36,15 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from cache_service import convert
-from cache_service.core.errors import (
+from cache_service.core.operations import Free
+from cache_service.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     KVCacheError,
     NotFound,
+    ResourceExhausted,
 )
-from cache_service.core.operations import Free
-from cache_service.errors import ResourceExhausted
 from cache_service.ownership import Ownership
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
