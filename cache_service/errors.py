@@ -17,15 +17,14 @@ Two roots:
 
 from __future__ import annotations
 
-from cache_service.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    KVCacheError,
-    NotFound,
-    ResourceExhausted,
-    qualify,
-)
+from cache_service.core import errors as _core
+from cache_service.core.errors import InvalidArgument, KVCacheError, ResourceExhausted
+
+# The rest of the core's tree, re-exported: shell code imports every error from here.
+AlreadyExists = _core.AlreadyExists
+FailedPrecondition = _core.FailedPrecondition
+NotFound = _core.NotFound
+qualify = _core.qualify
 
 __all__ = [
     "AlreadyExists", "DataDirError", "DataDirFull", "DataDirUnwritable", "Draining",
