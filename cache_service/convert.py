@@ -17,7 +17,6 @@ from typing import Any
 
 from cache_service.core import events as ev
 from cache_service.core import grouping, operations
-from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.core.hashing import DeclaredRecipe, external_block_hash
 from cache_service.core.kv_cache_manager import BlockCopy
 from cache_service.core.pool import DecodeOutcome, PoolOptions
@@ -27,6 +26,7 @@ from cache_service.core.specs import (
     MambaSpec,
     layer_spec,
 )
+from cache_service.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.registry import PoolDescription, PoolEntry
 from cache_service.specs_proto import layer_spec_from_proto, layer_spec_to_proto, non_negative
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb

@@ -39,8 +39,13 @@ from typing import Any, Generic, TypeVar
 import structlog
 from google.protobuf.message import Message
 
-from cache_service.core.errors import KVCacheError
-from cache_service.errors import DataDirError, DataDirFull, DataDirUnwritable, Unavailable
+from cache_service.errors import (
+    DataDirError,
+    DataDirFull,
+    DataDirUnwritable,
+    KVCacheError,
+    Unavailable,
+)
 from cache_service.snapshot import (
     SnapshotCorruption,
     SnapshotMissing,

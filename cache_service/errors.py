@@ -5,30 +5,32 @@ Two roots:
 
 * errors a call answers extend the core's :class:`~cache_service.core.errors.KVCacheError`
   tree, so :mod:`cache_service.status` maps the core's errors and these with one table.
-  Each class below names the status it answers; the core's classes are re-exported here
-  so that shell code imports its errors from one module;
-* :class:`DataDirError`: a data directory the server cannot start on (locked, not a
-  directory, a damaged log or snapshot: ``cache_service.wal.WalCorruption``,
-  ``cache_service.snapshot.SnapshotCorruption``). Never a call's answer: the server exits
-  with one line naming the setting.
+  Each class below names the status it answers; the core's classes (and ``qualify``) are
+  re-exported here so that shell code imports its errors from one module;
+* :class:`DataDirError`: data on disk that cannot be used (a data directory locked or not
+  a directory, a damaged log or snapshot: ``cache_service.wal.WalCorruption``,
+  ``cache_service.snapshot.SnapshotCorruption``, ``cache_service.compact.CompactionError``;
+  a damaged hand-over file: ``cache_service.cluster.handoff.HandoffError``). Never a
+  call's answer: at start the server exits with one line naming the setting; a bad
+  hand-over file is logged and the pool is not installed from it.
 """
 
 from __future__ import annotations
 
-from cache_service.core.errors import (
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    KVCacheError,
-    NotFound,
-    ResourceExhausted,
-)
+from cache_service.core import errors as _core
+from cache_service.core.errors import InvalidArgument, KVCacheError, ResourceExhausted
+
+# The rest of the core's tree, re-exported: shell code imports every error from here.
+AlreadyExists = _core.AlreadyExists
+FailedPrecondition = _core.FailedPrecondition
+NotFound = _core.NotFound
+qualify = _core.qualify
 
 __all__ = [
     "AlreadyExists", "DataDirError", "DataDirFull", "DataDirUnwritable", "Draining",
     "FailedPrecondition", "Internal", "InvalidArgument", "KVCacheError", "NotFound",
     "ResourceExhausted", "SequenceOutOfRange", "Unauthenticated", "Unavailable",
-    "UndecodableMessage",
+    "UndecodableMessage", "qualify",
 ]
 
 
@@ -96,5 +98,5 @@ class DataDirUnwritable(Unavailable):
 
 
 class DataDirError(Exception):
-    """The data directory cannot be used (locked by another server, not a directory,
-    a damaged log or snapshot): the server does not start."""
+    """Data on disk cannot be used (a data directory locked by another server or not a
+    directory, a damaged log, snapshot or hand-over file); names the path."""

@@ -24,18 +24,19 @@ from google.protobuf.message import Message
 
 from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
-from cache_service.core.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    KVCacheError,
-    NotFound,
-    qualify,
-)
 from cache_service.core.pool import Pool
 from cache_service.core.prefix_index import KeySpace
 from cache_service.core.residency import ExtraKeys, Residency
 from cache_service.core.slices import run_to_end
-from cache_service.errors import Draining, ResourceExhausted
+from cache_service.errors import (
+    Draining,
+    FailedPrecondition,
+    InvalidArgument,
+    KVCacheError,
+    NotFound,
+    ResourceExhausted,
+    qualify,
+)
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,
     SLICE_REQUESTS,

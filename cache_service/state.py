@@ -3,12 +3,12 @@
 :class:`ServiceState` owns the pool registry (pools, their requests, their event feeds),
 the serialized block tables, the session table (each session's last sequence number and
 stored last answer), which session owns which request (:class:`Ownership`) and the lease
-counters. Every change to any
-of it goes through ``apply(record)`` with a ``kvcache.internal.v1.WalRecord``: the
-servicer turns each mutating call into a record (``apply_call(kind, request)``: the same
-path, building the record only when the durability keeps records), the lease reaper turns
-each expiry into records, and recovery replays records. Reads (GetPool, stats, PeekPrefix,
-GetRequest) read the state directly.
+counters. Every change to any of it goes through ``apply(record)`` with a
+``kvcache.internal.v1.WalRecord``: the servicer turns each mutating call into a record
+(``apply_call(kind, request)``: the same path, building the record only when the
+durability keeps records), the lease reaper turns each expiry into records, and recovery
+replays records (:func:`replay_record`). Reads (GetPool, stats, PeekPrefix, GetRequest)
+read the state directly.
 
 ``apply`` is deterministic: no clock, no randomness, no I/O inside (session ids are
 chosen by the caller and carried in the record; lease timers live outside, in
@@ -36,16 +36,16 @@ from typing import Any, Protocol
 from google.protobuf.message import Message
 
 from cache_service import convert
-from cache_service.core.errors import (
+from cache_service.core.operations import Free, op_cost, op_requests, op_tokens
+from cache_service.core.slices import run_to_end
+from cache_service.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     KVCacheError,
     NotFound,
+    ResourceExhausted,
 )
-from cache_service.core.operations import Free, op_cost, op_requests, op_tokens
-from cache_service.core.slices import run_to_end
-from cache_service.errors import ResourceExhausted
 from cache_service.ownership import Ownership
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state

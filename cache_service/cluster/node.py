@@ -21,7 +21,7 @@ from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
-from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.errors import InvalidArgument, KVCacheError
 from cache_service.leases import LeaseKeeper
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings

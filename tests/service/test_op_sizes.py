@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service import convert
-from cache_service.core import ops
+from cache_service.core import operations as ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 KINDS = sorted(ops.OP_SIZE_FIELDS)

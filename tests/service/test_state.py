@@ -226,6 +226,21 @@ def test_the_fence_is_asked_after_the_last_validation_slice_and_refuses_without_
     assert expired.num_requests_freed == 4 and expired.num_requests_left == 0
 
 
+def test_an_adopt_record_written_before_ownership_gives_the_same_owners() -> None:
+    """AdoptPool records logged before :class:`Ownership` carried each session's requests
+    in the pool on the session itself; replaying one installs the same owners."""
+    dead, _, _ = run(records()[:8])
+    data = pickle.loads(dead.export_pool("p"))  # noqa: S301 - our own bytes
+    for session in data["sessions"]:
+        vars(session)["requests"] = dict.fromkeys(dead.ownership.requests_of(session.session_id))
+    heir = ServiceState(PoolRegistry(instance_id="heir"))
+    heir.apply(WalRecord(adopt_pool=wal_pb2.AdoptPool(pool_id="p", from_member="m0",
+                                                      state=dumps_state(data))))
+    heir.ownership.check()
+    assert observe(heir) == observe(dead)
+    assert not any(hasattr(s, "requests") for s in heir.sessions.values())
+
+
 def test_an_adopted_pool_keeps_its_state_incarnation_and_sessions_exactly_once() -> None:
     """A pool taken over from a dead replica (AdoptPool, cluster mode) is the pool it
     left: allocator, event numbers, incarnation and the sessions holding its requests,
