@@ -138,7 +138,16 @@ class CacheLink:
         the SAME Step (same session sequence number) until the service answers or
         ``deadline`` passes. The engine would re-plan after a failure, and a different
         Step under the number of one the service already applied is refused, or, resent
-        under the next number, applied on top of it."""
+        under the next number, applied on top of it.
+
+        The one place a Step is resent at two nested levels, on purpose: inside
+        :meth:`_send`, the client's stream resends the step after a lost stream or a
+        missed step deadline, at most ``max_retries`` times (fast: a dropped connection, a
+        hung replica; counted in :attr:`stream_retries`); this loop resends it again once
+        those are spent, for as long as a restarting service takes (``in_doubt_retry_s``,
+        longer than any retry count gRPC or the stream allows). Both resend the same
+        stamp, so the service applies the Step once whichever level's resend it answers.
+        """
         attempt = 0
         while True:
             try:

@@ -10,6 +10,8 @@ import aetcd
 import grpc
 import structlog
 
+from kvcache_common.backoff import Backoff
+
 #: What a lost or restarting etcd raises through aetcd.
 ETCD_ERRORS: tuple[type[BaseException], ...] = (
     aetcd.exceptions.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError)
@@ -39,6 +41,12 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     if not out:
         raise ValueError("no etcd endpoint given")
     return out
+
+
+#: Between attempts to reach etcd again (joining, or following the cluster view after a
+#: lost watch): the tree's one backoff rule (:mod:`kvcache_common.backoff`), over the same
+#: 0.1 to 0.5 s span as the channel's own reconnect backoff below.
+RETRY_BACKOFF = Backoff(0.1, 0.5)
 
 
 class Etcd:

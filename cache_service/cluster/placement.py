@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
+from cache_service.cluster.etcd import ETCD_ERRORS, RETRY_BACKOFF, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
 from cache_service.core.errors import NotFound
@@ -159,6 +159,7 @@ class Placement:
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _follow(self) -> None:
+        failures = 0  # attempts in a row that ended before a listing was acted on
         while True:
             events: asyncio.Queue = asyncio.Queue()
             client = self.etcd.client
@@ -166,6 +167,7 @@ class Placement:
                 revision = await self._load()
                 await self.reconcile()
                 self.synced.set()
+                failures = 0
                 watch = await client.watch_prefix(
                     self.keys.root, start_revision=revision + 1)
                 pump = asyncio.create_task(self._pump(watch, events))
@@ -197,7 +199,8 @@ class Placement:
                 _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
                 await self.etcd.reconnect(client)
                 # A pause between attempts while etcd is away (a timer, not a sync).
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(RETRY_BACKOFF.delay(failures))
+                failures += 1
 
     @staticmethod
     async def _pump(watch, events: asyncio.Queue) -> None:
