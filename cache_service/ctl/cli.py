@@ -203,17 +203,10 @@ def _peek(client: Any, args: argparse.Namespace) -> Output:
     return rows, peek_tables(rows)
 
 
-def list_sessions(client: Any, timeout: float | None = None) -> Any:
-    """The ListSessions answer (the typed client has no method for it yet)."""
-    from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-
-    return client._call("ListSessions", pb.ListSessionsRequest(), timeout)
-
-
 def _sessions(client: Any, args: argparse.Namespace) -> Output:
     from cache_service.ctl.views import sessions_data, sessions_table
 
-    rows = sessions_data(list_sessions(client))
+    rows = sessions_data(client.list_sessions())
     return rows, [sessions_table(rows, args.requests)]
 
 

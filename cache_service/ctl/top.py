@@ -92,11 +92,9 @@ def default_metrics_url(target: str) -> str:
 
 
 def take_sample(client: Any, metrics_url: str, timeout: float) -> Sample:
-    from cache_service.ctl.cli import list_sessions
-
     rows = [pool_row(info, client.stats(info.pool_id)) for info in client.list_pools()]
     sessions: dict[str, int] = {}
-    for s in list_sessions(client).sessions:
+    for s in client.list_sessions().sessions:
         for p in s.pools:
             sessions[p.pool_id] = sessions.get(p.pool_id, 0) + 1
     for r in rows:
