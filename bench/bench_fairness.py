@@ -10,8 +10,8 @@ is measured three ways in ONE run:
   GIL) sends decode Steps over 10,000 running requests of its own pool back to back;
 * ``lookup 1M``: the heavy client sends PeekPrefix calls of 1,000,000 tokens back to back.
 
-The goal (issue 10): the small client's p99 under load stays below 20 ms; the table shows
-it and its ratio to the idle p99. The heavy client's own call latency is reported too
+The goal (isolation between tenants): the small client's p99 under load stays below 20 ms;
+the table shows it and its ratio to the idle p99. The heavy client's own call latency is reported too
 (long work is cut into slices, so it takes longer than alone, but it completes).
 
     python3 bench/bench_fairness.py                # about a minute
