@@ -47,6 +47,8 @@ class PrefixIndex:
 
     # -- the feed ------------------------------------------------------------------------
     def apply(self, event: pb.KVEvent) -> None:
+        """Applies one KV event of the pool (stored, removed, all cleared) to the mirrored
+        counts."""
         kind = event.WhichOneof("event")
         if kind == "block_stored":
             self.counts[event.block_stored.group_idx].update(event.block_stored.block_hashes)
@@ -61,6 +63,7 @@ class PrefixIndex:
                 counts.clear()
 
     def num_cached_keys(self) -> int:
+        """Distinct (group, block hash) keys cached now, over all groups."""
         return sum(len(c) for c in self.counts)
 
     # -- hits ----------------------------------------------------------------------------

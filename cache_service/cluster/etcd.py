@@ -69,6 +69,7 @@ class Etcd:
 
     @property
     def endpoint(self) -> str:
+        """The endpoint the current client talks to, ``host:port``."""
         host, port = self.endpoints[self._index]
         return f"{host}:{port}"
 
@@ -88,5 +89,6 @@ class Etcd:
         _log.info("etcd_reconnect", endpoint=self.endpoint)
 
     async def close(self) -> None:
+        """Closes the current client (an unreachable etcd is not waited for past ``timeout``)."""
         with contextlib.suppress(*ETCD_ERRORS):
             await asyncio.wait_for(self.client.close(), self.timeout)

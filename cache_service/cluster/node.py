@@ -45,6 +45,8 @@ def _no_reader(settings: Settings, directory: Path, pool_id: str) -> bytes:
 
 
 def advertised_address(settings: Settings, port: int) -> str:
+    """The address other replicas and clients reach this one at: ``--advertise-address``, else
+    the host (the machine's name for a wildcard bind) and ``port``."""
     if settings.advertise_address:
         return settings.advertise_address
     host = settings.host

@@ -113,6 +113,7 @@ class Placement:
 
     @property
     def me(self) -> str:
+        """This replica's member id."""
         return self.membership.member_id
 
     # -- fencing (hot path) -------------------------------------------------------------
@@ -144,6 +145,7 @@ class Placement:
         raise NotFound(f"unknown pool {pool_id!r}", field=field)
 
     def owner_of(self, pool_id: str) -> Owner | None:
+        """The pool's owner as last seen in etcd (None: no owner key)."""
         return self.owners.get(pool_id)
 
     # -- view ---------------------------------------------------------------------------
@@ -154,6 +156,7 @@ class Placement:
         await self.synced.wait()
 
     async def stop(self) -> None:
+        """Stops following etcd (the view stays as it was)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
