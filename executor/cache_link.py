@@ -53,6 +53,7 @@ class PoolPlan:
     vocab_size: int = 0
 
     def layer_protos(self) -> list[pb.LayerSpec]:
+        """The LayerSpec message of each layer, in the plan's order."""
         return [layers.from_spec(n, s) for n, s in self.specs.items()]
 
 
@@ -106,6 +107,8 @@ class CacheLink:
         self.in_doubt_retry_s = in_doubt_retry_s
 
     def close(self) -> None:
+        """Drops the stream and closes the client (ending its session: the service frees this
+        executor's requests)."""
         self._drop_stream()
         self.client.close()
 
@@ -177,6 +180,9 @@ class CacheLink:
         return self.info
 
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        """One engine Step: resent while its outcome is in doubt (up to ``in_doubt_retry_s``),
+        timed; raises PoolLost (the service forgot the pool or our session) or
+        CacheUnavailable."""
         start = time.perf_counter()
         try:
             return self._send_until_settled(ops, begin_step, start + self.in_doubt_retry_s)
@@ -195,4 +201,5 @@ class CacheLink:
             self.intervals.append((start, end))
 
     def stats(self) -> PoolStats:
+        """The pool's usage and counters."""
         return self.client.stats(self.plan.pool_id)

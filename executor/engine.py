@@ -124,6 +124,7 @@ class EngineRequest:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
         return self.prompt + self.outputs
 
 
@@ -180,6 +181,8 @@ class StepRollback:
                                req.placeholders_sent))
 
     def restore(self, engine: Engine) -> None:
+        """Undoes the step's sync-state changes on every touched request and gives the engine
+        back the frees, preempts and fills the step took."""
         engine.to_free = self.to_free + engine.to_free
         engine.to_preempt = self.to_preempt + engine.to_preempt
         engine.fill_queue = self.fill_queue + engine.fill_queue
@@ -258,20 +261,28 @@ class Engine:
 
     # ------------------------------------------------------------------ public, thread-safe
     def submit(self, req: EngineRequest) -> None:
+        """Queues a validated request (raises InvalidArgument naming the field otherwise);
+        thread-safe."""
         self.validate(req)
         self.inbox.put(("add", req))
 
     def abort(self, request_id: str) -> None:
+        """Asks the engine loop to drop ``request_id`` (a no-op for an unknown one);
+        thread-safe."""
         self.inbox.put(("abort", request_id))
 
     def stop(self) -> None:
+        """Asks the engine loop to stop after the current step; thread-safe."""
         self._stop.set()
         self.inbox.put(("wake", None))
 
     def new_request_id(self) -> str:
+        """A request id unique in this process."""
         return f"req-{next(self._ids)}-{time.monotonic_ns()}"
 
     def validate(self, req: EngineRequest) -> None:
+        """Raises InvalidArgument naming the field of the first thing wrong with ``req`` (empty
+        prompt, token out of vocabulary, bad max_tokens, too long, sampling)."""
         if not req.prompt:
             raise InvalidArgument("at least one token is required", field="prompt_token_ids")
         bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < self.vocab_size), None)
@@ -287,6 +298,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """Whether anything is waiting, running, to be freed or preempted, or in flight."""
         return bool(self.waiting or self.running or self.to_free or self.to_preempt
                     or self.inflight is not None)
 
