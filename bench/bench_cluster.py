@@ -132,6 +132,8 @@ def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
 
 
 def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> dict:
+    """Failover times over ``kills`` SIGKILLs of a pool's owner among 3 replicas (``shared``:
+    on a shared data root) (see the module docstring)."""
     cluster = f"bench-{uuid.uuid4().hex[:6]}"
     replicas = [replica(etcd, cluster, shared) for _ in range(3)]
     samples: list[float] = []
@@ -221,6 +223,8 @@ def _step_loop(client: CacheClient, pool: str, n: int) -> float:
 
 
 def bench_overhead(etcd: EtcdServer, steps: int, rounds: int) -> dict:
+    """The mean Step round trip against a standalone replica and a one-member cluster replica,
+    interleaved in rounds; answers both and their ratio."""
     standalone = replica(None, "")
     member = replica(etcd, f"bench-{uuid.uuid4().hex[:6]}")
     means: dict[str, list[float]] = {"standalone": [], "cluster": []}
@@ -261,6 +265,7 @@ def _client_proc(targets: str, pool: str, seconds: float, out: mp.Queue) -> None
 
 
 def bench_scaling(etcd: EtcdServer, clients: int, seconds: float) -> list[dict]:
+    """Steps/s of ``clients`` client processes over 1, 2 and 3 replicas, one row each."""
     rows = []
     ctx = mp.get_context("spawn")
     for size in (1, 2, 3):
@@ -307,6 +312,7 @@ def plot(results: dict[str, Any]) -> list[Panel]:
 
 
 def main() -> int:
+    """Runs the chosen parts, prints the table and writes bench/results/cluster.json."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--steps", type=int, default=300, help="overhead: steps per round")

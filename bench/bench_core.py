@@ -352,6 +352,7 @@ class NaiveManager:
 
 
 def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
+    """The driver of one side (core, pool, naive) over a fresh manager for config ``kind``."""
     config = make_config(kind, args)
     hash_fn = get_hash_fn(args.hash_fn)
     sched, hbs = resolve_block_sizes(config, True)
@@ -373,6 +374,8 @@ def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
 
 def run_bench(side: str, kind: str, args: argparse.Namespace,
               profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Runs the workload on one side and config: the scheduler's decisions, the manager's time
+    and op rates, and per-op latencies."""
     rng = random.Random(args.seed)
     drv = make_side(side, kind, args)
     t_gen = time.perf_counter()
@@ -513,6 +516,7 @@ def run_bench(side: str, kind: str, args: argparse.Namespace,
 # --- vLLM through the oracle ----------------------------------------------------------------
 
 def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
+    """The vLLM oracle's command line for the same workload and config."""
     return ["--bench", "--json", "--scenario", kind, "--num-blocks", str(args.num_blocks),
             "--block-size", str(args.block_size), "--sliding-window", str(args.sliding_window),
             "--max-model-len", str(args.max_model_len), "--hash-fn", args.hash_fn,
@@ -526,6 +530,8 @@ def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
 
 
 def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
+    """The vLLM side, run by the oracle's interpreter (None when it is not installed or not
+    asked for)."""
     py = Path(args.oracle_python)
     if args.no_oracle or not py.exists():
         return None
@@ -598,12 +604,16 @@ def measure_construction(args: argparse.Namespace) -> list[dict[str, Any]]:
 # --- reporting ------------------------------------------------------------------------------
 
 def decisions(r: dict[str, Any]) -> tuple:
+    """What every side must agree on: steps, first-admission hits, allocation failures,
+    preemptions, finished requests."""
     res = r["results"]
     return (res["steps"], res["hit_tokens_first_admission"], res["alloc_failures"],
             res["preemptions"], res["finished"])
 
 
 def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary per config: each side's numbers against the core's, and whether their
+    decisions match."""
     summary = {}
     for kind in CONFIGS:
         by_side = {r["side"]: r for r in runs if r["config"] == kind}
@@ -706,6 +716,7 @@ def compare(runs: list[dict[str, Any]],
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the chosen configs and sides, prints the tables and writes the JSON results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of full,full_swa")
     p.add_argument("--sides", default="core,pool,naive,vllm",

@@ -87,6 +87,7 @@ def make_config(kind: str, args: argparse.Namespace) -> KVCacheConfig:
 # --- in-process sides -------------------------------------------------------------------------
 
 def core_side(kind: str, args: argparse.Namespace) -> ManagerSide:
+    """The core's KV cache manager for config ``kind``, events on, behind a ManagerSide."""
     config = make_config(kind, args)
     sched, hbs = resolve_block_sizes(config, True)
     mgr = KVCacheManager(config, max_model_len=args.max_model_len, scheduler_block_size=sched,
@@ -155,6 +156,7 @@ class PoolSide:
 
 
 def pool_side(kind: str, args: argparse.Namespace) -> PoolSide:
+    """A Pool for config ``kind`` (the gRPC servicer's facade), events on."""
     return PoolSide(Pool(make_config(kind, args), PoolOptions(
         max_model_len=args.max_model_len, hash_algo="sha256", enable_events=True)))
 
@@ -162,6 +164,7 @@ def pool_side(kind: str, args: argparse.Namespace) -> PoolSide:
 # --- the live server --------------------------------------------------------------------------
 
 def server_layers(kind: str, args: argparse.Namespace) -> list[Any]:
+    """The LayerSpecs of config ``kind`` for the live server (one head of size 1)."""
     out = [layers.full_attention("layer0_full", block_size=args.block_size, num_kv_heads=1,
                                  head_size=1)]
     if kind == "full_swa":
@@ -340,6 +343,8 @@ def run_server(kind: str, args: argparse.Namespace, reqs: list[TraceRequest],
 # --- vLLM through the oracle venv -------------------------------------------------------------
 
 def run_vllm(kind: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    """vLLM's side of the replay, run by the oracle's interpreter; ``not installed`` when it is
+    missing."""
     py = Path(args.oracle_python)
     if not py.exists():
         return "not installed"
@@ -379,6 +384,8 @@ def finish(run: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Replays the trace on each side and config, prints the tables and writes the JSON
+    results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, required=True, help="a Mooncake trace (.jsonl)")
     p.add_argument("--max-requests", type=int, default=None,
@@ -499,6 +506,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def report(configs: list[str], sides: list[str], runs: dict[str, dict[str, Any]],
            vllm_status: dict[str, str]) -> dict[str, Any]:
+    """The summary per config: hit rates and times of each side, and whether they match vLLM's."""
     summary: dict[str, Any] = {}
     for kind in configs:
         core = runs.get(f"{kind}/core")

@@ -93,6 +93,8 @@ ENGINES = (("ours", OurLog), ("sqlite-wal", SqliteLog))
 
 
 def bench(root: Path, records: list[bytes], rounds: int) -> dict:
+    """Append latencies of our log and SQLite per fsync policy, interleaved in rounds, and the
+    time to read each back."""
     out: dict[str, dict] = {}
     per_round = max(1, len(records) // rounds)
     for policy in POLICIES:
@@ -118,6 +120,7 @@ def bench(root: Path, records: list[bytes], rounds: int) -> dict:
 
 
 def main() -> int:
+    """Writes the same records to each engine, prints the table and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=600, help="records per engine "
                         "and policy")

@@ -52,6 +52,8 @@ class TraceRequest:
     first_admission: bool = True
 
     def tokens(self) -> list[int]:
+        """The prompt's tokens: each hash id stands for a block of distinct tokens, cut at
+        ``input_length``."""
         out: list[int] = []
         for h in self.hash_ids:
             base = h * TRACE_BLOCK
@@ -84,6 +86,7 @@ def load_trace(path: Path, max_requests: int | None = None) -> list[TraceRequest
 
 
 def max_model_len(reqs: list[TraceRequest], block_size: int) -> int:
+    """The longest request (input and output) rounded up to whole blocks."""
     longest = max(r.input_length + r.output_length for r in reqs)
     return -(-longest // block_size) * block_size
 
@@ -317,6 +320,7 @@ def _vllm_side(args: argparse.Namespace, reqs: list[TraceRequest]) -> ManagerSid
 
 
 def main(argv: list[str] | None = None) -> int:
+    """vLLM's side of the replay (run by the oracle's interpreter): prints its result as JSON."""
     p = argparse.ArgumentParser(description="vLLM side of bench/bench_mooncake.py "
                                             "(run with the vLLM oracle venv's python)")
     p.add_argument("--vllm", action="store_true", required=True)
