@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import hashlib
 import os
-import re
 import sys
 import time
 import urllib.request
@@ -48,6 +47,7 @@ from typing import Any
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from _common import percentile, print_table, ratio, write_results
 from cache_service.client import StepResult, step_result
@@ -69,10 +69,9 @@ def scrape(metrics_port: int) -> dict[str, float]:
     """The executor's own label-less series (``kvcache_executor_*``; counters without
     ``_total``) by name."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {}
-    for m in re.finditer(r"^(kvcache_executor_\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    return {s.name.removesuffix("_total"): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("kvcache_executor_") and not s.labels}
 
 
 def cache_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

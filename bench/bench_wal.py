@@ -56,12 +56,15 @@ class OurLog:
         self.log = WriteAheadLog(directory, 1, fsync=policy)
 
     def append(self, payload: bytes) -> None:
+        """Appends one record (durable as the fsync policy says)."""
         self.log.append(payload)
 
     def close(self) -> None:
+        """Closes the log."""
         self.log.close()
 
     def read_all(self) -> int:
+        """Scans the log from disk; answers how many records it holds."""
         return len(scan(self.directory, repair=False).records)
 
 
@@ -76,15 +79,18 @@ class SqliteLog:
         self.next = 1
 
     def append(self, payload: bytes) -> None:
+        """Inserts one record in its own transaction (durable as the synchronous mode says)."""
         self.db.execute("BEGIN")
         self.db.execute("INSERT INTO log VALUES (?, ?)", (self.next, payload))
         self.db.execute("COMMIT")
         self.next += 1
 
     def close(self) -> None:
+        """Closes the database."""
         self.db.close()
 
     def read_all(self) -> int:
+        """Reads every record back in order; answers how many there are."""
         with sqlite3.connect(self.path) as db:
             return len(db.execute("SELECT idx, payload FROM log ORDER BY idx").fetchall())
 
