@@ -21,7 +21,7 @@ def values(text: str, name: str, **labels: str) -> list[float]:
             if s.name == name and labels.items() <= s.labels.items()]
 
 
-def value(text: str, name: str, default: float | None = None, **labels: str) -> float:
+def value(text: str, name: str, *, default: float | None = None, **labels: str) -> float:
     """The one sample ``name`` with ``labels`` (see :func:`values`); ``default`` when there
     is none (None: the sample must be there)."""
     found = values(text, name, **labels)

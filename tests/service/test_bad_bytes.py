@@ -33,8 +33,8 @@ def trailer(err: grpc.RpcError, key: str) -> str | None:
 
 def undecodable_count(server: ServerProcess, method: str) -> float:
     """Messages of ``method`` the server could not decode (0 before the first)."""
-    return value(scrape(server.metrics_port), "kvcache_undecodable_messages_total", 0.0,
-                 grpc_method=method, grpc_service="kvcache.v1.CacheService")
+    return value(scrape(server.metrics_port), "kvcache_undecodable_messages_total",
+                 default=0.0, grpc_method=method, grpc_service="kvcache.v1.CacheService")
 
 
 @pytest.mark.parametrize("method", UNARY)
