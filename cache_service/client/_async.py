@@ -149,10 +149,10 @@ class AsyncCacheClient(ClientBase):
             method, r, deadline.left(), pin=a, resend=bool(r.session_id)), request, timeout)
 
     async def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
-                      timeout: float | None = None, **kwargs: Any) -> PoolInfo:
+                            timeout: float | None = None, **kwargs: Any) -> PoolInfo:
         """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
         resp = await self._mutate("RegisterPool",
-                            register_request(pool_id, layer_specs, **kwargs), timeout)
+                                  register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
     async def get_pool(self, pool_id: str, *, timeout: float | None = None) -> PoolInfo:
@@ -176,7 +176,7 @@ class AsyncCacheClient(ClientBase):
         return resp.num_requests_dropped
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
-             timeout: float | None = None) -> StepResult:
+                   timeout: float | None = None) -> StepResult:
         """Apply a batch of ops in order (all or nothing on invalid input)."""
         resp = await self._mutate("Step", pb.StepRequest(
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
@@ -187,12 +187,12 @@ class AsyncCacheClient(ClientBase):
         return step_result(await self._mutate("Step", batch.request, timeout))
 
     async def step_raw(self, request: pb.StepRequest, *,
-                 timeout: float | None = None) -> pb.StepResponse:
+                       timeout: float | None = None) -> pb.StepResponse:
         """Step with protocol messages (no conversion), for hot loops."""
         return await self._mutate("Step", request, timeout)
 
     async def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
-               begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
+                     begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
         resp = await self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
@@ -206,20 +206,20 @@ class AsyncCacheClient(ClientBase):
         return AsyncStepStream(self, step_timeout or self.default_timeout, on_retry)
 
     async def peek_prefix(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
-                    block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
-                    lora_name: str | None = None,
-                    timeout: float | None = None,
-                    lora_path: str | None = None) -> dict[str, int]:
+                          block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+                          lora_name: str | None = None,
+                          timeout: float | None = None,
+                          lora_path: str | None = None) -> dict[str, int]:
         """Cached prefix length in tokens per pool (read-only)."""
         resp = await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
 
     async def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
-                     block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
-                     lora_name: str | None = None, lora_path: str | None = None,
-                     explain: bool = False,
-                     timeout: float | None = None) -> pb.PeekPrefixResponse:
+                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
+                           lora_name: str | None = None, lora_path: str | None = None,
+                           explain: bool = False,
+                           timeout: float | None = None) -> pb.PeekPrefixResponse:
         """:meth:`peek_prefix` with every pool's per-group reach (and, with ``explain``,
         miss reasons): the whole PeekPrefixResponse."""
         return await self._call("PeekPrefix", peek_request(
@@ -227,14 +227,14 @@ class AsyncCacheClient(ClientBase):
             timeout)
 
     async def prefix_snapshot(self, pool_id: str, *,
-                        timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
+                              timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
         """The pool's cached block hashes per group and the event sequence they match:
         resume :meth:`subscribe_events` at ``sequence + 1``."""
         return await self._call("GetPrefixSnapshot",
-                          pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
+                                pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
 
     async def get_request(self, pool_id: str, request_id: str, *,
-                    timeout: float | None = None) -> RequestState:
+                          timeout: float | None = None) -> RequestState:
         """One request's tokens, block table and state (NOT_FOUND if unknown)."""
         resp = await self._call("GetRequest", pb.GetRequestRequest(
             pool_id=pool_id, request_id=request_id), timeout)
@@ -249,7 +249,7 @@ class AsyncCacheClient(ClientBase):
         """Drops every cached block of the pool; False (nothing changed) while any
         block is in use by a request."""
         resp = await self._mutate("ResetPrefixCache",
-                            pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
+                                  pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
         return resp.reset
 
     async def subscribe_events(self, pool_id: str, from_sequence: int | None = None,

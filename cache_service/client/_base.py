@@ -57,7 +57,7 @@ class ClientBase:
 
         #: Replicas and learned pool owners (cluster mode: several, comma-separated).
         self._routes = Routes(target, open_stub)
-        self._stub = self._routes.stub(self._routes.seeds[0])
+        self._routes.stub(self._routes.seeds[0])  # the first seed's channel connects now
         self._metadata = auth_metadata(token)
         self.default_timeout = default_timeout
         #: The first attempt's deadline of a call that is safe to resend (doubled on each
