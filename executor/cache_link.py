@@ -144,12 +144,15 @@ class CacheLink:
         under the next number, applied on top of it.
 
         The one place a Step is resent at two nested levels, on purpose: inside
-        :meth:`_send`, the client's stream resends the step after a lost stream or a
-        missed step deadline, at most ``max_retries`` times (fast: a dropped connection, a
-        hung replica; counted in :attr:`stream_retries`); this loop resends it again once
-        those are spent, for as long as a restarting service takes (``in_doubt_retry_s``,
-        longer than any retry count gRPC or the stream allows). Both resend the same
-        stamp, so the service applies the Step once whichever level's resend it answers.
+        :meth:`_send`, the client resends the step itself (the stream after a lost stream
+        or a missed step deadline, at most ``max_retries`` times, counted in
+        :attr:`stream_retries`; a unary Step until its ``timeout_s``): fast, for a dropped
+        connection or a hung replica. This loop resends it again once those are spent, for
+        as long as a restarting service takes (``in_doubt_retry_s``, past the client's
+        bounds), and after the in-doubt codes the client does not resend (CANCELLED,
+        UNKNOWN, INTERNAL). Both resend the same stamp (the session keeps an in-doubt
+        number for the next call), so the service applies the Step once whichever resend
+        it answers.
         """
         attempt = 0
         while True:
