@@ -149,8 +149,8 @@ class CacheLink:
         :attr:`stream_retries`; a unary Step until its ``timeout_s``): fast, for a dropped
         connection or a hung replica. This loop resends it again once those are spent, for
         as long as a restarting service takes (``in_doubt_retry_s``, past the client's
-        bounds), and after the in-doubt codes the client does not resend (CANCELLED,
-        UNKNOWN, INTERNAL). Both resend the same stamp (the session keeps an in-doubt
+        bounds), and after the in-doubt codes the client gives up on at once (UNKNOWN,
+        INTERNAL; CANCELLED on a stream). Both resend the same stamp (the session keeps an in-doubt
         number for the next call), so the service applies the Step once whichever resend
         it answers.
         """
