@@ -26,18 +26,6 @@ RESENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 OnRetry = Callable[[str, int], object]
 
 
-def resend_delay(err: CacheError, attempt: int, max_retries: int, backoff: Backoff,
-                 on_retry: OnRetry | None) -> float:
-    """Seconds to wait before resending after ``err`` on resend number ``attempt`` (0 =
-    the first); raises ``err`` when the step is not to be resent. Tells ``on_retry(reason,
-    attempt + 1)`` first."""
-    if err.code not in RESENT or attempt >= max_retries:
-        raise err
-    if on_retry is not None:
-        on_retry(err.code.name.lower(), attempt + 1)
-    return backoff.delay(attempt) if err.code == grpc.StatusCode.UNAVAILABLE else 0.0
-
-
 class NoAnswer(enum.Enum):
     """Why a stream step got no answer, other than a status."""
 
@@ -65,7 +53,8 @@ class StepResends:
         no answer) and its stream was dropped: seconds to wait before resending the step
         on a new stream. Raises :class:`Moved` when the step must go to another replica
         (restamped for its session), or the step's :class:`CacheError` when it is not to
-        be resent (an error status, or the resends are spent)."""
+        be resent (an error status, or the resends are spent); tells ``on_retry(reason,
+        resend number)`` before each resend."""
         if isinstance(outcome, NoAnswer):
             err = (CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"no StepStream answer within {self.step_timeout} s")
@@ -78,6 +67,11 @@ class StepResends:
                                 outcome.trailing_metadata())
                 if moved is not None:
                     raise Moved(err, moved)
-        delay = resend_delay(err, self.attempt, self.max_retries, self.backoff, self.on_retry)
+        if err.code not in RESENT or self.attempt >= self.max_retries:
+            raise err
         self.attempt += 1
-        return delay
+        if self.on_retry is not None:
+            self.on_retry(err.code.name.lower(), self.attempt)
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return 0.0  # the wait already passed
+        return self.backoff.delay(self.attempt - 1)
