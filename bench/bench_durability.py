@@ -160,6 +160,7 @@ def bench_restart(directory: Path, state_info: dict) -> dict:
 
 
 def main() -> int:
+    """Measures Steps per durability mode, interleaved in rounds, and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests-per-step", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="measured Steps per mode")

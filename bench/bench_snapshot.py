@@ -160,6 +160,8 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
 
 
 def bench_pauses(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Step latency while each kind of snapshot runs (the compaction process first, then the
+    others as long as it took), with their durations and memory."""
     settings = parse_settings(["--event-buffer", "10000"])
     t0 = time.perf_counter()
     data_dir, state = open_data_dir(directory, new_state=lambda i: new_state(settings, i),
@@ -222,6 +224,8 @@ def bench_restart(directory: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    """Builds the state, measures the pauses and the restarts, prints the table and writes the
+    JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=10_000, help="live requests")

@@ -91,6 +91,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The compaction process's entry point: writes ``snapshot-<through>`` from snapshot
+    ``--base`` and the records after it (dying with the server that started it); answers 1
+    on a failure it names."""
     parser = argparse.ArgumentParser(prog="python -m cache_service.compact",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)

@@ -43,9 +43,12 @@ class ServerReplayer:
         self.auto_step = True  # until the trace's first "step", every allocate begins one
 
     def step(self, op, *, begin_step: bool = False):
+        """Sends ``op`` as a one-op Step on the pool; answers its typed result."""
         return self.client.step(self.pool, [op], begin_step=begin_step).results[0]
 
     def apply(self, op: Any) -> dict[str, Any]:
+        """One trace operation as RPCs; answers its outcome rendered as the replay tool renders
+        it (an ``error`` key for a refused one)."""
         if not isinstance(op, dict):
             return {"op": None, "error": "not an object"}
         out: dict[str, Any] = {"op": op.get("op")}
@@ -176,6 +179,9 @@ def bundled() -> list[tuple[str, Path, Path, Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Replays each trace against the server at ``--target`` and compares the answers with the
+    replay tool's (or the expected file's); answers 0 when every trace conforms, 1 when one
+    differs, 2 when the inputs or the server fail."""
     p = argparse.ArgumentParser(prog=PROG,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HOST:PORT of the server")

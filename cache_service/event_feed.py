@@ -62,6 +62,8 @@ class EventFeed(Generic[E]):
 
     @property
     def closed(self) -> bool:
+        """Whether the feed was closed (its pool deleted, or the server stopping): every
+        subscription has ended."""
         return self._closed
 
     def publish(self, events: list[E]) -> None:

@@ -73,6 +73,7 @@ class PoolEntry:
 
     @property
     def config(self) -> KVCacheConfig:
+        """The pool's KV cache configuration."""
         return self.pool.config
 
     def flush_events(self) -> None:

@@ -76,6 +76,7 @@ class SnapshotMissing(SnapshotCorruption):
 
 
 def snapshot_name(last_index: int) -> str:
+    """``snapshot-<last_index, 20 digits>.snap``: names sort in index order."""
     return f"{_PREFIX}{last_index:020d}{_SUFFIX}"
 
 
@@ -263,6 +264,8 @@ class Snapshotter:
         self._done.set()
 
     def due(self) -> bool:
+        """Whether a snapshot should start now: none running, ``every`` records logged since
+        the last one, and past the retry point of a failed one."""
         return not self.running and self.wal.last_index >= max(
             self.last_index + self.every, self._retry_at)
 

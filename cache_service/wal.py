@@ -83,6 +83,7 @@ class WalCorruption(DataDirError):
 
 
 def segment_name(first_index: int) -> str:
+    """``wal-<first_index, 20 digits>.log``: names sort in index order."""
     return f"{_PREFIX}{first_index:020d}{_SUFFIX}"
 
 
@@ -345,6 +346,7 @@ class WriteAheadLog:
 
     @property
     def last_index(self) -> int:
+        """The index of the last record in the log: one before the next append's."""
         return self.next_index - 1
 
     @property
@@ -487,6 +489,8 @@ class WriteAheadLog:
                         return  # broken: appends now refuse, and say why
 
     def close(self) -> None:
+        """Finishes a rotation in progress, stops the sync thread, syncs what was appended
+        (unless ``fsync`` is never or the log is broken) and closes the file."""
         self.finish_rotation()
         self._closed.set()
         if self._thread is not None:

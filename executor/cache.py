@@ -164,5 +164,7 @@ class CacheTensors:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of cache memory: ``num_slots * num_blocks * page_size_bytes`` (the slots
+        are byte tensors)."""
         return sum(s.numel() for s in self.slots)
 

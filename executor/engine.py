@@ -93,6 +93,7 @@ class EngineRequest:
 
     @property
     def tokens(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
         return self.prompt + self.outputs
 
 
@@ -153,20 +154,28 @@ class Engine:
 
     # ------------------------------------------------------------------ public, thread-safe
     def submit(self, req: EngineRequest) -> None:
+        """Queues a validated request (raises InvalidArgument naming the field otherwise);
+        thread-safe."""
         self.validate(req)
         self.inbox.put(("add", req))
 
     def abort(self, request_id: str) -> None:
+        """Asks the engine loop to drop ``request_id`` (a no-op for an unknown one);
+        thread-safe."""
         self.inbox.put(("abort", request_id))
 
     def stop(self) -> None:
+        """Asks the engine loop to stop after the current step; thread-safe."""
         self._stop.set()
         self.inbox.put(("wake", None))
 
     def new_request_id(self) -> str:
+        """A request id unique in this process."""
         return f"req-{next(self._ids)}-{time.monotonic_ns()}"
 
     def validate(self, req: EngineRequest) -> None:
+        """Raises InvalidArgument naming the field of the first thing wrong with ``req`` (empty
+        prompt, token out of vocabulary, bad max_tokens, too long, sampling)."""
         if not req.prompt:
             raise InvalidArgument("at least one token is required", field="prompt_token_ids")
         bad = next((i for i, t in enumerate(req.prompt) if not 0 <= t < self.vocab_size), None)
@@ -182,6 +191,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """Whether the scheduler has work, or a forward pass is in flight."""
         return self.scheduler.has_work or self.inflight is not None
 
     def run(self) -> None:

@@ -29,6 +29,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` normalised over its last dim in fp32, weighted, in ``x``'s dtype."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
@@ -65,6 +66,7 @@ class GatedMLP(nn.Module):
         self.activation = cfg.mlp_activation
 
     def forward(self, x: Tensor) -> Tensor:
+        """down(act(gate(x)) * up(x))."""
         g = self.gate_proj(x)
         g = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
         return self.down_proj(g * self.up_proj(x))
@@ -100,6 +102,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, query_start_loc: Tensor, meta: AttentionMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """Attention of the packed tokens ``x`` [T, hidden] over their cached KV (written first
+        at the slots ``meta`` names); returns [T, hidden]."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -147,6 +151,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: Tensor, query_start_loc: Tensor, is_decode: bool, meta: MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """The Mamba-2 mixer over the packed tokens ``x`` [T, hidden]: reads and updates the
+        conv and SSM states at the slots ``meta`` names; returns [T, hidden]."""
         cfg = self.cfg
         h, p, g, n = cfg.mamba2_heads, cfg.mamba2_head_dim, cfg.mamba2_groups, cfg.mamba2_d_state
         d_ssm = cfg.mamba2_d_ssm
@@ -207,6 +213,8 @@ class Mamba1Mixer(nn.Module):
 
     def forward(self, x: Tensor, query_start_loc: Tensor, is_decode: bool, meta: MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """The Mamba-1 mixer over the packed tokens ``x`` [T, hidden]: reads and updates the
+        conv and SSM states at the slots ``meta`` names; returns [T, hidden]."""
         cfg = self.cfg
         n, r = cfg.mamba1_d_state, cfg.mamba1_dt_rank
         conv_states, ssm_states = cache

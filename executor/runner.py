@@ -24,6 +24,7 @@ class ModelRunner:
 
     @property
     def layout(self) -> list[GroupLayout]:
+        """The cache's layout, one entry per pool group."""
         return self.cache.layout
 
     def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:

@@ -20,6 +20,9 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def full_attention(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                        dtype: str = "bfloat16", head_size_v: int = 0) -> pb.LayerSpec:
+        """A full-attention layer: every token's KV stays for the whole request.
+        ``head_size_v`` (0: as ``head_size``) for MLA-style layers with a different value
+        head size."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_FULL_ATTENTION,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype, head_size_v=head_size_v)
@@ -27,6 +30,8 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def sliding_window(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                        sliding_window: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A sliding-window attention layer: only the last ``sliding_window`` tokens' blocks
+        are needed, older ones are freed."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_SLIDING_WINDOW,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype, sliding_window=sliding_window)
@@ -34,6 +39,8 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def chunked_local(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                       attention_chunk_size: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A chunked local attention layer: a token sees only its own chunk of
+        ``attention_chunk_size`` tokens."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype,
@@ -43,6 +50,9 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     def mamba(name: str, *, block_size: int, shapes: Sequence[Sequence[int]],
               dtypes: Sequence[str], mamba_cache_mode: str = "none",
               mamba_type: str = "mamba2") -> pb.LayerSpec:
+        """A Mamba layer: one state block per request (``shapes`` and ``dtypes`` one per state
+        tensor); ``mamba_cache_mode`` "align" keeps prefix-cacheable checkpoints at block
+        boundaries, "none" keeps none."""
         return pb.LayerSpec(
             name=name, kind=pb.LAYER_KIND_MAMBA, block_size=block_size,
             mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
@@ -76,6 +86,8 @@ class StepBuilder:
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
             hash_recipe: pb.HashRecipe | None = None) -> StepBuilder:
+        """Appends an add op (a new request and its prompt; ``block_hashes`` when the client
+        hashed it itself); returns the builder, for chaining."""
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -92,6 +104,8 @@ class StepBuilder:
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
+        """Appends a lookup op (the request's cached prefix; ``explain``: why each group's hit
+        ends where it does)."""
         op = self._add().lookup
         op.request_id = request_id
         if explain:
@@ -103,6 +117,9 @@ class StepBuilder:
                  delay_cache_blocks: bool = False, block_table: bool = True,
                  append_token_ids: Sequence[int] = (),
                  num_placeholder_tokens: int = 0) -> StepBuilder:
+        """Appends an allocate op: room for ``num_new_tokens`` more computed tokens (and
+        ``num_lookahead_tokens`` speculative ones), using the lookup's hit unless
+        ``use_lookup`` is False; ``block_table=False`` answers no table."""
         m = self._add().allocate
         m.request_id = request_id
         m.num_new_tokens = num_new_tokens
@@ -123,20 +140,27 @@ class StepBuilder:
         return self
 
     def append(self, request_id: str, token_ids: Sequence[int]) -> StepBuilder:
+        """Appends an append op: decoded output tokens of the request (its block hashes grow;
+        no block is allocated)."""
         m = self._add().append_tokens
         m.request_id = request_id
         m.token_ids.extend(token_ids)
         return self
 
     def free(self, request_id: str) -> StepBuilder:
+        """Appends a free op: the request ends, its blocks go back (cached ones stay reusable)."""
         self._add().free.request_id = request_id
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:
+        """Appends a preempt op: the request's blocks are freed but the request stays (computed
+        tokens back to 0), to be looked up and allocated again."""
         self._add().preempt.request_id = request_id
         return self
 
     def new_step(self) -> StepBuilder:
+        """Appends a new-step op: a new scheduler step starts here (once a pool has seen one,
+        steps are explicit; before that, every allocate starts one)."""
         self._add().new_step.SetInParent()
         return self
 
@@ -286,6 +310,8 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
                   block_hashes: Sequence[bytes], cache_salt: str | None,
                   lora_name: str | None, lora_path: str | None,
                   explain: bool = False) -> pb.PeekPrefixRequest:
+    """The PeekPrefixRequest of :meth:`~AsyncCacheClient.peek_prefix` (None and "" are the
+    same: not set)."""
     return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
                                 block_hashes=block_hashes, cache_salt=cache_salt or "",
                                 lora_name=lora_name or "", lora_path=lora_path or "",
@@ -294,6 +320,7 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
 
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
                    begin_step: bool) -> pb.StepRequest:
+    """A StepRequest of one decode op: one token for each of ``request_ids``."""
     return StepBuilder(pool_id, begin_step=begin_step).decode(request_ids, token_ids).request
 
 

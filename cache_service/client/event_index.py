@@ -46,6 +46,8 @@ class EventIndex:
 
     # -- the feed ------------------------------------------------------------------------
     def apply(self, event: pb.KVEvent) -> None:
+        """Applies one KV event of the pool (stored, removed, all cleared) to the mirrored
+        counts."""
         kind = event.WhichOneof("event")
         if kind == "block_stored":
             self.counts[event.block_stored.group_idx].update(event.block_stored.block_hashes)
@@ -60,6 +62,7 @@ class EventIndex:
                 counts.clear()
 
     def num_cached_keys(self) -> int:
+        """Distinct (group, block hash) keys cached now, over all groups."""
         return sum(len(c) for c in self.counts)
 
     # -- hits ----------------------------------------------------------------------------

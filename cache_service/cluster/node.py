@@ -41,6 +41,8 @@ FORWARDED_KEY = "x-kvcache-forwarded"
 
 
 def advertised_address(settings: Settings, port: int) -> str:
+    """The address other replicas and clients reach this one at: ``--advertise-address``, else
+    the host (the machine's name for a wildcard bind) and ``port``."""
     if settings.advertise_address:
         return settings.advertise_address
     host = settings.host
