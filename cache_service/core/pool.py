@@ -38,7 +38,7 @@ from cache_service.core.batch import (
     check_int,
     check_tokens,
 )
-from cache_service.core.errors import InvalidArgument, UnknownRequest
+from cache_service.core.errors import FailedPrecondition, InvalidArgument, NotFound, UnknownRequest
 from cache_service.core.events import KVEvent
 from cache_service.core.hashing import (
     DeclaredRecipe,
@@ -62,6 +62,7 @@ from cache_service.core.ops import (
     OpOutcome,
     Preempt,
 )
+from cache_service.core.pins import PinInfo, PinTable, default_cap
 from cache_service.core.quota import BlockQuota
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.residency import (
@@ -114,6 +115,10 @@ class PoolOptions:
     prefix_cache_retention_interval: int | None = None
     #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE).
     enable_mamba_shared_prefix_checkpoint: bool = False
+    #: Prefix pins (:mod:`pins`): the most blocks all pins may hold (None = the usable
+    #: blocks less one ``max_model_len`` request's worst case) and one account's pins.
+    max_pinned_blocks: int | None = None
+    pinned_block_quota: int | None = None
 
 
 @dataclass(slots=True)
@@ -209,6 +214,8 @@ class PreparedBatch:
         apply = pool._apply
         outcomes = [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
         pool._manager.release_copied_blocks()
+        if pool._pins is not None:
+            pool._pins_after_batch()
         return outcomes
 
     def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
@@ -234,6 +241,8 @@ class PreparedBatch:
                 spent = 0
                 yield
         pool._manager.release_copied_blocks()
+        if pool._pins is not None:
+            pool._pins_after_batch()
         return outcomes
 
 
@@ -279,6 +288,10 @@ class Pool:
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
+        if options.max_pinned_blocks is not None:
+            check_int(options.max_pinned_blocks, "max_pinned_blocks", minimum=0)
+        if options.pinned_block_quota is not None:
+            check_int(options.pinned_block_quota, "pinned_block_quota", minimum=1)
         self._quota = (BlockQuota(options.account_block_quota)
                        if options.account_block_quota is not None else None)
         self._table_ids = self._manager.coordinator.get_block_ids
@@ -292,6 +305,8 @@ class Pool:
         self._log = PrefixLog(len(config.groups))
         if options.enable_caching:
             self._manager.pool.observer = self._log
+        # Made on the first pin: a pool without pins pays one None check per batch.
+        self._pins: PinTable | None = None
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -396,6 +411,8 @@ class Pool:
         """One op as a batch of one, errors naming fields relative to the op."""
         outcome = self._apply(op, self._checker().check(op))
         self._manager.release_copied_blocks()
+        if self._pins is not None:
+            self._pins_after_batch()
         return outcome
 
     def _checker(self) -> BatchCheck:
@@ -455,6 +472,8 @@ class Pool:
         if isinstance(op, Free):
             req = self._requests.pop(op.request_id)
             self._epoch += 1
+            if self._pins is not None:
+                self._pins_after_batch()  # growing pins take their blocks first
             self._manager.free(req)
             if self._quota is not None:
                 self._quota.leave(op.request_id)
@@ -463,6 +482,8 @@ class Pool:
         if isinstance(op, Preempt):
             req = self._requests[op.request_id]
             self._epoch += 1
+            if self._pins is not None:
+                self._pins_after_batch()
             self._manager.free(req)
             if self._quota is not None:
                 self._quota.update(op.request_id, 0)
@@ -705,6 +726,8 @@ class Pool:
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
+        if self._pins is not None:
+            self._pins_after_batch()
 
     # -- router / stats -----------------------------------------------------------------------
     def peek_prefix(self, token_ids: Sequence[int] | None = None, *,
@@ -901,6 +924,95 @@ class Pool:
                                       f"[0, {self._config.num_blocks})", field=f"block_ids[{i}]")
         self._epoch += 1
         self._manager.evict_blocks(ids)
+        if self._pins is not None:
+            self._pins.refresh(force=True)  # pins re-resolve what is still hittable
+
+    # -- pins (core/pins.py) ----------------------------------------------------------------------
+    def _pin_table(self) -> PinTable:
+        pins = self._pins
+        if pins is None:
+            opts = self._options
+            cap = opts.max_pinned_blocks
+            if cap is None:
+                cap = default_cap(self._config, opts.max_model_len, opts.max_in_flight_tokens)
+            pins = self._pins = PinTable(self._manager.pool, self._manager.coordinator,
+                                         cap=cap, account_quota=opts.pinned_block_quota,
+                                         hash_block_size=self._hbs)
+        return pins
+
+    def _pins_after_batch(self) -> None:
+        pins = self._pins
+        if pins is not None and pins.any_growing:
+            pins.refresh()
+
+    def check_pin(self, pin_id: str, token_ids: Sequence[int] | None = None, *,
+                  block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                  lora_name: str | None = None, lora_path: str | None = None,
+                  account: str = "") -> Any:
+        """The checked pin :meth:`add_pin` takes; raises (changing nothing) if the input
+        is bad or a bound refuses it."""
+        if self._hash_fn is None:
+            raise FailedPrecondition("prefix caching is off in this pool: nothing to pin",
+                                     field="pool_id")
+        if type(account) is not str:
+            raise InvalidArgument("account must be a string", field="account")
+        hashes, max_len, _ = run_to_end(self.peek_input_in_slices(
+            token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path)))
+        assert hashes is not None
+        return self._pin_table().check_new(pin_id, account, hashes, max_len)
+
+    def add_pin(self, checked: Any) -> PinInfo:
+        """Takes a pin :meth:`check_pin` answered (nothing may change the pool between)."""
+        pins = self._pin_table()
+        pins.add(checked)
+        return pins.info(checked)
+
+    def pin_prefix(self, pin_id: str, token_ids: Sequence[int] | None = None, *,
+                   block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                   lora_name: str | None = None, lora_path: str | None = None,
+                   account: str = "") -> PinInfo:
+        """Pins the prefix (see :mod:`pins`): its cached blocks a hit needs are held out
+        of eviction until :meth:`drop_pin`; what is not cached yet is held once cached."""
+        return self.add_pin(self.check_pin(pin_id, token_ids, block_hashes=block_hashes,
+                                           cache_salt=cache_salt, lora_name=lora_name,
+                                           lora_path=lora_path, account=account))
+
+    def pin_info(self, pin_id: str) -> PinInfo:
+        """The pin (NotFound naming ``pin_id`` if there is none)."""
+        if self._pins is None:
+            raise NotFound(f"unknown pin {pin_id!r:.80}", field="pin_id")
+        return self._pins.info(self._pins.get(pin_id))
+
+    def drop_pin(self, pin_id: str) -> PinInfo:
+        """Releases a pin's blocks (tail first; those nothing else holds re-enter the free
+        queue at its back) and forgets it; answers the pin as it was."""
+        info = self.pin_info(pin_id)
+        assert self._pins is not None
+        self._epoch += 1
+        self._pins.drop(pin_id)
+        return info
+
+    def pins(self) -> list[PinInfo]:
+        """Every pin of the pool, oldest first."""
+        pins = self._pins
+        return [pins.info(p) for p in pins.pins.values()] if pins is not None else []
+
+    def pinned_blocks_by_account(self) -> dict[str, int]:
+        """Account -> pinned blocks charged to it (see :mod:`pins`)."""
+        return dict(self._pins.charged) if self._pins is not None else {}
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins."""
+        return self._pins.num_pinned_blocks if self._pins is not None else 0
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        opts = self._options
+        if opts.max_pinned_blocks is not None:
+            return opts.max_pinned_blocks
+        return self._pins.cap if self._pins is not None else default_cap(
+            self._config, opts.max_model_len, opts.max_in_flight_tokens)
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -939,12 +1051,15 @@ class Pool:
         for block in pool.blocks.values():
             if block.is_null:
                 continue
-            assert block.ref_cnt == refs.get(block.block_id, 0), \
+            pinned = self._pins.refs.get(block.block_id, 0) if self._pins is not None else 0
+            assert block.ref_cnt == refs.get(block.block_id, 0) + pinned, \
                 (f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-                 f"{refs.get(block.block_id, 0)} tables holding it")
+                 f"{refs.get(block.block_id, 0)} tables + {pinned} pins holding it")
             used += block.ref_cnt > 0
         assert pool.get_num_free_blocks() + used == pool.num_blocks - 1, \
             (f"free {pool.get_num_free_blocks()} + used {used} != "
              f"num_blocks - 1 = {pool.num_blocks - 1}")
-        if not self._requests:
+        if not self._requests and (self._pins is None or not self._pins.pins):
             assert used == 0, f"{used} blocks still referenced with no request registered"
+        if self._pins is not None:
+            self._pins.check_invariants()
