@@ -375,6 +375,8 @@ class BatchCheck:
             self.blocks_moved = True
             return None
         if kind is Free:
+            if type(op.evict_first) is not bool:
+                raise InvalidArgument("evict_first must be a boolean", field="evict_first")
             self._require(op.request_id)[:] = [False, 0, False, 0, 0]
             self.blocks_moved = True
             return None

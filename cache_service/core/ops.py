@@ -74,10 +74,13 @@ class AppendTokens:
 
 @dataclass(slots=True)
 class Free:
-    """Free a request's blocks (they stay cached) and forget it."""
+    """Free a request's blocks (they stay cached) and forget it. ``evict_first`` (a
+    release hint): the blocks nothing else holds go to the front of the free queue, the
+    first to be evicted, instead of its back (:mod:`release_hints`)."""
 
     KIND: ClassVar[str] = "free"
     request_id: str
+    evict_first: bool = False
 
 
 @dataclass(slots=True)

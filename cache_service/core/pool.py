@@ -64,6 +64,7 @@ from cache_service.core.ops import (
 )
 from cache_service.core.pins import PinInfo, PinTable, default_cap
 from cache_service.core.quota import BlockQuota
+from cache_service.core.release_hints import evict_first
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.residency import (
     ExplainContext,
@@ -474,7 +475,11 @@ class Pool:
             self._epoch += 1
             if self._pins is not None:
                 self._pins_after_batch()  # growing pins take their blocks first
-            self._manager.free(req)
+            if op.evict_first:
+                with evict_first(self._manager.pool):
+                    self._manager.free(req)
+            else:
+                self._manager.free(req)
             if self._quota is not None:
                 self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
