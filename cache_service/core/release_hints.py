@@ -35,9 +35,10 @@ def _free_to_front(block_pool: BlockPool, ordered_blocks: Iterable[KVCacheBlock]
 @contextmanager
 def evict_first(block_pool: BlockPool) -> Generator[None, None, None]:
     """While inside, the pool's frees put released blocks at the queue's front."""
-    block_pool.free_blocks = (  # type: ignore[method-assign,assignment]
-        lambda blocks: _free_to_front(block_pool, blocks))
+    # An instance attribute shadows the method for this call only (the managers call
+    # ``pool.free_blocks`` afresh each time; none keeps the bound method).
+    vars(block_pool)["free_blocks"] = lambda blocks: _free_to_front(block_pool, blocks)
     try:
         yield
     finally:
-        del block_pool.free_blocks
+        del vars(block_pool)["free_blocks"]
