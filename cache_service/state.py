@@ -44,6 +44,7 @@ from cache_service.core.errors import (
     NotFound,
 )
 from cache_service.core.ops import Free
+from cache_service.pins import MAX_PIN_TTL_SECONDS, PinLease, PinRecords
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
 from cache_service.status import ResourceExhausted
@@ -102,6 +103,8 @@ class Session:
     last_response: Message | None = None
     requests: dict[tuple[str, str], None] = field(default_factory=dict)
     expiring: bool = False
+    #: A release hint: its requests are freed evict-first when it ends.
+    evict_first_on_end: bool = False
 
 
 @dataclass
@@ -146,6 +149,11 @@ class ServiceState:
             "expire_session": self._prepare_expire,
             "adopt_pool": self._prepare_adopt,
         }
+        #: Prefix pins' leases (cache_service.pins): pool id -> pin id -> lease.
+        self.pin_leases: dict[str, dict[str, PinLease]] = {}
+        self.max_pin_ttl_seconds = MAX_PIN_TTL_SECONDS
+        self.pins = PinRecords(self)
+        self._handlers.update(self.pins.handlers())
 
     def __getstate__(self) -> dict:
         """Everything but the durability hook (open files, threads): what a snapshot of
@@ -157,6 +165,15 @@ class ServiceState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.durability = Durability()
+        if "pins" not in state:  # a snapshot from before pins
+            self.pin_leases, self.max_pin_ttl_seconds = {}, MAX_PIN_TTL_SECONDS
+            self.pins = PinRecords(self)
+            self._handlers.update(self.pins.handlers())
+
+    @property
+    def record_tenant_name(self) -> str:
+        """The tenant of the record being applied."""
+        return self._tenant.name
 
     # -- the entry point -------------------------------------------------------------------
 
@@ -286,7 +303,12 @@ class ServiceState:
         """:meth:`pools_of` of ``WalRecord(<kind>=request)``."""
         if kind in ("close_session", "expire_session"):
             session = self.sessions.get(request.session_id)
-            return sorted({pool for pool, _ in session.requests}) if session else []
+            pools = {pool for pool, _ in session.requests} if session else set()
+            pools.update(p for p, pins in self.pin_leases.items()
+                         if any(lease.session_id == request.session_id for lease in pins.values()))
+            return sorted(pools)
+        if kind in ("pin_prefix", "renew_pin"):
+            return [request.request.pool_id]
         pool_id = getattr(request, "pool_id", None)
         return [pool_id] if pool_id else []
 
@@ -430,6 +452,7 @@ class ServiceState:
         def commit() -> pb.DeletePoolResponse:
             dropped = self.registry.delete(request.pool_id)
             self._tables.pop(request.pool_id, None)
+            self.pin_leases.pop(request.pool_id, None)
             for rid, sid in self._owners.pop(request.pool_id, {}).items():
                 self.sessions[sid].requests.pop((request.pool_id, rid), None)
             return pb.DeletePoolResponse(num_requests_dropped=dropped)
@@ -483,7 +506,8 @@ class ServiceState:
             session.requests = {key: None for key in session.requests if key[0] == pool_id}
             sessions.append(session)
         return dumps_state({"entry": entry, "tables": self._tables.get(pool_id),
-                            "owners": owners, "sessions": sessions})
+                            "owners": owners, "sessions": sessions,
+                            "pins": self.pin_leases.get(pool_id)})
 
     def _prepare_adopt(self, request: wal_pb2.AdoptPool
                        ) -> Callable[[], wal_pb2.AdoptPoolResult]:
@@ -507,6 +531,8 @@ class ServiceState:
                 self._tables[entry.pool_id] = data["tables"]
             if data["owners"]:
                 self._owners[entry.pool_id] = dict(data["owners"])
+            if data.get("pins"):
+                self.pin_leases[entry.pool_id] = dict(data["pins"])
             for adopted in sessions:
                 # A session already here came from the same dead replica (through another
                 # of its pools) and may have moved on since: its sequence state is newer.
@@ -534,7 +560,8 @@ class ServiceState:
                                                   lease_ttl_seconds=self.lease_ttl_seconds)
 
         def commit() -> pb.OpenSessionResponse:
-            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
+            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant,
+                                         evict_first_on_end=request.evict_first_on_end)
             self.counters.opened += 1
             return pb.OpenSessionResponse(session_id=sid,
                                           lease_ttl_seconds=self.lease_ttl_seconds)
@@ -545,7 +572,9 @@ class ServiceState:
         session = self.live_session(request.session_id, tenant=self._tenant.name)
 
         def commit() -> pb.CloseSessionResponse:
-            freed = self._free_owned(session, len(session.requests))
+            self.pins.session_ended(session.session_id)
+            freed = self._free_owned(session, len(session.requests),
+                                     evict_first=request.evict_first)
             del self.sessions[session.session_id]
             self.counters.closed += 1
             return pb.CloseSessionResponse(num_requests_freed=freed)
@@ -563,6 +592,7 @@ class ServiceState:
             if not session.expiring:
                 session.expiring = True
                 self.counters.expired += 1
+                self.pins.session_ended(session.session_id)
             freed = self._free_owned(session, request.max_requests)
             self.counters.requests_expired += freed
             left = len(session.requests)
@@ -572,7 +602,7 @@ class ServiceState:
                                                num_requests_left=left)
         return commit
 
-    def _free_owned(self, session: Session, limit: int) -> int:
+    def _free_owned(self, session: Session, limit: int, *, evict_first: bool = False) -> int:
         """Frees up to ``limit`` of the session's requests, oldest first, each exactly as
         a FreeOp would (one batch per pool; events flushed). Ownership is exact (adds
         and frees are tracked, deleted pools drop theirs), so every batch is valid."""
@@ -582,7 +612,8 @@ class ServiceState:
             by_pool.setdefault(pool_id, []).append(rid)
         for pool_id, rids in by_pool.items():
             entry: PoolEntry = self.registry.entry(pool_id)  # a commit: no check may fail
-            entry.pool.apply_batch([Free(rid) for rid in rids])
+            hint = evict_first or getattr(session, "evict_first_on_end", False)
+            entry.pool.apply_batch([Free(rid, hint) for rid in rids])
             entry.flush_events()
             owners = self._owners[pool_id]
             tables = self._tables.get(pool_id)

@@ -196,6 +196,13 @@ class PoolCounters:
     max_account_blocks: int = 0
     #: (group index, miss reason) -> explained lookups that answered it.
     miss_reasons: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: Prefix pins (:mod:`pins`): distinct pinned blocks, their bound, live pins, pins
+    #: refused by a bound, and the blocks charged per account.
+    num_pinned_blocks: int = 0
+    max_pinned_blocks: int = 0
+    num_pins: int = 0
+    pin_refusals: int = 0
+    pinned_blocks_by_account: dict[str, int] = field(default_factory=dict)
 
 
 class PreparedBatch:
@@ -249,6 +256,10 @@ class PreparedBatch:
 
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
+
+    #: The pin table, made on the first pin (a class default, so that pools pickled before
+    #: pins existed load without one).
+    _pins: PinTable | None = None
 
     def __init__(self, config: KVCacheConfig, options: PoolOptions) -> None:
         check_int(options.max_model_len, "max_model_len", minimum=1)
@@ -882,9 +893,18 @@ class Pool:
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
             num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
-            miss_reasons=dict(self._log.misses), **self._quota_counters())
+            miss_reasons=dict(self._log.misses), **self._quota_counters(),
+            **self._pin_counters())
 
-    def _quota_counters(self) -> dict[str, int]:
+    def _pin_counters(self) -> dict[str, Any]:
+        pins = self._pins
+        if pins is None:
+            return {}
+        return dict(num_pinned_blocks=pins.num_pinned_blocks, max_pinned_blocks=pins.cap,
+                    num_pins=len(pins.pins), pin_refusals=pins.refusals,
+                    pinned_blocks_by_account={a: c for a, c in pins.charged.items() if c})
+
+    def _quota_counters(self) -> dict[str, Any]:
         quota = self._quota
         if quota is None:
             return {}
@@ -1005,6 +1025,21 @@ class Pool:
     def pinned_blocks_by_account(self) -> dict[str, int]:
         """Account -> pinned blocks charged to it (see :mod:`pins`)."""
         return dict(self._pins.charged) if self._pins is not None else {}
+
+    def pinned_tokens(self, hashes: Sequence[bytes]) -> int:
+        """Of a prompt with these block hashes, the leading tokens some live pin holds."""
+        pins = self._pins
+        if pins is None:
+            return 0
+        best = 0
+        for pin in pins.pins.values():
+            n = 0
+            for a, b in zip(pin.hashes, hashes):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, min(n * self._hbs, pin.hit_tokens))
+        return best
 
     @property
     def num_pinned_blocks(self) -> int:

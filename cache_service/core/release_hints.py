@@ -5,20 +5,23 @@ of every other free block. Blocks another request or a pin still holds are unaff
 when their last holder lets go they enter the queue as usual.
 
 Within the hinted blocks the order is the one vLLM frees in (each group's tail first),
-so the hinted request's tail is evicted before its head. Nothing changes for a free
-without the hint: the pool's ``free_blocks`` is swapped only for the hinted call.
+so the hinted request's tail is evicted before its head. A free without the hint is
+unchanged: ``BlockPool.free_blocks`` checks one flag, set only inside :func:`evict_first`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Generator, Iterable
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from cache_service.core.block import KVCacheBlock
-from cache_service.core.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from cache_service.core.block_pool import BlockPool
 
 
-def _free_to_front(block_pool: BlockPool, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+def release_to_front(block_pool: BlockPool, ordered_blocks: Iterable[KVCacheBlock]) -> None:
     """``BlockPool.free_blocks`` with every block reaching ``ref_cnt == 0`` put before the
     current front, first given = first evicted."""
     front: list[KVCacheBlock] = []
@@ -34,11 +37,9 @@ def _free_to_front(block_pool: BlockPool, ordered_blocks: Iterable[KVCacheBlock]
 
 @contextmanager
 def evict_first(block_pool: BlockPool) -> Generator[None, None, None]:
-    """While inside, the pool's frees put released blocks at the queue's front."""
-    # An instance attribute shadows the method for this call only (the managers call
-    # ``pool.free_blocks`` afresh each time; none keeps the bound method).
-    vars(block_pool)["free_blocks"] = lambda blocks: _free_to_front(block_pool, blocks)
+    """While inside, the pool's frees put the blocks they release at the queue's front."""
+    block_pool.free_to_front = True
     try:
         yield
     finally:
-        del vars(block_pool)["free_blocks"]
+        block_pool.free_to_front = False
