@@ -416,7 +416,7 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
                 raise qualify(exc, "add_request.hash_recipe") from None
         return ops.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
-                              account)
+                              account, m.eviction_class)
     if kind == "lookup":
         return ops.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":

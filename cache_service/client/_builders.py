@@ -103,7 +103,7 @@ class StepBuilder:
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
-            hash_recipe: pb.HashRecipe | None = None) -> StepBuilder:
+            hash_recipe: pb.HashRecipe | None = None, eviction_class: int = 0) -> StepBuilder:
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -117,6 +117,8 @@ class StepBuilder:
             m.lora_path = lora_path
         if hash_recipe is not None:
             m.hash_recipe.CopyFrom(hash_recipe)
+        if eviction_class:
+            m.eviction_class = eviction_class
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
@@ -156,8 +158,12 @@ class StepBuilder:
         m.token_ids.extend(token_ids)
         return self
 
-    def free(self, request_id: str) -> StepBuilder:
-        self._add().free.request_id = request_id
+    def free(self, request_id: str, *, evict_first: bool = False) -> StepBuilder:
+        """Free a request; ``evict_first``: its released blocks are the first evicted."""
+        m = self._add().free
+        m.request_id = request_id
+        if evict_first:
+            m.evict_first = True
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:

@@ -38,6 +38,7 @@ from cache_service.core.errors import (
     UnknownRequest,
     qualify,
 )
+from cache_service.core.eviction_classes import MAX_CLASS
 from cache_service.core.hashing import HashRecipe, check_declared_recipe
 from cache_service.core.ops import (
     AddRequest,
@@ -346,6 +347,8 @@ class BatchCheck:
                                       f"max_model_len {limits.max_model_len}",
                                       field="token_ids")
             check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
+            if op.eviction_class:
+                check_int(op.eviction_class, "eviction_class", minimum=0, maximum=MAX_CLASS)
             if op.hash_recipe is not None:
                 try:
                     check_declared_recipe(limits.recipe, op.hash_recipe)

@@ -31,6 +31,8 @@ class AddRequest:
     hash_recipe: DeclaredRecipe | None = None  # checked against the pool's when given
     #: Whose quota the request counts against (pools with an account block quota).
     account: str | None = None
+    #: The eviction class of the blocks it releases (:mod:`eviction_classes`); 0 = default.
+    eviction_class: int = 0
 
 
 @dataclass(slots=True)

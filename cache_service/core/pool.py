@@ -40,6 +40,7 @@ from cache_service.core.batch import (
 )
 from cache_service.core.errors import FailedPrecondition, InvalidArgument, NotFound, UnknownRequest
 from cache_service.core.events import KVEvent
+from cache_service.core.eviction_classes import ClassedFreeQueue
 from cache_service.core.hashing import (
     DeclaredRecipe,
     HashRecipe,
@@ -260,6 +261,9 @@ class Pool:
     #: The pin table, made on the first pin (a class default, so that pools pickled before
     #: pins existed load without one).
     _pins: PinTable | None = None
+    #: Request id -> eviction class (classes > 0), from the first request with one on
+    #: (core/eviction_classes.py); None while the pool has seen none.
+    _classes: dict[str, int] | None = None
 
     def __init__(self, config: KVCacheConfig, options: PoolOptions) -> None:
         check_int(options.max_model_len, "max_model_len", minimum=1)
@@ -467,6 +471,8 @@ class Pool:
                 self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
             if self._quota is not None:
                 self._quota.join(op.request_id, op.account or "")
+            if op.eviction_class:
+                self._class_table()[op.request_id] = op.eviction_class
             return self._info(req)
         if isinstance(op, Lookup):
             req = self._requests[op.request_id]
@@ -486,11 +492,15 @@ class Pool:
             self._epoch += 1
             if self._pins is not None:
                 self._pins_after_batch()  # growing pins take their blocks first
+            if self._classes is not None:
+                self._release_as(self._classes.pop(op.request_id, 0))
             if op.evict_first:
                 with evict_first(self._manager.pool):
                     self._manager.free(req)
             else:
                 self._manager.free(req)
+            if self._classes is not None:
+                self._release_as(0)
             if self._quota is not None:
                 self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
@@ -500,7 +510,11 @@ class Pool:
             self._epoch += 1
             if self._pins is not None:
                 self._pins_after_batch()
+            if self._classes is not None:
+                self._release_as(self._classes.get(op.request_id, 0))
             self._manager.free(req)
+            if self._classes is not None:
+                self._release_as(0)
             if self._quota is not None:
                 self._quota.update(op.request_id, 0)
             req.status = RequestStatus.PREEMPTED
@@ -605,11 +619,15 @@ class Pool:
             del self._pending[request_id]
         self._epoch += 1
         quota = self._quota
+        if self._classes is not None:  # out-of-window blocks are released by allocation
+            self._release_as(self._classes.get(request_id, 0))
         new = manager.allocate_slots(
             req, num_new_tokens, hit, blocks, num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
             max_new_blocks=None if quota is None else quota.room(request_id))
+        if self._classes is not None:
+            self._release_as(0)
         if quota is not None:
             self._count_quota(request_id, new is None)
         if new is None:
@@ -703,8 +721,9 @@ class Pool:
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
-        # With a quota every request takes the general path (which checks and counts it).
-        fast = self._quota is None
+        # With a quota every request takes the general path (which checks and counts it),
+        # and with eviction classes (which sets the class of what it releases).
+        fast = self._quota is None and self._classes is None
         for i in range(lo, hi):
             req = reqs[i]
             if placeholders:
@@ -952,6 +971,21 @@ class Pool:
         if self._pins is not None:
             self._pins.refresh(force=True)  # pins re-resolve what is still hittable
 
+    # -- eviction classes (core/eviction_classes.py) ---------------------------------------------
+    def _class_table(self) -> dict[str, int]:
+        classes = self._classes
+        if classes is None:
+            block_pool = self._manager.pool
+            block_pool.free_block_queue = ClassedFreeQueue(  # type: ignore[assignment]
+                block_pool.free_block_queue)
+            classes = self._classes = {}
+        return classes
+
+    def _release_as(self, eviction_class: int) -> None:
+        queue = self._manager.pool.free_block_queue
+        assert isinstance(queue, ClassedFreeQueue)
+        queue.release_class = eviction_class
+
     # -- pins (core/pins.py) ----------------------------------------------------------------------
     def _pin_table(self) -> PinTable:
         pins = self._pins
@@ -1103,3 +1137,7 @@ class Pool:
             assert used == 0, f"{used} blocks still referenced with no request registered"
         if self._pins is not None:
             self._pins.check_invariants()
+        queue = pool.free_block_queue
+        if isinstance(queue, ClassedFreeQueue):
+            queue.check_invariants()
+            assert set(self._classes or ()) <= set(self._requests), "class of a gone request"

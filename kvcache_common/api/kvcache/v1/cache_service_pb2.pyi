@@ -258,7 +258,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class AddRequestOp(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -273,7 +274,8 @@ class AddRequestOp(_message.Message):
     lora_name: str
     lora_path: str
     hash_recipe: HashRecipe
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
+    eviction_class: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id", "explain")
