@@ -15,8 +15,8 @@ in a pool of a quarter of the workload's working set):
 
 Policies: ``lru`` (nothing set: vLLM's decisions); ``pins`` (agentic: each session pins its
 context after each turn, replacing its previous pin, refused pins are simply not taken;
-mooncake: each request pins its prompt for ``--pin-ttl`` seconds of trace time, like
-"prompt caching with a TTL"); ``classes`` (session requests eviction class 1, one-shot
+mooncake: each request that continues an earlier prompt pins its own for ``--pin-ttl``
+seconds of trace time, like "prompt caching with a TTL"); ``classes`` (session requests eviction class 1, one-shot
 traffic 0; mooncake: none); ``hints`` (one-shot requests freed evict-first; mooncake: none).
 
 Measured: the session prefix hit rate (hit tokens / tokens an earlier request of the session
@@ -98,8 +98,9 @@ def agentic(args: argparse.Namespace) -> tuple[list[Req], int]:
                 size = rng.randint(args.oneshot_min, args.oneshot_max)
                 reqs.append(Req(f"x{n}", [next(next_token) for _ in range(size)], None, 0))
                 n += 1
+    # The working set: what the sessions would reuse (their final contexts); the one-shot
+    # traffic only passes through.
     working = sum(len(c) for c in contexts.values()) // args.block_size
-    working += sum(len(r.tokens) for r in reqs if r.session is None) // args.block_size
     return reqs, working
 
 
@@ -152,7 +153,7 @@ def run(policy: str, reqs: list[Req], num_blocks: int, max_len: int,
             out.reusable_tokens += usable
             out.session_hit_tokens += min(hit, usable)
             out.session_recomputed += usable - min(hit, usable)
-        if policy == "pins" and (r.session is not None or trace):
+        if policy == "pins" and r.session is not None:
             hashes = pool.block_hashes(r.rid)
             key = r.rid if trace else r.session
             assert key is not None
@@ -178,7 +179,10 @@ def run(policy: str, reqs: list[Req], num_blocks: int, max_len: int,
 # with only the APIs both trees have: a pool of decoding requests, no pins or classes.
 _STEP_COST = r"""
 import sys, time
-from cache_service.core.ops import AddRequest, Allocate, Decode, Free
+try:
+    from cache_service.core.operations import AddRequest, Allocate, Decode
+except ImportError:  # a tree from before the rename of core/ops.py
+    from cache_service.core.ops import AddRequest, Allocate, Decode
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 n, steps, rounds = (int(x) for x in sys.argv[1:4])
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="pool size as a fraction of the working set")
     p.add_argument("--trace", type=Path, default=None, help="a Mooncake trace (JSONL)")
     p.add_argument("--max-requests", type=int, default=2000)
-    p.add_argument("--pin-ttl", type=float, default=300.0,
+    p.add_argument("--pin-ttl", type=float, default=60.0,
                    help="mooncake pins: seconds of trace time a request's prompt stays pinned")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="also measure a decode Step's cost in this checkout (e.g. ../main)")

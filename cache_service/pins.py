@@ -187,8 +187,9 @@ class PinRecords:
 
     def due(self, now: float) -> list[tuple[str, str, float]]:
         """(pool id, pin id, expiry) of every pin whose expiry is at or before ``now``."""
+        registry = self.state.registry
         return [(pool_id, pin_id, lease.expires_at)
-                for pool_id, pins in self.leases.items()
+                for pool_id, pins in self.leases.items() if pool_id in registry
                 for pin_id, lease in pins.items() if lease.expires_at <= now]
 
 
