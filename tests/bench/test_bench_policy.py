@@ -28,7 +28,7 @@ def _load() -> ModuleType:
 def test_policies_beat_plain_lru_on_the_agentic_workload(tmp_path: Path) -> None:
     out = tmp_path / "policy.json"
     assert _load().main(["--sessions", "6", "--turns", "5", "--step-requests", "16",
-                         "--step-count", "5", "--step-rounds", "1",
+                         "--step-count", "5", "--step-rounds", "1", "--step-pairs", "1",
                          "--baseline-tree", str(REPO), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     runs = doc["agentic"]["policies"]
