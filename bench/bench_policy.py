@@ -45,7 +45,7 @@ from typing import Any
 
 from _common import print_table, write_results
 from cache_service.core.errors import ResourceExhausted
-from cache_service.core.ops import AddRequest, Free
+from cache_service.core.operations import AddRequest, Free
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from mooncake_sim import TRACE_BLOCK, load_trace

@@ -88,9 +88,6 @@ class ClassedFreeQueue:
             out += queue.get_all_free_blocks()
         return out
 
-    def is_fresh(self, block_id: int) -> bool:
-        return self.queues[0].is_fresh(block_id)
-
     def check_invariants(self) -> None:
         """Assert the class map matches the queues (for tests)."""
         for cls, queue in enumerate(self.queues):

@@ -15,7 +15,7 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.errors import InvalidArgument
 from cache_service.core.eviction_classes import ClassedFreeQueue
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
-from cache_service.core.ops import AddRequest, Allocate, Free
+from cache_service.core.operations import AddRequest, Allocate, Free
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
 
@@ -41,6 +41,7 @@ def test_the_classed_queue_is_one_plain_queue_per_class_lowest_first(ops) -> Non
     queue = ClassedFreeQueue(FreeKVCacheBlockQueue(fresh=range(1, 9), materialize=make))
     model: list[list[int]] = [list(range(1, 9))] + [[] for _ in range(3)]
     out: list[int] = []  # blocks handed out (not in the queue)
+    fresh = set(range(1, 9))  # never handed out: not linked yet
     next_id = 100
     for kind, a, b in ops:
         if kind == "append" or kind == "prepend":
@@ -59,7 +60,7 @@ def test_the_classed_queue_is_one_plain_queue_per_class_lowest_first(ops) -> Non
                 queue.prepend_n(blocks)
                 model[0][:0] = [blk.block_id for blk in blocks]
         elif kind == "remove":
-            free = [i for q in model for i in q if not queue.is_fresh(i)]  # linked blocks
+            free = [i for q in model for i in q if i not in fresh]  # linked blocks
             if free:
                 victim = free[a % len(free)]
                 queue.remove(made[victim])
@@ -72,6 +73,7 @@ def test_the_classed_queue_is_one_plain_queue_per_class_lowest_first(ops) -> Non
             got = [blk.block_id for blk in queue.popleft_n(n)]
             expect = [i for q in model for i in q][:n]
             assert got == expect
+            fresh -= set(got)
             for i in got:
                 for q in model:
                     if i in q:

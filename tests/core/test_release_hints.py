@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from cache_service.core.errors import InvalidArgument
-from cache_service.core.ops import Free
+from cache_service.core.operations import Free
 
 from builders import full, make_pool
 

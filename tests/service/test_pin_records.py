@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from cache_service.core.errors import KVCacheError
 from cache_service.pins import PinReaper
 from cache_service.registry import PoolRegistry
 from cache_service.snapshot import dumps_state
-from cache_service.state import Durability, ServiceState, WalRecord
+from cache_service.state import NoDurability, ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -25,7 +26,7 @@ from .builders import full_layers
 SYSTEM = list(range(1, 20))
 
 
-class Recorder(Durability):
+class Recorder(NoDurability):
     keeps_records = True
 
     def __init__(self) -> None:
@@ -61,8 +62,8 @@ def _history() -> list[WalRecord]:
     ]
 
 
-def _apply_all(state: ServiceState, history: list[WalRecord]) -> list[object]:
-    answers: list[object] = []
+def _apply_all(state: ServiceState, history: list[WalRecord]) -> list[Any]:
+    answers: list[Any] = []
     for record in history:
         try:
             answers.append(state.apply(record))
