@@ -126,6 +126,11 @@ class PoolCollector:
             "max_account_blocks": GaugeMetricFamily(
                 "kvcache_pool_max_session_blocks", "Blocks held by the pool's most "
                 "demanding session (pools with a quota).", labels=["pool"]),
+            "num_pinned_blocks": GaugeMetricFamily(
+                "kvcache_pool_pinned_blocks", "Distinct blocks held by prefix pins.",
+                labels=["pool"]),
+            "num_pins": GaugeMetricFamily("kvcache_pool_pins", "Live prefix pins.",
+                                          labels=["pool"]),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily(
@@ -145,6 +150,9 @@ class PoolCollector:
             "quota_refusals": CounterMetricFamily(
                 "kvcache_pool_session_quota_refusals", "Allocations answered 'no room' "
                 "because of the session block quota.", labels=["pool"]),
+            "pin_refusals": CounterMetricFamily(
+                "kvcache_pool_pin_refusals", "PinPrefix calls refused by max_pinned_blocks "
+                "or a session's pinned-block quota.", labels=["pool"]),
         }
         tenant_pools = GaugeMetricFamily("kvcache_tenant_pools", "Pools a tenant holds.",
                                          labels=["tenant"])

@@ -105,6 +105,7 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
         snapshot_every=settings.snapshot_every)
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
     state.lease_ttl_seconds = settings.lease_ttl_seconds
+    state.max_pin_ttl_seconds = settings.max_pin_ttl_seconds
     state.max_ops_per_step = settings.max_ops_per_step
     state.max_tokens_per_step = settings.max_tokens_per_step
     state.registry.max_total_blocks = settings.max_total_blocks
@@ -212,6 +213,7 @@ async def serve(settings: Settings) -> int:
                                    f"{settings.etcd_endpoints} is unreachable ({exc})", 2)
         await listener.mark_serving()  # the servicer acts as a member from here on
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
+    pin_reaper = asyncio.create_task(servicer.pin_reaper.run(), name="pin-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=listener.port,
                      metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
@@ -222,6 +224,7 @@ async def serve(settings: Settings) -> int:
 
     await listener.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
+    pin_reaper.cancel()
     freezer.cancel()
 
     def refuse_new() -> None:

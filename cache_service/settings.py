@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
                                      "with no call (nor KeepAlive) for this long expires "
                                      "and its requests are freed")
+    max_pin_ttl_seconds: float = Field(24 * 3600.0, gt=0, description="longest TTL a "
+                                       "PinPrefix / RenewPin may ask for")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")
