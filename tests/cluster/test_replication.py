@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from cache_service.client import CacheClient, ops
 from cache_service.cluster.replication import standby_of
@@ -148,3 +151,95 @@ def test_an_owner_stopped_past_its_lease_cannot_get_a_write_acknowledged(
         with pytest.raises(Exception) as gone:
             client.get_request("paused", "late")
         assert "NOT_FOUND" in str(gone.value) or "not found" in str(gone.value).lower()
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def degraded(replica: ServerProcess) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    for family in text_string_to_metric_families(text):
+        if family.name == "kvcache_replication_degraded":
+            return family.samples[0].value
+    return None
+
+
+def test_a_lost_standby_degrades_the_owner_then_a_new_one_catches_up_under_load(
+        cluster: Cluster, tmp_path: Path):
+    ports = free_ports(3)
+
+    def start(i: int) -> ServerProcess:
+        return cluster.start_replica("--data-dir", str(tmp_path / MEMBERS[i]), "--member-id",
+                                     MEMBERS[i], "--port", str(ports[i]),
+                                     "--metrics-port", "0", "--lease-ttl-seconds", "30")
+
+    first = [start(0), start(1)]
+    seeds = ",".join(f"127.0.0.1:{port}" for port in ports)  # m2 starts later
+    load = Load(seeds, seed=11, pools=1, prefix="deg").start()
+    try:
+        pool = load.histories[0].pool_id
+        owner = cluster.by_target(owner_of(cluster, pool))
+        (standby,) = [r for r in first if r is not owner]
+        live_standby(owner, member_of(cluster, standby))
+        assert degraded(owner) == 0.0
+        before = incarnation(owner.target, pool)
+        load.wait_steps(10)
+        standby.signal(signal.SIGKILL)
+        standby.stop()
+        # The owner keeps serving without a standby once the dead one's lease is gone
+        # (no other member is left to be one), and says so.
+        load.wait_steps(10)
+        wait_until(lambda: degraded(owner) == 1.0, 30, "kvcache_replication_degraded 1")
+        newcomer = start(2)
+        # The new member is the pool's standby now: filled (snapshot + tail) while the
+        # load runs on.
+        live_standby(owner, "m2")
+        wait_until(lambda: degraded(owner) == 0.0, 30, "kvcache_replication_degraded 0")
+        load.wait_steps(10)
+        owner.signal(signal.SIGKILL)
+        owner.stop()
+        load.wait_steps(10, pool=0)
+    finally:
+        load.stop()
+    try:
+        with CacheClient(newcomer.target, default_timeout=30, session=False) as reader:
+            verdict = check(reader, load.histories)
+    finally:
+        load.close()
+    assert verdict.exact, verdict.explain()
+    assert verdict.acknowledged >= 40 and not verdict.rejected, verdict.explain()
+    assert incarnation(newcomer.target, pool) == before
+
+
+def test_owner_and_standby_lost_together_start_the_pool_anew_never_stale(standbys: Cluster):
+    with CacheClient(targets(standbys), default_timeout=30, backoff_max=0.2) as client:
+        info = client.register_pool("twice", small_layers(), num_blocks=64,
+                                    max_model_len=256)
+        owner = standbys.by_target(owner_of(standbys, "twice"))
+        me = member_of(standbys, owner)
+        standby = by_member(standbys, standby_of("twice", me, MEMBERS) or "")
+        live_standby(owner, member_of(standbys, standby))
+        client.step("twice", [ops.add("x", [1, 2, 3])])
+        for victim in (owner, standby):
+            victim.signal(signal.SIGKILL)
+        for victim in (owner, standby):
+            victim.stop()
+        (last,) = [r for r in standbys.replicas if r.returncode is None]
+        # The third replica has no copy of the owner's state: the pool is absent there
+        # (clients register it again), not served from anything stale.
+        last.wait_for(lambda r: r.get("event") == "pool_not_adopted"
+                      and r.get("pool_id") == "twice", LEASE_TTL * 5)
+        with pytest.raises(grpc.RpcError) as missing:
+            raw_stub(last.target).GetPool(pb.GetPoolRequest(pool_id="twice"), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+        again = client.register_pool("twice", small_layers(), num_blocks=64,
+                                     max_model_len=256)
+        assert again.created and again.incarnation != info.incarnation
