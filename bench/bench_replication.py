@@ -150,7 +150,7 @@ def bench_failover(etcd: EtcdServer, root: Path, kills: int) -> dict:
                 pool = f"f{k}"
                 register(client, pool)
                 victim = next(r for r in live if r.target == owner_target(live, pool))
-                victim.wait_for(lambda r, p=pool: r.get("event") == "standby_live", 60)
+                _wait_live(victim)
                 sample, lost = _one_kill(client, pool, victim)
             again += lost
             if sample is not None:
