@@ -208,6 +208,8 @@ async def serve(settings: Settings) -> int:
     servicer.step_observer = rpc_metrics.observe_step
     if node is not None:
         node.leases = servicer.leases  # adopted sessions get leases here
+        if node.replicator is not None:  # a standby's snapshot waits for sliced calls
+            node.replicator.gate = servicer.gate
         node.read_peer = read_peer_state
     try:
         listener = await start_server(

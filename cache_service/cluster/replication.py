@@ -51,6 +51,7 @@ import structlog
 
 from cache_service.cluster.keys import rendezvous_owner
 from cache_service.core.errors import KVCacheError
+from cache_service.fairness import PoolGate
 from cache_service.snapshot import dumps_state
 from cache_service.state import DurabilityHook, ServiceState, WalRecord
 from cache_service.status import Unavailable
@@ -95,6 +96,8 @@ class Link:
     fenced: str | None = None
     task: asyncio.Task | None = None
     degraded_logged: bool = False
+    #: Set when there is something to send, or the stream's reader ended.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Replicator:
@@ -124,6 +127,9 @@ class Replicator:
         self._options = channel_options or []
         self._closed = False
         self.needs_sync = mode == "sync" or inner.needs_sync
+        #: The servicer's pool gate (set by the server): a snapshot waits until no sliced
+        #: call is half applied.
+        self.gate: PoolGate | None = None
 
     # -- the durability hook ------------------------------------------------------------
 
@@ -157,6 +163,9 @@ class Replicator:
         """Returns once every wanted standby that is live, or has been down for less than
         the timeout, acknowledged record ``target``."""
         while True:
+            if self._closed:
+                raise Unavailable("this replica is leaving (replication stopped): the "
+                                  "call's outcome is in doubt; retry on another replica")
             now = time.monotonic()
             waiting: list[Link] = []
             for link in self.links.values():
@@ -184,6 +193,8 @@ class Replicator:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+        for link in self.links.values():
+            link.wake.set()
 
     # -- which standbys -----------------------------------------------------------------
 
@@ -293,10 +304,9 @@ class Replicator:
                 if not live:
                     await call.write(rpb.ReplicateRequest(live=rpb.ReplicaLive()))
                     live = True
-                wake = self._changed
-                waiter = asyncio.ensure_future(wake.wait())
-                await asyncio.wait([waiter, reader], return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
+                link.wake.clear()
+                if position == self.index and not reader.done():
+                    await link.wake.wait()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
@@ -310,8 +320,11 @@ class Replicator:
         return bool(self._buffer) and self._buffer[0].index <= position + 1
 
     async def _send_snapshot(self, call: Any) -> int:
-        """The whole state as of the newest record (taken between two records: no await
-        before it is pickled), in chunks; answers its index."""
+        """The whole state as of the newest record, in chunks; answers its index. Taken
+        when no sliced call is half applied (a Step's commit may yield between slices
+        after its record was appended), with no await before it is pickled."""
+        if self.gate is not None:
+            await self.gate.wait_all_idle()
         index = self.index
         payload = dumps_state(self.state)
         for offset in range(0, max(len(payload), 1), CHUNK):
@@ -322,6 +335,12 @@ class Replicator:
         return index
 
     async def _acks(self, link: Link, call: Any) -> None:
+        try:
+            await self._read_acks(link, call)
+        finally:
+            link.wake.set()  # the sender notices the end
+
+    async def _read_acks(self, link: Link, call: Any) -> None:
         while (ack := await call.read()) is not grpc.aio.EOF:
             link.acked = max(link.acked, ack.index)
             if not link.up:  # any answer after the Hello follows a snapshot or a tail
@@ -351,6 +370,8 @@ class Shadow:
     #: Its owner lost a pool to this replica: no record of this source is taken any more.
     fenced: bool = False
     streams: int = 0
+    #: Records acknowledged but not applied yet (applied right after the acknowledgement).
+    pending: deque[rpb.ReplicatedRecord] = field(default_factory=deque)
 
     def safe(self, now: float, trust: float) -> bool:
         """Holds every record the source can have answered (see the module docstring)."""
@@ -414,6 +435,9 @@ class Standby(rpb_grpc.ReplicationServicer):
                 if kind == "record":
                     await self._record(shadow, message.record, context)
                     yield rpb.ReplicateAck(index=shadow.index, has_state=True)
+                    if not self._catch_up(shadow):
+                        await context.abort(grpc.StatusCode.ABORTED,
+                                            "this copy diverged from its owner; refill it")
                 elif kind == "snapshot":
                     chunks.append(message.snapshot.chunk)
                     if message.snapshot.last:
@@ -422,6 +446,7 @@ class Standby(rpb_grpc.ReplicationServicer):
                         state = pickle.loads(b"".join(chunks))  # noqa: S301
                         chunks.clear()
                         shadow.state, shadow.index = state, message.snapshot.index
+                        shadow.pending.clear()
                         shadow.broken_at = shadow.broken_at or time.monotonic()
                         _log.info("standby_filled", source=hello.source,
                                   index=shadow.index, pools=len(state.registry))
@@ -435,6 +460,10 @@ class Standby(rpb_grpc.ReplicationServicer):
 
     async def _record(self, shadow: Shadow, message: rpb.ReplicatedRecord,
                       context: grpc.aio.ServicerContext) -> None:
+        """Checks one record (it continues the copy; fencing) and keeps it to be applied:
+        it is acknowledged on receipt, applied right after the acknowledgement is sent
+        (:meth:`_catch_up`; a promotion applies what is pending first), so the standby's
+        apply is off the owner's answer path."""
         if shadow.state is None or message.index != shadow.index + 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"record {message.index} does not continue this copy "
@@ -450,17 +479,25 @@ class Standby(rpb_grpc.ReplicationServicer):
                                     f"pool {pool_id!r} is owned under a newer fencing token "
                                     f"than {token}")
             shadow.tokens[pool_id] = token
-        assert shadow.state is not None
-        try:
-            _apply(shadow.state, WalRecord.FromString(message.record))
-        except KVCacheError as exc:
-            # The owner accepted it on the same state: this copy diverged. Refill it.
-            _log.error("standby_diverged", source=shadow.source, index=message.index,
-                       error=str(exc))
-            shadow.state, shadow.index = None, 0
-            await context.abort(grpc.StatusCode.ABORTED, f"copy diverged at record "
-                                f"{message.index}: {exc}")
+        shadow.pending.append(message)
         shadow.index = message.index
+
+    @staticmethod
+    def _catch_up(shadow: Shadow) -> bool:
+        """Applies the records received but not applied yet; False (the copy is dropped:
+        it diverged, the owner refills it) when one is rejected."""
+        while shadow.pending and shadow.state is not None:
+            message = shadow.pending.popleft()
+            try:
+                _apply(shadow.state, WalRecord.FromString(message.record))
+            except KVCacheError as exc:
+                # The owner accepted it on the same state: this copy diverged.
+                _log.error("standby_diverged", source=shadow.source, index=message.index,
+                           error=str(exc))
+                shadow.state, shadow.index = None, 0
+                shadow.pending.clear()
+                return False
+        return shadow.state is not None
 
     def take(self, pool_id: str, holder: str) -> bytes | None:
         """The state of ``pool_id`` (``export_pool``) from the copy of ``holder``'s state,
@@ -468,6 +505,8 @@ class Standby(rpb_grpc.ReplicationServicer):
         now on. None (logged) when there is no safe copy."""
         shadow = self.shadows.get(holder)
         now = time.monotonic()
+        if shadow is not None:
+            self._catch_up(shadow)  # every record acknowledged is in the copy
         if shadow is None or not shadow.safe(now, self.trust) or shadow.state is None \
                 or pool_id not in shadow.state.registry:
             _log.warning("standby_copy_unusable", pool_id=pool_id, holder=holder,
