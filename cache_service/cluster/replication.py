@@ -296,10 +296,15 @@ class Replicator:
                     if not self._continues(position):
                         position = await self._send_snapshot(call)
                         continue
-                    start = position - self._buffer[0].index + 1
-                    for i in range(start, len(self._buffer)):
-                        await call.write(rpb.ReplicateRequest(record=self._buffer[i]))
-                        position = self._buffer[i].index
+                    # Looked up afresh each time: the buffer drops old records meanwhile.
+                    record = self._buffer[position - self._buffer[0].index + 1]
+                    if len(record.record) > CHUNK:
+                        # e.g. an AdoptPool carrying a big pool: the (chunked) snapshot
+                        # covers it, so a message never exceeds the limit.
+                        position = await self._send_snapshot(call)
+                        continue
+                    await call.write(rpb.ReplicateRequest(record=record))
+                    position = record.index
                     continue
                 if not live:
                     await call.write(rpb.ReplicateRequest(live=rpb.ReplicaLive()))
