@@ -105,7 +105,7 @@ class ClusterNode:
 
     def add_servicers(self, server: grpc.aio.Server) -> None:
         """Adds the replica-to-replica services (replication) to the gRPC server."""
-        rpb_grpc.add_ReplicationServicer_to_server(self.standby, server)
+        rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, server)
 
     async def join(self, port: int, timeout: float = 30.0) -> None:
         """Registers this replica and acts on the cluster's current state; raises

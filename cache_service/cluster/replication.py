@@ -17,7 +17,7 @@ other members: the replica that claims the pool when this one is gone (placement
 new state). Each link gets the owner's *whole* log (the sessions and sequence numbers a
 pool's calls depend on span pools), so the standby's copy is exactly the owner's state.
 
-**Standby side** (:class:`Standby`, the ``kvcache.internal.v1.Replication`` service): one
+**Standby side** (:class:`Standby`, the ``kvcache.internal.v1.ReplicationService``): one
 :class:`Shadow` per source replica, a :class:`~cache_service.state.ServiceState` built from
 the owner's snapshot and advanced by ``ServiceState.apply`` for each record (hot: nothing
 to replay at promotion). The standby refuses a stream whose sender is not a live member
@@ -252,7 +252,7 @@ class Replicator:
             try:
                 async with grpc.aio.insecure_channel(link.address,
                                                      options=self._options) as channel:
-                    await self._stream(link, rpb_grpc.ReplicationStub(channel))
+                    await self._stream(link, rpb_grpc.ReplicationServiceStub(channel))
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
@@ -273,7 +273,7 @@ class Replicator:
             self._notify()
             await asyncio.sleep(0.2)
 
-    async def _stream(self, link: Link, stub: rpb_grpc.ReplicationStub) -> None:
+    async def _stream(self, link: Link, stub: rpb_grpc.ReplicationServiceStub) -> None:
         call = stub.Replicate()
         await call.write(rpb.ReplicateRequest(hello=rpb.ReplicaHello(
             source=self._me(), epoch=self.epoch, lease=self._lease())))
@@ -396,7 +396,7 @@ def _apply(state: ServiceState, record: WalRecord) -> None:
         state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
 
 
-class Standby(rpb_grpc.ReplicationServicer):
+class Standby(rpb_grpc.ReplicationServiceServicer):
     """The Replication service: keeps one :class:`Shadow` per source. ``members`` answers
     member id -> lease of the live members, ``owners`` pool id -> (member, token) as etcd
     shows them, ``owned`` the pools this replica serves."""
@@ -409,7 +409,7 @@ class Standby(rpb_grpc.ReplicationServicer):
         self.shadows: dict[str, Shadow] = {}
 
     async def Replicate(self, request_iterator: AsyncIterator[rpb.ReplicateRequest],
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[rpb.ReplicateAck]:
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[rpb.ReplicateResponse]:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -429,7 +429,7 @@ class Standby(rpb_grpc.ReplicationServicer):
             shadow = self.shadows[hello.source] = Shadow(hello.source, hello.epoch,
                                                          hello.lease)
         shadow.streams += 1
-        yield rpb.ReplicateAck(index=shadow.index, has_state=shadow.state is not None)
+        yield rpb.ReplicateResponse(index=shadow.index, has_state=shadow.state is not None)
         chunks: list[bytes] = []
         try:
             async for message in request_iterator:
@@ -439,7 +439,7 @@ class Standby(rpb_grpc.ReplicationServicer):
                                         f"{hello.source} lost its pools to {self._me()}")
                 if kind == "record":
                     await self._record(shadow, message.record, context)
-                    yield rpb.ReplicateAck(index=shadow.index, has_state=True)
+                    yield rpb.ReplicateResponse(index=shadow.index, has_state=True)
                     if not self._catch_up(shadow):
                         await context.abort(grpc.StatusCode.ABORTED,
                                             "this copy diverged from its owner; refill it")
@@ -455,7 +455,7 @@ class Standby(rpb_grpc.ReplicationServicer):
                         shadow.broken_at = shadow.broken_at or time.monotonic()
                         _log.info("standby_filled", source=hello.source,
                                   index=shadow.index, pools=len(state.registry))
-                        yield rpb.ReplicateAck(index=shadow.index, has_state=True)
+                        yield rpb.ReplicateResponse(index=shadow.index, has_state=True)
                 elif kind == "live" and shadow.state is not None:
                     shadow.broken_at = None
         finally:

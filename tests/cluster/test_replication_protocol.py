@@ -32,7 +32,7 @@ class Pair:
                                owners=lambda: self.owners, owned=dict, trust=30.0)
         self.state = ServiceState(PoolRegistry(instance_id="owner"))
         self.server = grpc.aio.server()
-        rpb_grpc.add_ReplicationServicer_to_server(self.standby, self.server)
+        rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
 
     async def start(self) -> Replicator:

@@ -53,7 +53,7 @@ class ReplicaLive(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class ReplicateAck(_message.Message):
+class ReplicateResponse(_message.Message):
     __slots__ = ("index", "has_state")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     HAS_STATE_FIELD_NUMBER: _ClassVar[int]

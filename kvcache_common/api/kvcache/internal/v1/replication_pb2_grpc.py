@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class ReplicationStub:
+class ReplicationServiceStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,13 +35,13 @@ class ReplicationStub:
             channel: A grpc.Channel.
         """
         self.Replicate = channel.stream_stream(
-                '/kvcache.internal.v1.Replication/Replicate',
+                '/kvcache.internal.v1.ReplicationService/Replicate',
                 request_serializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateRequest.SerializeToString,
-                response_deserializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateAck.FromString,
+                response_deserializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateResponse.FromString,
                 _registered_method=True)
 
 
-class ReplicationServicer:
+class ReplicationServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Replicate(self, request_iterator, context):
@@ -54,22 +54,22 @@ class ReplicationServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_ReplicationServicer_to_server(servicer, server):
+def add_ReplicationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Replicate': grpc.stream_stream_rpc_method_handler(
                     servicer.Replicate,
                     request_deserializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateRequest.FromString,
-                    response_serializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateAck.SerializeToString,
+                    response_serializer=kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'kvcache.internal.v1.Replication', rpc_method_handlers)
+            'kvcache.internal.v1.ReplicationService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kvcache.internal.v1.Replication', rpc_method_handlers)
+    server.add_registered_method_handlers('kvcache.internal.v1.ReplicationService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Replication:
+class ReplicationService:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -86,9 +86,9 @@ class Replication:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kvcache.internal.v1.Replication/Replicate',
+            '/kvcache.internal.v1.ReplicationService/Replicate',
             kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateRequest.SerializeToString,
-            kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateAck.FromString,
+            kvcache_dot_internal_dot_v1_dot_replication__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,
