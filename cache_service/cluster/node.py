@@ -92,8 +92,9 @@ class ClusterNode:
             state.durability = self.replicator
         self.standby = Standby(
             me=lambda: self._membership().member_id,
+            # Empty until the first view of etcd is loaded (a joining replica knows none).
             members=lambda: {m: v.lease for m, v in self.placement.members.items()}
-            if self.placement is not None else {},
+            if self.placement is not None and self.placement.synced.is_set() else {},
             owners=lambda: {p: (o.member, o.token) for p, o in self.placement.owners.items()}
             if self.placement is not None else {},
             owned=lambda: self.placement.owned if self.placement is not None else {},

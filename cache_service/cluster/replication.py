@@ -20,9 +20,12 @@ pool's calls depend on span pools), so the standby's copy is exactly the owner's
 **Standby side** (:class:`Standby`, the ``kvcache.internal.v1.ReplicationService``): one
 :class:`Shadow` per source replica, a :class:`~cache_service.state.ServiceState` built from
 the owner's snapshot and advanced by ``ServiceState.apply`` for each record (hot: nothing
-to replay at promotion). The standby refuses a stream whose sender is not a live member
-under the lease it names, and a record for a pool that it owns itself or that etcd shows
-owned under a newer token than the record's (fencing at the standby).
+to replay at promotion). A record is acknowledged on receipt and applied right after the
+acknowledgement is sent (the standby's apply is off the owner's answer path); a promotion
+applies whatever is still pending first. The standby refuses a stream whose sender is a
+member under another lease than the one it names (a sender it does not know yet is asked
+to retry), and a record for a pool that it owns itself or that etcd shows owned under a
+newer token than the record's (fencing at the standby).
 
 **Promotion** (:meth:`Standby.promote`): when the owner's lease expires the standby claims
 the pool through placement's create-if-absent transaction (a new fencing token) and
@@ -353,7 +356,9 @@ class Replicator:
                 link.down_since = None
                 link.degraded_logged = False
                 _log.info("standby_live", standby=link.member, index=link.acked)
-            self._notify()
+            # Only the writers waiting for acknowledgements: the senders have nothing new.
+            self._changed.set()
+            self._changed = asyncio.Event()
 
 
 # -- standby side -------------------------------------------------------------------------
@@ -416,7 +421,13 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
                                 "the first message of a stream must be a hello")
         assert first is not None  # aborted above
         hello = first.hello
-        if self._members().get(hello.source) != hello.lease or hello.source == self._me():
+        members = self._members()
+        if hello.source not in members or hello.source == self._me():
+            # Not fenced: this replica may be joining, or its view of etcd lags behind
+            # (the sender retries; its writes wait for this standby meanwhile).
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"{hello.source!r} is no member this replica knows (yet)")
+        if members[hello.source] != hello.lease:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{hello.source!r} is no live member under lease "
                                 f"{hello.lease} as this replica sees etcd")

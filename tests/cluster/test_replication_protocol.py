@@ -143,3 +143,23 @@ def test_after_a_promotion_the_old_owner_gets_nothing_acknowledged() -> None:
         finally:
             await pair.stop(rep)
     asyncio.run(main())
+
+
+def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> None:
+    async def main() -> None:
+        pair = Pair()
+        pair.members = {}  # e.g. the standby is still joining
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            waiting = asyncio.ensure_future(rep.sync())
+            done, _ = await asyncio.wait([waiting], timeout=0.5)
+            assert not done  # the write waits for the standby (not refused, not answered)
+            pair.members = {"owner": OWNER_LEASE}  # its view caught up
+            await asyncio.wait_for(waiting, 10)
+            assert pair.standby.shadows["owner"].index == 1
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
