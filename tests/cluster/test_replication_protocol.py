@@ -13,7 +13,7 @@ from cache_service.client import layers, ops
 from cache_service.client._builders import register_request
 from cache_service.cluster.replication import Fenced, Replicator, Standby
 from cache_service.registry import PoolRegistry
-from cache_service.state import Durability, ServiceState
+from cache_service.state import ServiceState
 from kvcache_common.api.kvcache.internal.v1 import replication_pb2_grpc as rpb_grpc
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -37,7 +37,8 @@ class Pair:
 
     async def start(self) -> Replicator:
         await self.server.start()
-        rep = Replicator(Durability(), self.state, mode="sync", timeout=30.0,
+        # The state's own default hook (in memory) inside, as a server without --data-dir.
+        rep = Replicator(self.state.durability, self.state, mode="sync", timeout=30.0,
                          me=lambda: "owner", lease=lambda: OWNER_LEASE,
                          owned=lambda: self.owned,
                          members=lambda: {"owner": "unused:1",
