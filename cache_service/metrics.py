@@ -284,6 +284,20 @@ class ClusterCollector:
                                   "(and may serve).")
         owned.add_metric([], float(len(node.placement.owned)))
         yield owned
+        replicator = getattr(node, "replicator", None)
+        if replicator is not None:
+            degraded = GaugeMetricFamily(
+                "kvcache_replication_degraded", "1 while some pool this replica owns has "
+                "no live standby (writes are answered without one after the replication "
+                "timeout), else 0.")
+            degraded.add_metric([], 1.0 if replicator.degraded else 0.0)
+            yield degraded
+            lag = GaugeMetricFamily("kvcache_replication_lag_records", "Records this "
+                                    "replica logged that a standby has not acknowledged "
+                                    "yet.", labels=["standby"])
+            for member, link in replicator.links.items():
+                lag.add_metric([member], float(max(0, replicator.index - link.acked)))
+            yield lag
 
 
 def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]],

@@ -18,6 +18,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -190,11 +191,12 @@ async def serve(settings: Settings) -> int:
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens, leases=leases,
                              cluster=node, step_observer=rpc_metrics.observe_step)
+    if node is not None and node.replicator is not None:
+        node.replicator.gate = servicer.gate  # a standby's snapshot waits for sliced calls
     try:
         listener = await start_server(
             service_name=SERVICE_NAME,
-            add_servicers=lambda server: pb_grpc.add_CacheServiceServicer_to_server(
-                servicer, server),
+            add_servicers=lambda server: _add_servicers(server, servicer, node),
             host=settings.host, port=settings.port, options=grpc_options(settings),
             interceptors=[interceptor], credentials=creds,
             # Cluster mode: SERVING once a member, so readiness implies it can own pools.
@@ -252,6 +254,12 @@ async def serve(settings: Settings) -> int:
     await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
                             wait_idle=wait_idle, close=close)
     return 0
+
+
+def _add_servicers(server: grpc.aio.Server, servicer: CacheServicer, node: Any) -> None:
+    pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
+    if node is not None:  # cluster mode: replica-to-replica services too
+        node.add_servicers(server)
 
 
 def _close_quietly(data_dir: DataDir | None) -> None:
