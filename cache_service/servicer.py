@@ -44,11 +44,11 @@ from cache_service.fairness import (
     thaw_heap,
 )
 from cache_service.leases import LeaseKeeper, LeaseReaper
-from cache_service.pins import PinReaper
+from cache_service.pins import PinReaper, tenant_pinned_blocks
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import to_status
-from cache_service.tenants import ANONYMOUS, Namespace, Tenant
+from cache_service.tenants import ANONYMOUS, Namespace, Tenant, tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -109,7 +109,8 @@ def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
     """Who made a call (name and limits), as records carry it for ``apply``. Shared: never
     mutate the answer (records copy it)."""
     return wal_pb2.TenantContext(name=tenant.name, max_pools=tenant.max_pools or 0,
-                                 max_blocks=tenant.max_blocks or 0, admin=tenant.admin)
+                                 max_blocks=tenant.max_blocks or 0, admin=tenant.admin,
+                                 max_pinned_blocks=tenant.max_pinned_blocks or 0)
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -557,8 +558,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
         def run() -> pb.GetPoolStatsResponse:
             entry = self.registry.get(self._own(request).pool_id)
-            return pb.GetPoolStatsResponse(stats=convert.stats_to_proto(
-                entry.pool.stats(), entry.feed.next_sequence - 1))
+            stats = convert.stats_to_proto(entry.pool.stats(), entry.feed.next_sequence - 1)
+            stats.tenant_pinned_blocks = tenant_pinned_blocks(self.state,
+                                                              tenant_of(entry.pool_id))
+            return pb.GetPoolStatsResponse(stats=stats)
         return await self._unary(context, run)
 
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,

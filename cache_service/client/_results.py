@@ -268,12 +268,14 @@ class PoolStats:
     preemptions: int
     num_cached_blocks_per_group: list[int]
     last_event_sequence: int
-    #: Distinct blocks held by prefix pins, the pool's bound on them, live pins, and
-    #: PinPrefix calls refused by a bound or quota.
+    #: Distinct blocks held by prefix pins, the pool's bound on them, live pins,
+    #: PinPrefix calls refused by a bound or quota, and the pinned blocks charged to the
+    #: pool's tenant over all its pools (what its pinned-block quota bounds).
     num_pinned_blocks: int = 0
     max_pinned_blocks: int = 0
     num_pins: int = 0
     pin_refusals: int = 0
+    tenant_pinned_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,7 +376,8 @@ def stats_from(s: pb.PoolStats) -> PoolStats:
                      s.num_requests, s.prefix_cache_queries, s.prefix_cache_hits, s.evictions,
                      s.allocation_failures, s.preemptions,
                      [g.num_cached_blocks for g in s.groups], s.last_event_sequence,
-                     s.num_pinned_blocks, s.max_pinned_blocks, s.num_pins, s.pin_refusals)
+                     s.num_pinned_blocks, s.max_pinned_blocks, s.num_pins, s.pin_refusals,
+                     s.tenant_pinned_blocks)
 
 
 def pin_from(p: pb.PinInfo) -> PinInfo:

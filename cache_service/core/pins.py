@@ -73,6 +73,9 @@ class Pin:
     hit_tokens: int = 0
     #: The hit can still grow (part of the prefix is not cached yet).
     growing: bool = True
+    #: What :meth:`PinTable.add` charges its account (set by ``check_new``; what an outer
+    #: quota, such as a tenant's, checks).
+    new_charge: int = 0
 
     @property
     def num_held(self) -> int:
@@ -180,7 +183,7 @@ class PinTable:
                 f"account {account!r:.80} has {self.charged.get(account, 0)} pinned blocks; "
                 f"this pin would add {charge}, beyond the limit (pinned_block_quota) of "
                 f"{quota}", field="token_ids")
-        pin.held = [[] for _ in needed]
+        pin.held, pin.new_charge = [[] for _ in needed], charge
         return pin
 
     def add(self, pin: Pin) -> None:
