@@ -69,6 +69,7 @@ def check_ttl(ttl: float, limit: float) -> float:
 
 
 def pin_to_proto(info: PinInfo, expires_at: float) -> pb.PinInfo:
+    """The protocol PinInfo of a core pin and its expiry."""
     return pb.PinInfo(pin_id=info.pin_id, prefix_tokens=info.prefix_tokens,
                       hit_tokens=info.hit_tokens, num_blocks=info.num_blocks,
                       growing=info.growing, expires_at_unix_seconds=expires_at)
@@ -82,11 +83,13 @@ class PinRecords:
         self.state = state
 
     def handlers(self) -> dict[str, Callable[[Any], Callable[[], Any]]]:
+        """The state's prepare functions of the pin records, by record kind."""
         return {"pin_prefix": self._prepare_pin, "renew_pin": self._prepare_renew,
                 "drop_pin": self._prepare_drop, "expire_pin": self._prepare_expire}
 
     @property
     def leases(self) -> dict[str, dict[str, PinLease]]:
+        """Pool id -> pin id -> lease of every live pin."""
         return self.state.pin_leases
 
     def _lease(self, pool_id: str, pin_id: str) -> PinLease:

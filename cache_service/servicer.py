@@ -359,6 +359,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def PinPrefix(self, request: pb.PinPrefixRequest,
                         context: grpc.aio.ServicerContext) -> pb.PinPrefixResponse:
+        """Pins a prefix (cache_service/pins.py); the expiry is the record's."""
         # The expiry is computed here, outside apply, and carried by the record.
         record = wal_pb2.PinPrefix(request=request,
                                    expires_at=time.time() + request.ttl_seconds)
@@ -366,12 +367,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def RenewPin(self, request: pb.RenewPinRequest,
                        context: grpc.aio.ServicerContext) -> pb.RenewPinResponse:
+        """Sets a pin's expiry to ttl_seconds from now (carried by the record)."""
         record = wal_pb2.RenewPin(request=request,
                                   expires_at=time.time() + request.ttl_seconds)
         return await self._pin_call(context, "renew_pin", record)
 
     async def DropPin(self, request: pb.DropPinRequest,
                       context: grpc.aio.ServicerContext) -> pb.DropPinResponse:
+        """Drops a pin; answers it as it was."""
         return await self._pin_call(context, "drop_pin", request)
 
     async def _pin_call(self, context: grpc.aio.ServicerContext, kind: str, record: Any,

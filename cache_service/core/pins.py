@@ -79,6 +79,7 @@ class Pin:
 
     @property
     def num_held(self) -> int:
+        """Blocks the pin holds a reference on, over all groups."""
         return sum(len(g) for g in self.held)
 
     @property
@@ -135,10 +136,12 @@ class PinTable:
                                     for p in self.pins.values() if p.growing)
 
     def info(self, pin: Pin) -> PinInfo:
+        """What a caller sees of ``pin``."""
         return PinInfo(pin.pin_id, pin.account, pin.max_len, pin.hit_tokens, pin.num_held,
                        pin.growing)
 
     def get(self, pin_id: str) -> Pin:
+        """The pin (NotFound naming pin_id if there is none)."""
         pin = self.pins.get(pin_id)
         if pin is None:
             raise NotFound(f"unknown pin {pin_id!r:.80}", field="pin_id")
@@ -203,6 +206,7 @@ class PinTable:
 
     @property
     def any_growing(self) -> bool:
+        """Whether some pin still grows (the pool refreshes pins only then)."""
         return any(p.growing for p in self.pins.values())
 
     def refresh(self, *, force: bool = False) -> None:

@@ -1000,6 +1000,7 @@ class Pool:
 
     @property
     def max_pinned_blocks(self) -> int:
+        """The pool's bound on pinned blocks (options.max_pinned_blocks or its default)."""
         opts = self._options
         if opts.max_pinned_blocks is not None:
             return opts.max_pinned_blocks
