@@ -105,6 +105,7 @@ def agentic(args: argparse.Namespace) -> tuple[list[Req], int]:
 
 
 def mooncake(args: argparse.Namespace) -> tuple[list[Req], int]:
+    """The Mooncake trace's requests and its working set in blocks."""
     trace = load_trace(Path(args.trace), args.max_requests)
     seen: set[int] = set()
     reqs = []
@@ -123,6 +124,7 @@ def mooncake(args: argparse.Namespace) -> tuple[list[Req], int]:
 
 
 def make_pool(num_blocks: int, max_len: int, args: argparse.Namespace) -> Pool:
+    """A one-group full-attention pool of ``num_blocks``."""
     config = KVCacheConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(
         ("l0",), FullAttentionSpec(block_size=args.block_size, head_size=1)),))
     return Pool(config, PoolOptions(max_model_len=max_len, enable_events=False))
@@ -130,6 +132,7 @@ def make_pool(num_blocks: int, max_len: int, args: argparse.Namespace) -> Pool:
 
 def run(policy: str, reqs: list[Req], num_blocks: int, max_len: int,
         args: argparse.Namespace, *, trace: bool) -> Outcome:
+    """Replays ``reqs`` on a fresh pool under ``policy``; the sessions' hits."""
     pool = make_pool(num_blocks, max_len, args)
     out = Outcome()
     session_pin: dict[str, str] = {}
@@ -204,6 +207,7 @@ print(best)
 
 
 def step_cost(tree: Path, args: argparse.Namespace) -> float:
+    """Seconds per Step of the plain workload with the core of ``tree`` (best round)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     done = subprocess.run([sys.executable, "-c", _STEP_COST, str(args.step_requests),
                            str(args.step_count), str(args.step_rounds)], env=env, cwd=tree,
@@ -212,6 +216,7 @@ def step_cost(tree: Path, args: argparse.Namespace) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark; prints the table (and writes JSON with --out)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=24)
     p.add_argument("--turns", type=int, default=12)

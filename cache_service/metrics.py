@@ -151,13 +151,16 @@ class PoolCollector:
                 "kvcache_pool_session_quota_refusals", "Allocations answered 'no room' "
                 "because of the session block quota.", labels=["pool"]),
             "pin_refusals": CounterMetricFamily(
-                "kvcache_pool_pin_refusals", "PinPrefix calls refused by max_pinned_blocks "
-                "or a session's pinned-block quota.", labels=["pool"]),
+                "kvcache_pool_pin_refusals", "PinPrefix calls refused by max_pinned_blocks, "
+                "a session's or the tenant's pinned-block quota.", labels=["pool"]),
         }
         tenant_pools = GaugeMetricFamily("kvcache_tenant_pools", "Pools a tenant holds.",
                                          labels=["tenant"])
         tenant_blocks = GaugeMetricFamily("kvcache_tenant_blocks", "Blocks (num_blocks "
                                           "summed) over a tenant's pools.", labels=["tenant"])
+        tenant_pinned = GaugeMetricFamily("kvcache_tenant_pinned_blocks", "Pinned blocks "
+                                          "charged to pins over a tenant's pools (what its "
+                                          "max_pinned_blocks bounds).", labels=["tenant"])
         families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
             *gauges.items(), *counters.items()]
         per_tenant: dict[str, list[int]] = {}
@@ -175,15 +178,18 @@ class PoolCollector:
             for name, fam in families:
                 fam.add_metric([pool_id], float(values[name] if name in values
                                                 else getattr(s, name)))
-            held = per_tenant.setdefault(tenant_of(pool_id), [0, 0])
+            held = per_tenant.setdefault(tenant_of(pool_id), [0, 0, 0])
             held[0] += 1
             held[1] += s.num_blocks
-        for tenant, (pools, blocks) in sorted(per_tenant.items()):
+            held[2] += sum(s.pinned_blocks_by_account.values())
+        for tenant, (pools, blocks, pinned) in sorted(per_tenant.items()):
             tenant_pools.add_metric([tenant], float(pools))
             tenant_blocks.add_metric([tenant], float(blocks))
+            tenant_pinned.add_metric([tenant], float(pinned))
         yield from gauges.values()
         yield tenant_pools
         yield tenant_blocks
+        yield tenant_pinned
         yield from counters.values()
         yield misses
 

@@ -28,8 +28,15 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from cache_service.core.errors import InvalidArgument, KVCacheError, NotFound, qualify
+from cache_service.core.errors import (
+    InvalidArgument,
+    KVCacheError,
+    NotFound,
+    ResourceExhausted,
+    qualify,
+)
 from cache_service.core.pins import PinInfo
+from cache_service.tenants import tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
@@ -62,6 +69,7 @@ def check_ttl(ttl: float, limit: float) -> float:
 
 
 def pin_to_proto(info: PinInfo, expires_at: float) -> pb.PinInfo:
+    """The protocol PinInfo of a core pin and its expiry."""
     return pb.PinInfo(pin_id=info.pin_id, prefix_tokens=info.prefix_tokens,
                       hit_tokens=info.hit_tokens, num_blocks=info.num_blocks,
                       growing=info.growing, expires_at_unix_seconds=expires_at)
@@ -75,11 +83,13 @@ class PinRecords:
         self.state = state
 
     def handlers(self) -> dict[str, Callable[[Any], Callable[[], Any]]]:
+        """The state's prepare functions of the pin records, by record kind."""
         return {"pin_prefix": self._prepare_pin, "renew_pin": self._prepare_renew,
                 "drop_pin": self._prepare_drop, "expire_pin": self._prepare_expire}
 
     @property
     def leases(self) -> dict[str, dict[str, PinLease]]:
+        """Pool id -> pin id -> lease of every live pin."""
         return self.state.pin_leases
 
     def _lease(self, pool_id: str, pin_id: str) -> PinLease:
@@ -107,6 +117,7 @@ class PinRecords:
             block_hashes=list(request.block_hashes) or None,
             cache_salt=request.cache_salt or None, lora_name=request.lora_name or None,
             lora_path=request.lora_path or None, account=sid)
+        self._check_tenant_quota(request, pool, checked.new_charge)
         state.registry.fence(request.pool_id)
 
         def commit() -> pb.PinPrefixResponse:
@@ -115,6 +126,24 @@ class PinRecords:
                 sid, request.outlive_session, record.expires_at)
             return pb.PinPrefixResponse(pin=pin_to_proto(info, record.expires_at))
         return commit
+
+    def _check_tenant_quota(self, request: pb.PinPrefixRequest, pool: Any,
+                            charge: int) -> None:
+        """RESOURCE_EXHAUSTED (naming the prefix's field) if the pin would take the
+        pool's tenant beyond the pinned-block quota the record carries: the blocks charged
+        to pins over the tenant's pools on this replica plus this pin's charge."""
+        limit = self.state.tenant_limits.max_pinned_blocks
+        if not limit:
+            return
+        owner = tenant_of(request.pool_id)
+        held = tenant_pinned_blocks(self.state, owner)
+        if held + charge > limit:
+            pool.refuse_pin()  # a statistic
+            raise ResourceExhausted(
+                f"tenant {owner!r} has {held} pinned blocks; this pin would add {charge}, "
+                f"beyond its limit (max_pinned_blocks) of {limit}",
+                field="block_hashes" if request.block_hashes and not request.token_ids
+                else "token_ids")
 
     def _prepare_renew(self, record: wal_pb2.RenewPin) -> Callable[[], pb.RenewPinResponse]:
         state = self.state
@@ -191,6 +220,12 @@ class PinRecords:
         return [(pool_id, pin_id, lease.expires_at)
                 for pool_id, pins in self.leases.items() if pool_id in registry
                 for pin_id, lease in pins.items() if lease.expires_at <= now]
+
+
+def tenant_pinned_blocks(state: ServiceState, tenant: str) -> int:
+    """The pinned blocks charged to pins over ``tenant``'s pools in ``state``."""
+    return sum(sum(e.pool.pinned_blocks_by_account().values())
+               for e in state.registry if tenant_of(e.pool_id) == tenant)
 
 
 Submit = Callable[["WalRecord"], Awaitable[object]]

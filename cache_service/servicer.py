@@ -44,11 +44,11 @@ from cache_service.fairness import (
     thaw_heap,
 )
 from cache_service.leases import LeaseKeeper, LeaseReaper
-from cache_service.pins import PinReaper
+from cache_service.pins import PinReaper, tenant_pinned_blocks
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import to_status
-from cache_service.tenants import ANONYMOUS, Namespace, Tenant
+from cache_service.tenants import ANONYMOUS, Namespace, Tenant, tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -109,7 +109,8 @@ def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
     """Who made a call (name and limits), as records carry it for ``apply``. Shared: never
     mutate the answer (records copy it)."""
     return wal_pb2.TenantContext(name=tenant.name, max_pools=tenant.max_pools or 0,
-                                 max_blocks=tenant.max_blocks or 0, admin=tenant.admin)
+                                 max_blocks=tenant.max_blocks or 0, admin=tenant.admin,
+                                 max_pinned_blocks=tenant.max_pinned_blocks or 0)
 
 
 class CacheServicer(pb_grpc.CacheServiceServicer):
@@ -358,6 +359,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def PinPrefix(self, request: pb.PinPrefixRequest,
                         context: grpc.aio.ServicerContext) -> pb.PinPrefixResponse:
+        """Pins a prefix (cache_service/pins.py); the expiry is the record's."""
         # The expiry is computed here, outside apply, and carried by the record.
         record = wal_pb2.PinPrefix(request=request,
                                    expires_at=time.time() + request.ttl_seconds)
@@ -365,12 +367,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     async def RenewPin(self, request: pb.RenewPinRequest,
                        context: grpc.aio.ServicerContext) -> pb.RenewPinResponse:
+        """Sets a pin's expiry to ttl_seconds from now (carried by the record)."""
         record = wal_pb2.RenewPin(request=request,
                                   expires_at=time.time() + request.ttl_seconds)
         return await self._pin_call(context, "renew_pin", record)
 
     async def DropPin(self, request: pb.DropPinRequest,
                       context: grpc.aio.ServicerContext) -> pb.DropPinResponse:
+        """Drops a pin; answers it as it was."""
         return await self._pin_call(context, "drop_pin", request)
 
     async def _pin_call(self, context: grpc.aio.ServicerContext, kind: str, record: Any,
@@ -557,8 +561,10 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
         def run() -> pb.GetPoolStatsResponse:
             entry = self.registry.get(self._own(request).pool_id)
-            return pb.GetPoolStatsResponse(stats=convert.stats_to_proto(
-                entry.pool.stats(), entry.feed.next_sequence - 1))
+            stats = convert.stats_to_proto(entry.pool.stats(), entry.feed.next_sequence - 1)
+            stats.tenant_pinned_blocks = tenant_pinned_blocks(self.state,
+                                                              tenant_of(entry.pool_id))
+            return pb.GetPoolStatsResponse(stats=stats)
         return await self._unary(context, run)
 
     async def ResetPrefixCache(self, request: pb.ResetPrefixCacheRequest,

@@ -40,14 +40,19 @@ class Settings(BaseSettings):
                                          "variable: flags are visible in ps")
     auth_tokens_file: Path | None = Field(None, description="tenants: a file of "
                                           "'<token> <tenant> [admin] [max_pools=N] "
-                                          "[max_blocks=N]' lines; every kvcache.v1 call "
-                                          "needs one of its tokens and sees only its "
-                                          "tenant's pools (excludes --auth-token)")
+                                          "[max_blocks=N] [max_pinned_blocks=N]' lines; "
+                                          "every kvcache.v1 call needs one of its tokens "
+                                          "and sees only its tenant's pools (excludes "
+                                          "--auth-token)")
     tenant_max_pools: int = Field(0, ge=0, description="pools one tenant may hold at once "
                                   "(0 = no limit); a tenants-file line may override it")
     tenant_max_blocks: int = Field(0, ge=0, description="sum of num_blocks over one "
                                    "tenant's pools (0 = no limit beyond "
                                    "--max-total-blocks); a tenants-file line may override it")
+    tenant_max_pinned_blocks: int = Field(0, ge=0, description="pinned blocks (PinPrefix) "
+                                          "charged over one tenant's pools (0 = no limit "
+                                          "beyond each pool's max_pinned_blocks); a "
+                                          "tenants-file line may override it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with --tls-key "
                                   "the server speaks TLS")
     tls_key: Path | None = Field(None, description="PEM private key for --tls-cert")
@@ -185,12 +190,14 @@ class Settings(BaseSettings):
 
     def _tenant_limits(self) -> _TenantLimits:
         return _TenantLimits(max_pools=self.tenant_max_pools or None,
-                             max_blocks=self.tenant_max_blocks or None)
+                             max_blocks=self.tenant_max_blocks or None,
+                             max_pinned_blocks=self.tenant_max_pinned_blocks or None)
 
 
 class _TenantLimits(TypedDict):
     max_pools: int | None
     max_blocks: int | None
+    max_pinned_blocks: int | None
 
 
 def parse_settings(argv: Sequence[str] | None = None) -> Settings:

@@ -180,6 +180,11 @@ class ServiceState:
         """The tenant of the record being applied."""
         return self._tenant.name
 
+    @property
+    def tenant_limits(self) -> wal_pb2.TenantContext:
+        """The tenant context (name and limits) of the record being applied."""
+        return self._tenant
+
     # -- the entry point -------------------------------------------------------------------
 
     def apply(self, record: WalRecord) -> Message:

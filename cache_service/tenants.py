@@ -8,9 +8,9 @@ Three modes, chosen by the server's settings:
 * no auth: every caller is the one tenant ``default``;
 * ``--auth-token T``: callers presenting ``T`` are the one tenant ``default``;
 * ``--auth-tokens-file F``: one line per token, ``<token> <tenant> [options]``; options
-  are ``admin``, ``max_pools=N`` and ``max_blocks=N`` (per-tenant limits over the
-  server-wide defaults); ``#`` starts a comment. Several tokens may name one tenant (key
-  rotation); their options must agree.
+  are ``admin``, ``max_pools=N``, ``max_blocks=N`` and ``max_pinned_blocks=N``
+  (per-tenant limits over the server-wide defaults); ``#`` starts a comment. Several
+  tokens may name one tenant (key rotation); their options must agree.
 
 No gRPC here: :meth:`TenantTable.authenticate` takes the ``authorization`` metadata value.
 """
@@ -28,13 +28,15 @@ TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 @dataclass(frozen=True)
 class Tenant:
-    """One tenant. ``max_pools`` / ``max_blocks`` (sum of its pools' num_blocks) are None
-    for no per-tenant limit (the server's block budget still applies)."""
+    """One tenant. ``max_pools`` / ``max_blocks`` (sum of its pools' num_blocks) /
+    ``max_pinned_blocks`` (pinned blocks charged to pins over its pools) are None for no
+    per-tenant limit (the server's block budget and each pool's pin bounds still apply)."""
 
     name: str
     admin: bool = False
     max_pools: int | None = None
     max_blocks: int | None = None
+    max_pinned_blocks: int | None = None
 
 
 #: The only tenant when auth is off or a single token is configured.
@@ -60,16 +62,20 @@ class TenantTable:
 
     @classmethod
     def single(cls, token: str, *, max_pools: int | None = None,
-               max_blocks: int | None = None) -> TenantTable:
+               max_blocks: int | None = None,
+               max_pinned_blocks: int | None = None) -> TenantTable:
         """Today's single shared token: one tenant, ``default``."""
         return cls({token: dataclasses.replace(ANONYMOUS, max_pools=max_pools,
-                                               max_blocks=max_blocks)})
+                                               max_blocks=max_blocks,
+                                               max_pinned_blocks=max_pinned_blocks)})
 
     @classmethod
     def from_file(cls, path: Path, *, max_pools: int | None = None,
-                  max_blocks: int | None = None) -> TenantTable:
+                  max_blocks: int | None = None,
+                  max_pinned_blocks: int | None = None) -> TenantTable:
         """Parses a tenants file (format in the module doc); ``max_pools`` /
-        ``max_blocks`` are the defaults of tenants whose line does not set them."""
+        ``max_blocks`` / ``max_pinned_blocks`` are the defaults of tenants whose line does
+        not set them."""
         tokens: dict[str, Tenant] = {}
         try:
             text = path.read_text()
@@ -86,7 +92,8 @@ class TenantTable:
             if not TENANT_RE.fullmatch(name):
                 raise TenantsFileError(f"{where}: tenant name must be 1-64 characters from "
                                        f"[A-Za-z0-9._-], got {name!r}")
-            tenant = _parse_options(Tenant(name, max_pools=max_pools, max_blocks=max_blocks),
+            tenant = _parse_options(Tenant(name, max_pools=max_pools, max_blocks=max_blocks,
+                                           max_pinned_blocks=max_pinned_blocks),
                                     options, where)
             if token in tokens:
                 raise TenantsFileError(f"{where}: token repeated (first for tenant "
@@ -107,22 +114,28 @@ class TenantTable:
         return self._by_digest.get(_digest(authorization[7:]))
 
 
+#: The tenants-file options that set a per-tenant limit (Tenant fields of the same name).
+_LIMITS = ("max_pools", "max_blocks", "max_pinned_blocks")
+
+
 def _parse_options(tenant: Tenant, options: list[str], where: str) -> Tenant:
     for option in options:
         key, eq, value = option.partition("=")
         if key == "admin" and not eq:
             tenant = dataclasses.replace(tenant, admin=True)
-        elif key in ("max_pools", "max_blocks") and eq:
+        elif key in _LIMITS and eq:
             if not value.isdigit():
                 raise TenantsFileError(f"{where}: {key} must be a non-negative integer, "
                                        f"got {value!r}")
             if key == "max_pools":
                 tenant = dataclasses.replace(tenant, max_pools=int(value))
-            else:
+            elif key == "max_blocks":
                 tenant = dataclasses.replace(tenant, max_blocks=int(value))
+            else:
+                tenant = dataclasses.replace(tenant, max_pinned_blocks=int(value))
         else:
             raise TenantsFileError(f"{where}: unknown option {option!r} (admin, "
-                                   "max_pools=N, max_blocks=N)")
+                                   "max_pools=N, max_blocks=N, max_pinned_blocks=N)")
     return tenant
 
 

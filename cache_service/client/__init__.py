@@ -51,6 +51,7 @@ from cache_service.client._results import (
     LookupResult,
     NewStepResult,
     OpResult,
+    PinInfo,
     PoolInfo,
     PoolStats,
     PreemptResult,
@@ -64,7 +65,8 @@ __all__ = [
     "AddResult", "AllocateResult", "AppendResult", "AsyncCacheClient", "AsyncStepStream",
     "BlockCopy",
     "CacheClient", "CacheError", "DecodeResult", "Event", "FillResult", "FreeResult", "GroupInfo",
-    "LookupResult", "NewStepResult", "OpResult", "PoolInfo", "PoolStats", "PreemptResult",
+    "LookupResult", "NewStepResult", "OpResult", "PinInfo", "PoolInfo", "PoolStats",
+    "PreemptResult",
     "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",
     "register_request", "step_result",
 ]

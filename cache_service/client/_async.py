@@ -21,12 +21,14 @@ from cache_service.client._errors import CacheError
 from cache_service.client._results import (
     DecodeResult,
     Event,
+    PinInfo,
     PoolInfo,
     PoolStats,
     RequestState,
     StepResult,
     event_from,
     hits_from,
+    pin_from,
     pool_info_from,
     request_state_from,
     stats_from,
@@ -244,6 +246,36 @@ class AsyncCacheClient(ClientBase):
         """The pool's usage and prefix-cache counters."""
         resp = await self._call("GetPoolStats", pb.GetPoolStatsRequest(pool_id=pool_id), timeout)
         return stats_from(resp.stats)
+
+    async def pin_prefix(self, pool_id: str, pin_id: str, token_ids: Sequence[int] = (), *,
+                       ttl_seconds: float, block_hashes: Sequence[bytes] = (),
+                       session_id: str = "", outlive_session: bool = False,
+                       cache_salt: str | None = None, lora_name: str | None = None,
+                       lora_path: str | None = None,
+                       timeout: float | None = None) -> PinInfo:
+        """Pins the prefix of ``token_ids`` (or ``block_hashes``) in the pool for
+        ``ttl_seconds`` (docs/protocol.md, "Prefix pins"). ``session_id`` (for example
+        :attr:`session_id`) owns it: the pin is charged to its tenant's quota and dropped
+        when the session ends unless ``outlive_session``. Not resent after a lost answer
+        (a resend would meet the pin it took: ALREADY_EXISTS)."""
+        resp = await self._call("PinPrefix", self._pin_request(
+            pool_id, pin_id, token_ids, block_hashes, ttl_seconds, session_id,
+            outlive_session, cache_salt, lora_name, lora_path), timeout, resend=False)
+        return pin_from(resp.pin)
+
+    async def renew_pin(self, pool_id: str, pin_id: str, *, ttl_seconds: float,
+                      timeout: float | None = None) -> PinInfo:
+        """Sets the pin's expiry to ``ttl_seconds`` from now (safe to resend)."""
+        resp = await self._call("RenewPin", pb.RenewPinRequest(
+            pool_id=pool_id, pin_id=pin_id, ttl_seconds=ttl_seconds), timeout)
+        return pin_from(resp.pin)
+
+    async def drop_pin(self, pool_id: str, pin_id: str, *,
+                     timeout: float | None = None) -> PinInfo:
+        """Drops the pin; answers it as it was (NOT_FOUND if dropped or expired)."""
+        resp = await self._call("DropPin", pb.DropPinRequest(pool_id=pool_id, pin_id=pin_id),
+                             timeout, resend=False)
+        return pin_from(resp.pin)
 
     async def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
         """Drops every cached block of the pool; False (nothing changed) while any

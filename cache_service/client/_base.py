@@ -106,6 +106,17 @@ class ClientBase:
                          attempt_timeout=self.attempt_timeout)
 
     @staticmethod
+    def _pin_request(pool_id: str, pin_id: str, token_ids: Sequence[int],
+                     block_hashes: Sequence[bytes], ttl_seconds: float, session_id: str,
+                     outlive_session: bool, cache_salt: str | None, lora_name: str | None,
+                     lora_path: str | None) -> pb.PinPrefixRequest:
+        """The PinPrefixRequest of ``pin_prefix``."""
+        return pb.PinPrefixRequest(
+            pool_id=pool_id, pin_id=pin_id, token_ids=token_ids, block_hashes=block_hashes,
+            ttl_seconds=ttl_seconds, session_id=session_id, outlive_session=outlive_session,
+            cache_salt=cache_salt or "", lora_name=lora_name or "", lora_path=lora_path or "")
+
+    @staticmethod
     def _unary_delay(route: CallRoute, address: str, exc: grpc.RpcError) -> float:
         """After a unary attempt at ``address`` failed with ``exc``: seconds to wait before
         the next attempt (at the route's next address); raises :class:`Moved` (a pinned

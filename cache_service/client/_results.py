@@ -268,6 +268,30 @@ class PoolStats:
     preemptions: int
     num_cached_blocks_per_group: list[int]
     last_event_sequence: int
+    #: Distinct blocks held by prefix pins, the pool's bound on them, live pins,
+    #: PinPrefix calls refused by a bound or quota, and the pinned blocks charged to the
+    #: pool's tenant over all its pools (what its pinned-block quota bounds).
+    num_pinned_blocks: int = 0
+    max_pinned_blocks: int = 0
+    num_pins: int = 0
+    pin_refusals: int = 0
+    tenant_pinned_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class PinInfo:
+    """One prefix pin (answer of ``pin_prefix`` / ``renew_pin`` / ``drop_pin``):
+    ``prefix_tokens`` is the pinned prefix's length (the hit cap of its lookup),
+    ``hit_tokens`` of it cached and held now, ``num_blocks`` held over all groups;
+    ``growing``: part of the prefix is not cached yet and is taken as it gets cached;
+    ``expires_at`` is Unix time in seconds."""
+
+    pin_id: str
+    prefix_tokens: int
+    hit_tokens: int
+    num_blocks: int
+    growing: bool
+    expires_at: float
 
 
 @dataclass(frozen=True)
@@ -351,7 +375,15 @@ def stats_from(s: pb.PoolStats) -> PoolStats:
     return PoolStats(s.num_blocks, s.num_free_blocks, s.num_cached_blocks, s.usage,
                      s.num_requests, s.prefix_cache_queries, s.prefix_cache_hits, s.evictions,
                      s.allocation_failures, s.preemptions,
-                     [g.num_cached_blocks for g in s.groups], s.last_event_sequence)
+                     [g.num_cached_blocks for g in s.groups], s.last_event_sequence,
+                     s.num_pinned_blocks, s.max_pinned_blocks, s.num_pins, s.pin_refusals,
+                     s.tenant_pinned_blocks)
+
+
+def pin_from(p: pb.PinInfo) -> PinInfo:
+    """PinInfo of the protocol message."""
+    return PinInfo(p.pin_id, p.prefix_tokens, p.hit_tokens, p.num_blocks, p.growing,
+                   p.expires_at_unix_seconds)
 
 
 def event_from(e: pb.KVEvent) -> Event:

@@ -39,12 +39,14 @@ class ClassedFreeQueue:
 
     @property
     def num_free_blocks(self) -> int:
+        """Free blocks over every class."""
         return sum(q.num_free_blocks for q in self.queues)
 
     def __len__(self) -> int:
         return self.num_free_blocks
 
     def popleft(self) -> KVCacheBlock:
+        """The next block to evict: the lowest class's front."""
         return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
@@ -66,13 +68,16 @@ class ClassedFreeQueue:
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
+        """Takes ``block`` out of its class's queue (a cache hit on a free block)."""
         cls = self.class_of.pop(block.block_id, 0)
         self.queues[cls].remove(block)
 
     def append(self, block: KVCacheBlock) -> None:
+        """Frees ``block`` to the back of the release class's queue."""
         self.append_n([block])
 
     def append_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Frees ``blocks`` in order to the back of the release class's queue."""
         cls = self.release_class
         if cls:
             for block in blocks:
@@ -80,9 +85,11 @@ class ClassedFreeQueue:
         self.queues[cls].append_n(blocks)
 
     def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Frees ``blocks`` to the very front (class 0): first to evict (a release hint)."""
         self.queues[0].prepend_n(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        """Every free block in eviction order (class by class)."""
         out: list[KVCacheBlock] = []
         for queue in self.queues:
             out += queue.get_all_free_blocks()

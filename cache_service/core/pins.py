@@ -73,9 +73,13 @@ class Pin:
     hit_tokens: int = 0
     #: The hit can still grow (part of the prefix is not cached yet).
     growing: bool = True
+    #: What :meth:`PinTable.add` charges its account (set by ``check_new``; what an outer
+    #: quota, such as a tenant's, checks).
+    new_charge: int = 0
 
     @property
     def num_held(self) -> int:
+        """Blocks the pin holds a reference on, over all groups."""
         return sum(len(g) for g in self.held)
 
     @property
@@ -132,10 +136,12 @@ class PinTable:
                                     for p in self.pins.values() if p.growing)
 
     def info(self, pin: Pin) -> PinInfo:
+        """What a caller sees of ``pin``."""
         return PinInfo(pin.pin_id, pin.account, pin.max_len, pin.hit_tokens, pin.num_held,
                        pin.growing)
 
     def get(self, pin_id: str) -> Pin:
+        """The pin (NotFound naming pin_id if there is none)."""
         pin = self.pins.get(pin_id)
         if pin is None:
             raise NotFound(f"unknown pin {pin_id!r:.80}", field="pin_id")
@@ -180,7 +186,7 @@ class PinTable:
                 f"account {account!r:.80} has {self.charged.get(account, 0)} pinned blocks; "
                 f"this pin would add {charge}, beyond the limit (pinned_block_quota) of "
                 f"{quota}", field="token_ids")
-        pin.held = [[] for _ in needed]
+        pin.held, pin.new_charge = [[] for _ in needed], charge
         return pin
 
     def add(self, pin: Pin) -> None:
@@ -200,6 +206,7 @@ class PinTable:
 
     @property
     def any_growing(self) -> bool:
+        """Whether some pin still grows (the pool refreshes pins only then)."""
         return any(p.growing for p in self.pins.values())
 
     def refresh(self, *, force: bool = False) -> None:

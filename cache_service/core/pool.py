@@ -933,6 +933,11 @@ class Pool:
         assert hashes is not None
         return self._pin_table().check_new(pin_id, account, hashes, max_len)
 
+    def refuse_pin(self) -> None:
+        """Counts a pin refused by a bound outside the pool (a tenant's quota): the
+        ``pin_refusals`` statistic, nothing else."""
+        self._pin_table().refusals += 1
+
     def add_pin(self, checked: Any) -> PinInfo:
         """Takes a pin :meth:`check_pin` answered (nothing may change the pool between)."""
         pins = self._pin_table()
@@ -995,6 +1000,7 @@ class Pool:
 
     @property
     def max_pinned_blocks(self) -> int:
+        """The pool's bound on pinned blocks (options.max_pinned_blocks or its default)."""
         opts = self._options
         if opts.max_pinned_blocks is not None:
             return opts.max_pinned_blocks

@@ -6,6 +6,7 @@ directory. Bad calls answer an error naming the field and change nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import time
@@ -16,7 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cache_service.client import AllocateResult, CacheClient, CacheError, StepBuilder
+from cache_service.client import (
+    AllocateResult,
+    AsyncCacheClient,
+    CacheClient,
+    CacheError,
+    PinInfo,
+    StepBuilder,
+)
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.launch import ServerProcess, start_cache_service
@@ -81,14 +89,14 @@ def test_a_pinned_prefix_survives_a_flood_that_evicts_it_without_the_pin(
     for pool in (plain, pinned):
         _run(client, pool, "sys", SYSTEM)
     before = time.time()
-    pin = _pin(stub, pinned, "system-prompt", SYSTEM, ttl=600)
-    assert (pin.prefix_tokens, pin.hit_tokens, pin.num_blocks, pin.growing) == (128, 128, 8,
-                                                                                False)
-    assert before + 600 <= pin.expires_at_unix_seconds <= time.time() + 600
+    pin = client.pin_prefix(pinned, "system-prompt", SYSTEM, ttl_seconds=600)
+    assert pin == PinInfo("system-prompt", 128, 128, 8, False, pin.expires_at)
+    assert before + 600 <= pin.expires_at <= time.time() + 600
     assert _hit(stub, pinned, SYSTEM).pinned_tokens == 128
     assert _hit(stub, plain, SYSTEM).pinned_tokens == 0
+    typed = client.stats(pinned)
+    assert (typed.num_pinned_blocks, typed.num_pins, typed.max_pinned_blocks) == (8, 1, 64)
     stats = _stats(stub, pinned)
-    assert (stats.num_pinned_blocks, stats.num_pins, stats.max_pinned_blocks) == (8, 1, 64)
     assert [(p.session_id_prefix, p.blocks) for p in stats.pinned_blocks] == [("", 8)]
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
                                   timeout=10).read().decode()
@@ -97,9 +105,12 @@ def test_a_pinned_prefix_survives_a_flood_that_evicts_it_without_the_pin(
         _flood(client, pool)
     assert _hit(stub, plain, SYSTEM).hit_tokens == 0
     assert _hit(stub, pinned, SYSTEM).hit_tokens == 128
-    dropped = stub.DropPin(pb.DropPinRequest(pool_id=pinned, pin_id="system-prompt")).pin
+    dropped = client.drop_pin(pinned, "system-prompt")
     assert dropped.pin_id == "system-prompt" and dropped.num_blocks == 8
-    assert _stats(stub, pinned).num_pinned_blocks == 0
+    assert client.stats(pinned).num_pinned_blocks == 0
+    with pytest.raises(CacheError) as gone:
+        client.drop_pin(pinned, "system-prompt")
+    assert (gone.value.code, gone.value.field) == (grpc.StatusCode.NOT_FOUND, "pin_id")
     _flood(client, pinned, start=2000)
     assert _hit(stub, pinned, SYSTEM).hit_tokens == 0
 
@@ -107,13 +118,33 @@ def test_a_pinned_prefix_survives_a_flood_that_evicts_it_without_the_pin(
 def test_a_pin_on_a_prefix_not_computed_yet_holds_it_once_cached(
         client: CacheClient, stub: pb_grpc.CacheServiceStub, pools) -> None:
     pool = pools("pins-growing")
-    pin = _pin(stub, pool, "p", SYSTEM)
+    pin = client.pin_prefix(pool, "p", SYSTEM, ttl_seconds=600)
     assert (pin.hit_tokens, pin.growing) == (0, True)
     _run(client, pool, "sys", SYSTEM)
     _flood(client, pool)
     assert _hit(stub, pool, SYSTEM).hit_tokens == 128
-    renewed = stub.RenewPin(pb.RenewPinRequest(pool_id=pool, pin_id="p", ttl_seconds=60)).pin
+    renewed = client.renew_pin(pool, "p", ttl_seconds=60)
+    assert renewed.expires_at < pin.expires_at
     assert (renewed.hit_tokens, renewed.num_blocks, renewed.growing) == (128, 8, False)
+
+
+def test_the_async_client_pins_renews_and_drops_as_the_blocking_one(
+        client: CacheClient, server: ServerProcess, pools) -> None:
+    pool = pools("pins-async")
+    _run(client, pool, "sys", SYSTEM)
+
+    async def run() -> tuple[PinInfo, PinInfo, PinInfo, int]:
+        async with AsyncCacheClient(server.target) as aclient:
+            pin = await aclient.pin_prefix(pool, "a", SYSTEM, ttl_seconds=600)
+            renewed = await aclient.renew_pin(pool, "a", ttl_seconds=30)
+            held = (await aclient.stats(pool)).num_pinned_blocks
+            dropped = await aclient.drop_pin(pool, "a")
+            return pin, renewed, dropped, held
+
+    pin, renewed, dropped, held = asyncio.run(run())
+    assert (pin.hit_tokens, pin.num_blocks, held) == (128, 8, 8)
+    assert renewed.expires_at < pin.expires_at and dropped.pin_id == "a"
+    assert client.stats(pool).num_pins == 0
 
 
 def test_bad_pin_calls_name_the_field_and_change_nothing(
@@ -163,18 +194,20 @@ def test_pins_die_with_their_session_unless_they_outlive_it(server: ServerProces
             _run(agent, "pins-owned", "sys", SYSTEM)
             sid = agent.session_id
             assert sid
-            _pin(stub, "pins-owned", "dies", SYSTEM, session_id=sid)
-            _pin(stub, "pins-owned", "lives", SYSTEM[:65], session_id=sid, outlive_session=True)
+            agent.pin_prefix("pins-owned", "dies", SYSTEM, ttl_seconds=600, session_id=sid)
+            agent.pin_prefix("pins-owned", "lives", SYSTEM[:65], ttl_seconds=600,
+                             session_id=sid, outlive_session=True)
             stats = _stats(stub, "pins-owned")
             assert [(p.session_id_prefix, p.blocks) for p in stats.pinned_blocks] == [
                 (sid[:8], 12)]
-            err = _error(lambda: _pin(stub, "pins-owned", "over", SYSTEM, session_id=sid))
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # 12 + 8 > 16
+            with pytest.raises(CacheError) as over:
+                agent.pin_prefix("pins-owned", "over", SYSTEM, ttl_seconds=600,
+                                 session_id=sid)
+            assert over.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # 12 + 8 > 16
         # The client closed its session: "dies" went with it, "lives" stays to its TTL.
         stats = _stats(stub, "pins-owned")
         assert (stats.num_pins, stats.num_pinned_blocks) == (1, 4)
-        assert stub.RenewPin(pb.RenewPinRequest(pool_id="pins-owned", pin_id="lives",
-                                                ttl_seconds=5)).pin.hit_tokens == 64
+        assert admin.renew_pin("pins-owned", "lives", ttl_seconds=5).hit_tokens == 64
         admin.delete_pool("pins-owned")
 
 
@@ -182,13 +215,13 @@ def test_a_pin_expires_at_its_ttl(client: CacheClient, stub: pb_grpc.CacheServic
                                   pools) -> None:
     pool = pools("pins-ttl")
     _run(client, pool, "sys", SYSTEM)
-    pin = _pin(stub, pool, "short", SYSTEM, ttl=0.5)
-    _pin(stub, pool, "long", SYSTEM[:33], ttl=600)
+    pin = client.pin_prefix(pool, "short", SYSTEM, ttl_seconds=0.5)
+    client.pin_prefix(pool, "long", SYSTEM[:33], ttl_seconds=600)
     deadline = time.monotonic() + 20
     while _stats(stub, pool).num_pins == 2:  # the reaper runs every 0.5 s
         assert time.monotonic() < deadline, "the pin did not expire"
         time.sleep(0.05)
-    assert time.time() >= pin.expires_at_unix_seconds
+    assert time.time() >= pin.expires_at
     stats = _stats(stub, pool)
     assert (stats.num_pins, stats.num_pinned_blocks) == (1, 2)
     err = _error(lambda: stub.DropPin(pb.DropPinRequest(pool_id=pool, pin_id="short")))

@@ -20,13 +20,14 @@ def test_tokens_map_to_tenants_with_their_options(tmp_path: Path) -> None:
         # token            tenant   options
         tok-a-1            team-a   max_pools=2
         tok-a-2            team-a   max_pools=2   # a second key of the same tenant
-        tok-b              team-b   max_blocks=4096
+        tok-b              team-b   max_blocks=4096 max_pinned_blocks=64
         tok-ops            ops      admin
     """), max_pools=5)
     assert table.authenticate("Bearer tok-a-1") == Tenant("team-a", max_pools=2)
     assert table.authenticate("Bearer tok-a-2") == Tenant("team-a", max_pools=2)
     assert table.authenticate("Bearer tok-b") == Tenant("team-b", max_pools=5,
-                                                        max_blocks=4096)
+                                                        max_blocks=4096,
+                                                        max_pinned_blocks=64)
     ops = table.authenticate("Bearer tok-ops")
     assert ops is not None and ops.admin
     for bad in (None, "", "tok-b", "Bearer tok-b ", "Bearer ", "bearer tok-b", "Bearer x"):
@@ -44,6 +45,7 @@ def test_the_single_token_mode_is_one_default_tenant() -> None:
     ("tok\n", ":1: expected '<token> <tenant> [options]'"),
     ("\n\ntok bad/name\n", ":3: tenant name"),
     ("tok a max_pools=-1\n", ":1: max_pools must be a non-negative integer"),
+    ("tok a max_pinned_blocks=x\n", ":1: max_pinned_blocks must be a non-negative integer"),
     ("tok a root\n", ":1: unknown option 'root'"),
     ("tok a\ntok b\n", ":2: token repeated"),
     ("t1 a admin\nt2 a\n", ":2: options of tenant 'a' differ"),

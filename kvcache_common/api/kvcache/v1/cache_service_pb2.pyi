@@ -610,7 +610,7 @@ class GroupStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence", "num_pinned_blocks", "max_pinned_blocks", "num_pins", "pin_refusals", "pinned_blocks")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence", "num_pinned_blocks", "max_pinned_blocks", "num_pins", "pin_refusals", "pinned_blocks", "tenant_pinned_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -628,6 +628,7 @@ class PoolStats(_message.Message):
     NUM_PINS_FIELD_NUMBER: _ClassVar[int]
     PIN_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -645,7 +646,8 @@ class PoolStats(_message.Message):
     num_pins: int
     pin_refusals: int
     pinned_blocks: _containers.RepeatedCompositeFieldContainer[PinnedBlocks]
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., pin_refusals: _Optional[int] = ..., pinned_blocks: _Optional[_Iterable[_Union[PinnedBlocks, _Mapping]]] = ...) -> None: ...
+    tenant_pinned_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., pin_refusals: _Optional[int] = ..., pinned_blocks: _Optional[_Iterable[_Union[PinnedBlocks, _Mapping]]] = ..., tenant_pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class PinnedBlocks(_message.Message):
     __slots__ = ("session_id_prefix", "blocks")

@@ -38,16 +38,18 @@ class WalRecord(_message.Message):
     def __init__(self, register_pool: _Optional[_Union[_cache_service_pb2.RegisterPoolRequest, _Mapping]] = ..., delete_pool: _Optional[_Union[_cache_service_pb2.DeletePoolRequest, _Mapping]] = ..., step: _Optional[_Union[_cache_service_pb2.StepRequest, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[_cache_service_pb2.ResetPrefixCacheRequest, _Mapping]] = ..., open_session: _Optional[_Union[OpenSession, _Mapping]] = ..., close_session: _Optional[_Union[_cache_service_pb2.CloseSessionRequest, _Mapping]] = ..., expire_session: _Optional[_Union[ExpireSession, _Mapping]] = ..., adopt_pool: _Optional[_Union[AdoptPool, _Mapping]] = ..., pin_prefix: _Optional[_Union[PinPrefix, _Mapping]] = ..., renew_pin: _Optional[_Union[RenewPin, _Mapping]] = ..., drop_pin: _Optional[_Union[_cache_service_pb2.DropPinRequest, _Mapping]] = ..., expire_pin: _Optional[_Union[ExpirePin, _Mapping]] = ..., tenant: _Optional[_Union[TenantContext, _Mapping]] = ...) -> None: ...
 
 class TenantContext(_message.Message):
-    __slots__ = ("name", "max_pools", "max_blocks", "admin")
+    __slots__ = ("name", "max_pools", "max_blocks", "admin", "max_pinned_blocks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_POOLS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ADMIN_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     max_pools: int
     max_blocks: int
     admin: bool
-    def __init__(self, name: _Optional[str] = ..., max_pools: _Optional[int] = ..., max_blocks: _Optional[int] = ..., admin: _Optional[bool] = ...) -> None: ...
+    max_pinned_blocks: int
+    def __init__(self, name: _Optional[str] = ..., max_pools: _Optional[int] = ..., max_blocks: _Optional[int] = ..., admin: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ...) -> None: ...
 
 class OpenSession(_message.Message):
     __slots__ = ("session_id", "client_name", "evict_first_on_end")
