@@ -112,8 +112,12 @@ class PoolOptions:
     #: None = dense (every eligible checkpoint; the default here, see the doc for why),
     #: 0 = sparse (vLLM 0.33's engine default), N = sparse plus one every N tokens.
     prefix_cache_retention_interval: int | None = None
-    #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE).
+    #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE and
+    #: partial hits).
     enable_mamba_shared_prefix_checkpoint: bool = False
+    #: vLLM's ``use_eagle`` (docs/semantics.md#eagle): hits drop their last block for
+    #: the drafter, checkpoints are kept where such hits land. False = off.
+    use_eagle: bool = False
 
 
 @dataclass(slots=True)
@@ -275,7 +279,8 @@ class Pool:
             enable_caching=options.enable_caching, enable_events=options.enable_events,
             watermark=options.watermark,
             prefix_cache_retention_interval=options.prefix_cache_retention_interval,
-            enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint)
+            enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
+            use_eagle=options.use_eagle)
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)

@@ -14,6 +14,10 @@ starts inside a block does not run past that block's end; with partial hits a pr
 chunk also stops at its last hash-block boundary (where vLLM's scheduler stops so that
 the state there is cached). To apply it to the *real* progress (an allocation may fail),
 the generator runs every operation on this project's pool as it goes.
+
+With ``use_eagle`` in the config the prompt's partial-entry boundary is EAGLE's (one
+hash block below the whole prompt's last one) and allocations carry draft slots
+(``num_lookahead_tokens``) more often, as a speculative-decoding scheduler's do.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     replayer = Replayer(make_pool(config))
     hbs = replayer.pool.hash_block_size
     partial_hits = replayer.pool.manager.partial_hits
+    eagle = bool(config.get("use_eagle"))
+
+    def tail_boundary(num_prompt_tokens: int) -> int:
+        """Where the prompt's partial entry sits (docs/semantics.md#eagle)."""
+        if eagle:
+            return max(num_prompt_tokens // hbs * hbs - hbs, 0)
+        return (num_prompt_tokens - 1) // hbs * hbs
     # With partial hits: the prompt of each request, and the prompts whose request
     # stopped at its last hash-block boundary inside a block (a partial entry sits there).
     prompts: dict[str, list[int]] = {}
@@ -61,7 +72,7 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 if emitted.get("op") == "allocate" and rid_ in reqs and out.get("ok"):
                     reqs[rid_][1] = out["num_computed_tokens"]
                     prompt = prompts.get(rid_) if partial_hits else None
-                    if prompt is not None and reqs[rid_][1] == (len(prompt) - 1) // hbs * hbs \
+                    if prompt is not None and reqs[rid_][1] == tail_boundary(len(prompt)) \
                             and reqs[rid_][1] % cbs:
                         reached.append(prompt)
             applied = len(ops)
@@ -115,14 +126,15 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                     n = (computed + n) // cbs * cbs - computed
                     if n <= 0:
                         continue  # vLLM schedules nothing for it this step
-                tail = (num_tokens - 1) // hbs * hbs
+                tail = tail_boundary(num_tokens)
                 if partial_hits and computed < tail < computed + n \
-                        and tail > (num_tokens - 1) // cbs * cbs:
+                        and tail > (num_tokens // cbs * cbs - cbs if eagle
+                                    else (num_tokens - 1) // cbs * cbs):
                     n = tail - computed
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True
-            if rng.random() < 0.05:
+            if rng.random() < (0.5 if eagle else 0.05):
                 op["num_lookahead_tokens"] = rng.randrange(1, 8)
             if rng.random() < 0.03:
                 op["use_lookup"] = False
