@@ -173,6 +173,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         account_block_quota=opts.session_block_quota or None,
         prefix_cache_retention_interval=retention,
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
+        use_eagle=opts.use_eagle,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -188,7 +189,8 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid,
         session_block_quota=opts.account_block_quota or 0,
         prefix_cache_retention_interval=opts.prefix_cache_retention_interval,
-        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
+        use_eagle=opts.use_eagle)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:

@@ -282,6 +282,7 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      session_block_quota: int = 0,
                      prefix_cache_retention_interval: int | None = None,
                      enable_mamba_shared_prefix_checkpoint: bool = False,
+                     use_eagle: bool = False,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -301,7 +302,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         hybrid=hybrid, skip_capacity_check=skip_capacity_check,
         session_block_quota=session_block_quota,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
-        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+        use_eagle=use_eagle)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks

@@ -442,7 +442,8 @@ class HybridCoordinator(KVCacheCoordinator):
         for m in self.managers:
             m.cache_hit_alignment_tokens = self._hit_alignment
         self._tail_entries = self.partial_hits or any(
-            type(m) is FullAttentionManager and m.block_size > hbs for m in self.managers)
+            type(m) in (FullAttentionManager, MambaManager) and m.block_size > hbs
+            for m in self.managers)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:

@@ -841,7 +841,9 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(rid, 0)
-        if self.align and self.cache_hit_alignment_tokens < self.block_size:
+        if self.align:
+            # As vLLM: every "align" group looks for the prompt's tail entry (it only
+            # adds one where the block there is not keyed at that boundary yet).
             tail = self._cache_partial_tail(request, num_tokens)
             if tail is not None:
                 self.cached_this_step.add(tail)

@@ -37,7 +37,6 @@ sys.path.insert(0, str(ORACLE.parent))
 
 import vllm_oracle  # noqa: E402  (found through the path set above)
 
-
 # Manager options this wrapper adds: flag -> KVCacheManager keyword.
 MANAGER_FLAGS = {"--use-eagle": "use_eagle",
                  "--enable-mamba-shared-prefix-checkpoint":
