@@ -125,6 +125,13 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 elif align and computed + n < num_tokens and (computed + n) % cbs:
                     n = (computed + n) // cbs * cbs - computed
                     if n <= 0:
+                        if eagle and ops[-1] == {"op": "lookup", "req": rid}:
+                            # A lookup belongs to this step's allocation: the pool re-runs
+                            # a stale one, vLLM does not, and with EAGLE the junction it
+                            # answered decides which blocks are kept. (Traces of configs
+                            # without EAGLE keep the lookup, so that the committed samples
+                            # stay reproducible: on them the re-run lookup answers alike.)
+                            ops.pop()
                         continue  # vLLM schedules nothing for it this step
                 tail = tail_boundary(num_tokens)
                 if partial_hits and computed < tail < computed + n \
