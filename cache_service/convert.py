@@ -348,7 +348,8 @@ def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
             kind=(LAYER_KINDS.value(event.spec_kind) if event.spec_kind
                   else pb.LAYER_KIND_UNSPECIFIED),
             sliding_window=event.sliding_window or 0, medium=event.medium,
-            prefix_lengths=event.prefix_lengths, start_token=event.start_token)
+            prefix_lengths=event.prefix_lengths, start_token=event.start_token,
+            session_id=event.session_id or "")
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         return pb.KVEvent(sequence=sequence, block_stored=stored)

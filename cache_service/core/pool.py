@@ -438,6 +438,8 @@ class Pool:
             # Long prompts arrive hashed by the batch check: only the client's own hashes
             # may have another recipe (a miss reason checks them).
             req.client_hashes = op.block_hashes is not None
+            # The session that added it: named by the BlockStored events it triggers.
+            req.session_id = op.account or None
             self._requests[op.request_id] = req
             if op.cache_salt or op.lora_name is not None:
                 self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
