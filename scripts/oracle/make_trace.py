@@ -63,6 +63,12 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     next_id = 0
     explicit_steps = False
     applied = 0
+    # With EAGLE, partial hits and enable_mamba_shared_prefix_checkpoint, vLLM's scheduler
+    # also ends a prompt chunk at the junction a lookup reported (the manager keys the
+    # Mamba state there): the lookup is applied at once to learn (hit, junction).
+    junction_stops = (eagle and partial_hits and align
+                      and bool(config.get("enable_mamba_shared_prefix_checkpoint")))
+    looked: tuple[int, int] | None = None
     while len(ops) < num_ops:
         if align:
             # Learn the real outcome of what was emitted so far (computed tokens).
@@ -112,8 +118,14 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
         rid = rng.choice(list(reqs))
         num_tokens, computed, running = reqs[rid]
         if r < 0.55:
+            looked = None
             if computed == 0 and rng.random() < 0.9:
                 ops.append({"op": "lookup", "req": rid})
+                if junction_stops:
+                    for emitted in ops[applied:]:
+                        out = replayer.apply(emitted)
+                    applied = len(ops)
+                    looked = (out.get("hit_tokens", 0), out.get("shared_prefix_boundary", 0))
             remaining = num_tokens - computed
             if remaining <= 0:
                 n = 1
@@ -138,12 +150,17 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                         and tail > (num_tokens // cbs * cbs - cbs if eagle
                                     else (num_tokens - 1) // cbs * cbs):
                     n = tail - computed
+            junction_stop = False
+            if looked is not None and ops[-1] == {"op": "lookup", "req": rid}:
+                hit, junction = looked
+                if hit < junction < hit + n and junction <= num_tokens:
+                    n, junction_stop = junction - hit, True
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True
             if rng.random() < (0.5 if eagle else 0.05):
                 op["num_lookahead_tokens"] = rng.randrange(1, 8)
-            if rng.random() < 0.03:
+            if rng.random() < 0.03 and not junction_stop:
                 op["use_lookup"] = False
             ops.append(op)
             if not align:
