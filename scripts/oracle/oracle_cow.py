@@ -21,7 +21,7 @@ checkpoint at that junction. ``vllm_oracle.py`` alone leaves it 0.
 
 Two options of vLLM's ``KVCacheManager`` that ``vllm_oracle.py`` does not take are
 taken here (and removed before its own arguments are parsed): ``--use-eagle``
-(``use_eagle=True``) and ``--enable-mamba-shared-prefix-checkpoint``.
+(``use_eagle=True``), ``--enable-mamba-shared-prefix-checkpoint`` and ``--watermark W``.
 """
 
 from __future__ import annotations
@@ -81,5 +81,9 @@ if __name__ == "__main__":
         if flag in sys.argv:
             sys.argv.remove(flag)
             MANAGER_OPTIONS[keyword] = True
+    if "--watermark" in sys.argv:  # KVCacheManager(watermark=W)
+        i = sys.argv.index("--watermark")
+        MANAGER_OPTIONS["watermark"] = float(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
     vllm_oracle.Oracle = SchedulingOracle
     sys.exit(vllm_oracle.main())

@@ -46,6 +46,8 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
         args.append("--use-eagle")
     if config.get("enable_mamba_shared_prefix_checkpoint"):
         args.append("--enable-mamba-shared-prefix-checkpoint")
+    if config.get("watermark"):
+        args += ["--watermark", str(config["watermark"])]
     for g in config["groups"]:
         if g["type"] == "sliding_window":
             args += ["--sliding-window", str(g["sliding_window"])]

@@ -31,6 +31,9 @@ E_SP="--use-eagle --enable-mamba-shared-prefix-checkpoint"
 SCENARIO[full_mamba32_eagle_r0]="full_mamba --mamba-block-size 32 --retention-interval 0 $E_SP"
 SCENARIO[full_swa_mamba_eagle_r128]="full_swa_mamba --enable-caching --retention-interval 128 --use-eagle"
 SCENARIO[mamba_align_eagle_r0]="mamba --enable-caching --retention-interval 0 --use-eagle"
+# The admission watermark (KVCacheManager(watermark=0.1): 10% of the pool kept free when a
+# waiting or preempted request is admitted next to running ones).
+SCENARIO[full_swa_r0_wm10]="full_swa --retention-interval 0 --watermark 0.1"
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"
