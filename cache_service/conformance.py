@@ -128,7 +128,8 @@ def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
         hash_block_size=options.hash_block_size, watermark=options.watermark,
         max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval,
-        enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
+        use_eagle=options.use_eagle)
 
 
 def parse_trace(text: str) -> list[Any]:

@@ -77,6 +77,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=max_pinned,
         pinned_block_quota=opts.session_pinned_block_quota or None,
+        use_eagle=opts.use_eagle,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -94,7 +95,8 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         prefix_cache_retention_interval=opts.prefix_cache_retention_interval,
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=opts.max_pinned_blocks,
-        session_pinned_block_quota=opts.pinned_block_quota or 0)
+        session_pinned_block_quota=opts.pinned_block_quota or 0,
+        use_eagle=opts.use_eagle)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -256,7 +258,8 @@ def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
             kind=(LAYER_KINDS.value(event.spec_kind) if event.spec_kind
                   else pb.LAYER_KIND_UNSPECIFIED),
             sliding_window=event.sliding_window or 0, medium=event.medium,
-            prefix_lengths=event.prefix_lengths, start_token=event.start_token)
+            prefix_lengths=event.prefix_lengths, start_token=event.start_token,
+            session_id=event.session_id or "")
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         return pb.KVEvent(sequence=sequence, block_stored=stored)

@@ -47,7 +47,7 @@ _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
 _CONFIG_KEYS = {"num_blocks", "max_model_len", "enable_caching", "hash_algo", "groups",
                 "scheduler_block_size", "hash_block_size", "watermark",
                 "max_in_flight_tokens", "prefix_cache_retention_interval",
-                "enable_mamba_shared_prefix_checkpoint"}
+                "enable_mamba_shared_prefix_checkpoint", "use_eagle"}
 
 
 class ConfigFileError(ValueError):
@@ -126,10 +126,13 @@ def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:
     shared_prefix_checkpoint = data.get("enable_mamba_shared_prefix_checkpoint", False)
     if not isinstance(shared_prefix_checkpoint, bool):
         raise ConfigFileError("enable_mamba_shared_prefix_checkpoint must be true or false")
+    use_eagle = data.get("use_eagle", False)
+    if not isinstance(use_eagle, bool):
+        raise ConfigFileError("use_eagle must be true or false")
     options = PoolOptions(
         max_model_len=max_model_len, enable_caching=enable_caching,
         prefix_cache_retention_interval=retention,
-        enable_mamba_shared_prefix_checkpoint=shared_prefix_checkpoint,
+        enable_mamba_shared_prefix_checkpoint=shared_prefix_checkpoint, use_eagle=use_eagle,
         hash_algo=data.get("hash_algo", "sha256"),
         scheduler_block_size=data.get("scheduler_block_size"),
         hash_block_size=data.get("hash_block_size"),

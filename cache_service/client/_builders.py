@@ -287,6 +287,7 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      enable_mamba_shared_prefix_checkpoint: bool = False,
                      max_pinned_blocks: int | None = None,
                      session_pinned_block_quota: int = 0,
+                     use_eagle: bool = False,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -308,7 +309,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
         enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=max_pinned_blocks,
-        session_pinned_block_quota=session_pinned_block_quota)
+        session_pinned_block_quota=session_pinned_block_quota,
+        use_eagle=use_eagle)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks

@@ -313,6 +313,8 @@ class Event:
     start_token: int = 0
     #: The pool incarnation the sequence number belongs to.
     incarnation: int = 0
+    #: block_stored: the session whose Step added the storing request ("" = none).
+    session_id: str = ""
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -399,7 +401,7 @@ def _event_from(e: pb.KVEvent) -> Event:
                      s.parent_block_hash if s.HasField("parent_block_hash") else None,
                      list(s.token_ids), s.block_size, s.group_idx,
                      LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name,
-                     list(s.prefix_lengths), s.start_token)
+                     list(s.prefix_lengths), s.start_token, session_id=s.session_id)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
                      group_idx=e.block_removed.group_idx)

@@ -301,6 +301,7 @@ class BlockPool:
             group_idx=group_id,
             prefix_lengths=[(i + 1) * block_size for i in stored],
             start_token=start * block_size,
+            session_id=request.session_id,
         )
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,

@@ -113,6 +113,14 @@ class KVCacheCoordinator:
         self.partial_hits = False
         #: See :meth:`configure_retention`.
         self.retention_interval: int | None = None
+        #: See :meth:`configure_eagle`.
+        self.use_eagle = False
+        # EAGLE in a hybrid pool: each group caches up to one of its blocks past the
+        # aligned prefix (the block its hits match and drop); see cache_blocks.
+        self._eagle_cache = False
+        # Tokens past the prompt at which a partial entry may still be due (EAGLE: the
+        # whole prompt's last hash-block boundary, not the resend's).
+        self._tail_slack = 0
         self.empty_blocks: HitBlocks = tuple([] for _ in managers)  # shared: never mutated
 
     def configure_retention(self, retention_interval: int | None) -> None:
@@ -141,6 +149,26 @@ class KVCacheCoordinator:
         self.retention_interval = retention_interval
         for manager in self.managers:
             manager.retention_interval = retention_interval
+
+    def configure_eagle(self, use_eagle: bool) -> None:
+        """vLLM 0.33's ``use_eagle`` (docs/semantics.md#eagle): every group's hits drop
+        their last matched block (a hash block with partial hits; Mamba keeps its state,
+        as draft models have no Mamba layers), and caching and checkpoint retention
+        keep the blocks such hits land on. Call before any request is allocated."""
+        if type(use_eagle) is not bool:
+            raise ConfigError(f"use_eagle must be true or false, got {use_eagle!r}",
+                              field="use_eagle")
+        if use_eagle and self.enable_caching and any(
+                type(m) is ChunkedLocalAttentionManager for m in self.managers):
+            raise ConfigError("EAGLE with prefix caching does not support chunked local "
+                              "attention (as in vLLM 0.33)", field="use_eagle")
+        self.use_eagle = use_eagle
+        self._tail_slack = 1 if use_eagle else 0
+        self._eagle_cache = use_eagle and isinstance(self, HybridCoordinator) \
+            and not self.partial_hits
+        for manager in self.managers:
+            manager.use_eagle = use_eagle
+            manager.eagle_unit = self.scheduler_block_size
 
     # -- hits --------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
@@ -207,8 +235,24 @@ class KVCacheCoordinator:
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         n = num_computed_tokens - num_computed_tokens % self._cache_alignment
+        if self._eagle_cache:
+            for manager in self._caching_managers:
+                manager.cache_blocks(request, self._eagle_cacheable(
+                    manager, num_computed_tokens, n))
+            return
         for manager in self._caching_managers:
             manager.cache_blocks(request, n)
+
+    @staticmethod
+    def _eagle_cacheable(manager: SingleTypeKVCacheManager, num_computed_tokens: int,
+                         aligned: int) -> int:
+        """An EAGLE group's cacheable prefix: the aligned one plus, once there is one,
+        up to one more of its blocks (the block an EAGLE hit at ``aligned`` matches
+        before dropping it)."""
+        if aligned <= 0:
+            return aligned
+        limit = aligned + manager.block_size
+        return num_computed_tokens if num_computed_tokens < limit else limit
 
     def allocation_is_noop(self, request: Request, num_tokens: int, num_tokens_main_model: int,
                            num_cache_tokens: int) -> bool:
@@ -217,9 +261,12 @@ class KVCacheCoordinator:
         lists, and ``cache_blocks(request, num_cache_tokens)`` would hash nothing (pass 0
         when no caching follows). Pure; see the managers' ``allocation_is_noop``."""
         rid = request.request_id
-        if self._tail_entries and num_cache_tokens < request.num_prompt_tokens:
+        if self._tail_entries and num_cache_tokens < request.num_prompt_tokens + self._tail_slack:
             # Still in the prompt: a partial entry may be due (it never is after it).
             return False
+        if self._eagle_cache:
+            return self._eagle_allocation_is_noop(request, num_tokens, num_tokens_main_model,
+                                                  num_cache_tokens)
         n = 0
         if num_cache_tokens > 0 and self._caching_managers:
             # What each manager's cache_blocks caps its full-block count with.
@@ -237,6 +284,23 @@ class KVCacheCoordinator:
             if manager.partial_hit_reqs and rid in manager.partial_hit_reqs:
                 return False
         for manager in self._own_noop:
+            if not manager.allocation_is_noop(rid, num_tokens, num_tokens_main_model, n):
+                return False
+        return True
+
+    def _eagle_allocation_is_noop(self, request: Request, num_tokens: int,
+                                  num_tokens_main_model: int, num_cache_tokens: int) -> bool:
+        """:meth:`allocation_is_noop` with each group's own cacheable prefix (EAGLE in a
+        hybrid pool, see :meth:`cache_blocks`)."""
+        rid = request.request_id
+        aligned = num_cache_tokens - num_cache_tokens % self._cache_alignment
+        hashed = len(request.block_hashes) * self.hash_block_size
+        for manager in self.managers:
+            n = 0
+            if num_cache_tokens > 0 and manager.enable_caching:
+                n = self._eagle_cacheable(manager, num_cache_tokens, aligned)
+                if n > hashed:
+                    n = hashed
             if not manager.allocation_is_noop(rid, num_tokens, num_tokens_main_model, n):
                 return False
         return True
@@ -298,6 +362,10 @@ class UnitaryCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
         manager = self._manager
+        if self.use_eagle:
+            blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids,
+                                     self.pool, manager.spec, manager.block_size, True)
+            return blocks, hit, 0
         blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids, self.pool,
                                  manager.spec, manager.block_size)
         return blocks, hit, 0
@@ -370,10 +438,13 @@ class HybridCoordinator(KVCacheCoordinator):
         for m in self.managers:
             m.cache_hit_alignment_tokens = self._hit_alignment
         self._tail_entries = self.partial_hits or any(
-            type(m) is FullAttentionManager and m.block_size > hbs for m in self.managers)
+            type(m) in (FullAttentionManager, MambaManager) and m.block_size > hbs
+            for m in self.managers)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
                                max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        if self.use_eagle:
+            return self._find_eagle(block_hashes, max_cache_hit_length)
         num_groups = len(self.managers)
         alignment = self._hit_alignment
         hit_length = max_cache_hit_length
@@ -391,6 +462,65 @@ class HybridCoordinator(KVCacheCoordinator):
                     continue
                 found, new_len = sg.manager_cls.find_longest_cache_hit(
                     block_hashes, curr, sg.group_ids, self.pool, sg.spec, alignment)
+                curr = new_len
+                for gid, blocks in zip(sg.group_ids, found):
+                    blocks_by_group[gid] = blocks
+                    length_by_group[gid] = new_len
+                if curr > longest:
+                    longest = curr
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if self._simple:
+                break
+        for sg in self.spec_groups:
+            if not sg.is_full:
+                continue
+            keep = cdiv(hit_length, sg.spec.block_size)
+            for gid in sg.group_ids:
+                kept = blocks_by_group[gid]
+                if kept is not None:
+                    del kept[keep:]
+        result = tuple(b if b is not None else [] for b in blocks_by_group)
+        return result, hit_length, longest - hit_length
+
+
+    def _find_eagle(self, block_hashes: Sequence[bytes],
+                    max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+        """The fixed point of :meth:`find_longest_cache_hit` with EAGLE: a spec group
+        (Mamba aside) looks one drop unit past the candidate (its block, or a hash
+        block when it may hit inside blocks) and drops that unit, at most once per
+        candidate length; a shrink by a group that did not drop re-arms the drop."""
+        num_groups = len(self.managers)
+        alignment = self._hit_alignment
+        hbs = self.hash_block_size
+        limit = len(block_hashes) * hbs
+        hit_length = max_cache_hit_length
+        longest = 0
+        blocks_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
+        length_by_group = [0] * num_groups
+        dropped: set[int] = set()
+        while True:
+            curr = hit_length
+            for idx, sg in enumerate(self.spec_groups):
+                first = sg.group_ids[0]
+                if sg.is_full and blocks_by_group[first] is not None:
+                    if length_by_group[first] < curr:
+                        curr = length_by_group[first]
+                    continue
+                drop = idx not in dropped
+                max_length = curr
+                if drop and not isinstance(sg.spec, MambaSpec):
+                    bs = sg.spec.block_size
+                    margin = hbs if (self.partial_hits and sg.manager_cls.supports_partial_hits
+                                     and bs > hbs) else bs
+                    max_length = min(curr + margin, limit)
+                found, new_len = sg.manager_cls.find_longest_cache_hit(
+                    block_hashes, max_length, sg.group_ids, self.pool, sg.spec, alignment, drop)
+                if drop:
+                    dropped.add(idx)
+                elif new_len < curr:
+                    dropped.clear()
                 curr = new_len
                 for gid, blocks in zip(sg.group_ids, found):
                     blocks_by_group[gid] = blocks

@@ -17,7 +17,7 @@ from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
 from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.request import Request, RequestStatus
-from cache_service.core.single_type_managers import HitBlocks
+from cache_service.core.single_type_managers import HitBlocks, MambaManager
 from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
 
 
@@ -91,7 +91,8 @@ class KVCacheManager:
                  hash_block_size: int, max_in_flight_tokens: int | None = None,
                  enable_caching: bool = True, enable_events: bool = False,
                  watermark: float = 0.0, prefix_cache_retention_interval: int | None = None,
-                 enable_mamba_shared_prefix_checkpoint: bool = False) -> None:
+                 enable_mamba_shared_prefix_checkpoint: bool = False,
+                 use_eagle: bool = False) -> None:
         if watermark < 0:
             raise ConfigError("watermark must be non-negative", field="watermark")
         self.config = config
@@ -102,11 +103,18 @@ class KVCacheManager:
             enable_caching=enable_caching, enable_events=enable_events,
             scheduler_block_size=scheduler_block_size, hash_block_size=hash_block_size)
         self.coordinator.configure_retention(prefix_cache_retention_interval)
+        self.coordinator.configure_eagle(use_eagle)
+        self.use_eagle = use_eagle
         # vLLM narrows the flag to EAGLE pools with partial hits (a junction inside a
-        # block is only reachable by a hit that drops back from the block past it); this
-        # pool has no EAGLE, so the flag is accepted and has no effect.
-        self.mamba_shared_prefix_checkpoint = False
+        # block is only reachable by a hit that drops back from the block past it);
+        # elsewhere it is accepted and has no effect.
         self.enable_mamba_shared_prefix_checkpoint = enable_mamba_shared_prefix_checkpoint
+        self.mamba_shared_prefix_checkpoint = (
+            enable_mamba_shared_prefix_checkpoint and use_eagle and self.coordinator.partial_hits)
+        if self.mamba_shared_prefix_checkpoint:
+            for manager in self.coordinator.managers:
+                if isinstance(manager, MambaManager):
+                    manager.shared_prefix_checkpoint = True
         self.pool = self.coordinator.pool
         self.watermark_blocks = int(watermark * config.num_blocks)
         self.empty_blocks: HitBlocks = self.coordinator.empty_blocks

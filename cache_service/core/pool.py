@@ -94,12 +94,16 @@ class PoolOptions:
     #: None = dense (every eligible checkpoint; the default here, see the doc for why),
     #: 0 = sparse (vLLM 0.33's engine default), N = sparse plus one every N tokens.
     prefix_cache_retention_interval: int | None = None
-    #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE).
+    #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE and
+    #: partial hits).
     enable_mamba_shared_prefix_checkpoint: bool = False
     #: Prefix pins (:mod:`pins`): the most blocks all pins may hold (None = the usable
     #: blocks less one ``max_model_len`` request's worst case) and one account's pins.
     max_pinned_blocks: int | None = None
     pinned_block_quota: int | None = None
+    #: vLLM's ``use_eagle`` (docs/semantics.md#eagle): hits drop their last block for
+    #: the drafter, checkpoints are kept where such hits land. False = off.
+    use_eagle: bool = False
 
 
 @dataclass(slots=True)
@@ -280,7 +284,8 @@ class Pool:
             enable_caching=options.enable_caching, enable_events=options.enable_events,
             watermark=options.watermark,
             prefix_cache_retention_interval=options.prefix_cache_retention_interval,
-            enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint)
+            enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
+            use_eagle=options.use_eagle)
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
@@ -452,6 +457,8 @@ class Pool:
             # Long prompts arrive hashed by the batch check: only the client's own hashes
             # may have another recipe (a miss reason checks them).
             req.client_hashes = op.block_hashes is not None
+            # The session that added it: named by the BlockStored events it triggers.
+            req.session_id = op.account or None
             self._requests[op.request_id] = req
             if op.cache_salt or op.lora_name is not None:
                 self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))

@@ -36,7 +36,8 @@ class Request:
     __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
                  "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
-                 "client_hashes", "num_placeholders", "shared_prefix_boundary")
+                 "client_hashes", "num_placeholders", "shared_prefix_boundary",
+                 "session_id")
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
@@ -56,6 +57,9 @@ class Request:
         # not cached yet; 0 = none): its checkpoint is retained
         # (docs/semantics.md#checkpoint-retention).
         self.shared_prefix_boundary = 0
+        # The client session that added the request (None = none): BlockStored events
+        # it triggers carry it, as vLLM's do.
+        self.session_id: str | None = None
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         # Hashed with the name as ("lora", name, path), as vLLM does (it always has a path).
@@ -120,6 +124,7 @@ def _restore_request(state: dict[str, Any]) -> Request:
     req = Request.__new__(Request)
     req.num_placeholders = 0  # snapshots written before placeholders existed lack it
     req.shared_prefix_boundary = 0  # ... and before sparse retention
+    req.session_id = None  # ... and before events named the session
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
         setattr(req, name, value)

@@ -100,6 +100,12 @@ class SingleTypeKVCacheManager:
         # 0 = only the replay boundary and shared-prefix junctions; N = also one
         # checkpoint per N-token segment. Only sliding-window and Mamba groups act on it.
         self.retention_interval: int | None = None
+        # Set by the coordinator (docs/semantics.md#eagle): hits of this group drop
+        # their last block (the drafter recomputes it), and checkpoints are kept where
+        # such a hit lands. ``eagle_unit``: the scheduler block size, the step of the
+        # replay boundaries of an EAGLE pool.
+        self.use_eagle = False
+        self.eagle_unit = spec.block_size
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_ids: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
@@ -261,12 +267,24 @@ class SingleTypeKVCacheManager:
         all (docs/semantics.md#cacheable-tokens)."""
         return None
 
-    @staticmethod
-    def reachable_boundaries(request: Request) -> tuple[int, ...]:
+    def reachable_boundaries(self, request: Request) -> tuple[int, ...]:
         """Token positions a later request can resume at, whose checkpoint sparse
         retention keeps: the replay boundary (a resend's hit is capped at
-        ``num_prompt_tokens - 1``) and the shared-prefix junction its lookup reported."""
+        ``num_prompt_tokens - 1``) and the shared-prefix junction its lookup reported.
+        EAGLE (docs/semantics.md#eagle): a hit drops back one scheduler block from where
+        it matched, so the boundaries are one block below the resend's and the
+        extension's aligned ends, and a junction also keeps the block below it."""
         junction = request.shared_prefix_boundary
+        if self.use_eagle:
+            unit = self.eagle_unit
+            prompt = request.num_prompt_tokens
+            resend = (prompt - 1) // unit * unit - unit
+            extension = prompt // unit * unit - unit
+            boundaries = tuple(sorted({resend if resend > 0 else 0,
+                                       extension if extension > 0 else 0}))
+            if junction:
+                return boundaries + (junction, junction - self.block_size)
+            return boundaries
         if junction:
             return (request.num_prompt_tokens - 1, junction)
         return (request.num_prompt_tokens - 1,)
@@ -351,7 +369,8 @@ class SingleTypeKVCacheManager:
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         raise NotImplementedError
 
 
@@ -364,7 +383,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         bs = spec.block_size
         hashes = hash_view(block_hashes, pool.hash_block_size, bs)
         n = min(max_length // bs, len(hashes))
@@ -400,7 +420,20 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 if cached is not None:
                     for lst, block in zip(result, cached):
                         lst.append(block)
-                    return result, (fine_idx + 1) * unit
+                    if not drop_eagle_block:
+                        return result, (fine_idx + 1) * unit
+                    hit_length = (fine_idx + 1) * unit
+                    break
+        if drop_eagle_block and hit_length > 0:
+            # EAGLE: the drafter needs the hidden states of the tokens before the
+            # generation point, so one hit unit (a block, or a hash block when hits
+            # may end inside blocks) is given up and recomputed.
+            hit_length -= alignment_tokens if alignment_tokens < bs else bs
+            hit_length -= hit_length % alignment_tokens
+            keep = cdiv(hit_length, bs)
+            for lst in result:
+                del lst[keep:]
+            return result, hit_length
         if hit_length % alignment_tokens:
             hit_length -= hit_length % alignment_tokens
             keep = cdiv(hit_length, bs)
@@ -414,8 +447,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if self.block_size == hbs:
             return
         # The prompt's last hash-block boundary (a resend's hit is capped one token
-        # short of the prompt) gets a partial entry when it ends inside a block.
-        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        # short of the prompt; an EAGLE lookup reads the whole prompt, then drops a unit)
+        # gets a partial entry when it ends inside a block.
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
         if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
             return
         table = self.req_to_blocks[request.request_id]
@@ -465,6 +500,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             return None
         need = cdiv(self.sliding_window - 1, bs)
         retention = self.retention_interval
+        if self.use_eagle:
+            return self._eagle_block_mask(request, start_block, end_block, need + 1)
         if retention is None:
             per_segment = alignment // bs
             if need >= per_segment:
@@ -483,14 +520,43 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 mask[j - start_block] = True
         return mask
 
+    def _eagle_block_mask(self, request: Request, start_block: int, end_block: int,
+                          need: int) -> list[bool] | None:
+        """:meth:`block_mask` of an EAGLE group: a hit matches one block past its
+        boundary and drops it, so each kept run is one block longer (``need``) and ends
+        one block later (the block above the boundary)."""
+        bs = self.block_size
+        alignment = self.cache_hit_alignment_tokens
+        retention = self.retention_interval
+        segment = alignment if retention is None else retention
+        mask = [False] * (end_block - start_block)
+        if segment:
+            per_segment = segment // bs
+            if need >= per_segment:
+                return None
+            for i in range(start_block, end_block):
+                if i >= 1 and (i - 1) % per_segment >= per_segment - need:
+                    mask[i - start_block] = True
+        if retention is not None:
+            for boundary in self.reachable_boundaries(request):
+                end = boundary // alignment * alignment // bs + 1
+                for j in range(max(start_block, end - need), min(end_block, end)):
+                    mask[j - start_block] = True
+        return mask
+
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         hashes = hash_view(block_hashes, pool.hash_block_size, bs)
         need = cdiv(spec.sliding_window - 1, bs)
+        # EAGLE: match one block more than the window needs, then drop it.
+        if drop_eagle_block:
+            need += 1
+        end_shift = 0 if drop_eagle_block else 1
         n = max_length // bs
         null = pool.null_block
         result: HitBlocks = tuple([null] * n for _ in group_ids)
@@ -507,7 +573,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if cached is None:
                 run = 0
                 continue
-            if run == 0 and bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
+            if run == 0 and bs != alignment_tokens and ((i + end_shift) * bs) % alignment_tokens:
                 continue
             for lst, block in zip(result, cached):
                 lst[i] = block
@@ -521,6 +587,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             # A run touching block 0 is a hit even if shorter than the window.
             for lst in result:
                 del lst[run:]
+            while bs != alignment_tokens and (len(result[0]) * bs) % alignment_tokens:
+                for lst in result:
+                    lst.pop()
+        if drop_eagle_block and result[0]:
+            for lst in result:
+                lst.pop()
             while bs != alignment_tokens and (len(result[0]) * bs) % alignment_tokens:
                 for lst in result:
                     lst.pop()
@@ -545,7 +617,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
         if bs != alignment_tokens:
@@ -592,6 +665,10 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_reqs: set[str] = set()
         self.step_start: dict[str, int] = {}
         self.stale_states: dict[str, set[int]] = {}
+        #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` as the manager narrows it
+        #: (EAGLE with partial hits): also keep the state at a lookup's junction when a
+        #: prompt chunk ends there.
+        self.shared_prefix_checkpoint = False
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return num_computed_tokens - 1
@@ -764,7 +841,9 @@ class MambaManager(SingleTypeKVCacheManager):
         before = self.num_cached_block.get(rid, 0)
         super().cache_blocks(request, num_tokens)
         after = self.num_cached_block.get(rid, 0)
-        if self.align and self.cache_hit_alignment_tokens < self.block_size:
+        if self.align:
+            # As vLLM: every "align" group looks for the prompt's tail entry (it only
+            # adds one where the block there is not keyed at that boundary yet).
             tail = self._cache_partial_tail(request, num_tokens)
             if tail is not None:
                 self.cached_this_step.add(tail)
@@ -781,8 +860,17 @@ class MambaManager(SingleTypeKVCacheManager):
         the state there. The request goes on writing that block, so its next allocation
         moves the entry to a copy (``partial_hit_reqs``)."""
         hbs = self.pool.hash_block_size
-        if num_tokens <= 0 or num_tokens % hbs \
-                or num_tokens != (request.num_prompt_tokens - 1) // hbs * hbs:
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        if self.use_eagle:
+            # EAGLE's hit drops a hash block from the whole prompt (none is kept for
+            # logits): the boundary is one hash block below the prompt's last one.
+            boundary = request.num_prompt_tokens // hbs * hbs - hbs
+        else:
+            boundary = (request.num_prompt_tokens - 1) // hbs * hbs
+        if num_tokens != boundary and not (
+                self.shared_prefix_checkpoint and num_tokens == request.shared_prefix_boundary
+                and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens):
             return None
         rid = request.request_id
         table = self.req_to_blocks[rid]
@@ -836,7 +924,8 @@ class MambaManager(SingleTypeKVCacheManager):
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
         null = pool.null_block
@@ -892,7 +981,8 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
-                               alignment_tokens: int) -> tuple[HitBlocks, int]:
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
         raise NotImplementedError("cross attention does not support prefix caching")
 
 

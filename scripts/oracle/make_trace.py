@@ -14,6 +14,10 @@ starts inside a block does not run past that block's end; with partial hits a pr
 chunk also stops at its last hash-block boundary (where vLLM's scheduler stops so that
 the state there is cached). To apply it to the *real* progress (an allocation may fail),
 the generator runs every operation on this project's pool as it goes.
+
+With ``use_eagle`` in the config the prompt's partial-entry boundary is EAGLE's (one
+hash block below the whole prompt's last one) and allocations carry draft slots
+(``num_lookahead_tokens``) more often, as a speculative-decoding scheduler's do.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     replayer = Replayer(make_pool(config))
     hbs = replayer.pool.hash_block_size
     partial_hits = replayer.pool.manager.partial_hits
+    eagle = bool(config.get("use_eagle"))
+
+    def tail_boundary(num_prompt_tokens: int) -> int:
+        """Where the prompt's partial entry sits (docs/semantics.md#eagle)."""
+        if eagle:
+            return max(num_prompt_tokens // hbs * hbs - hbs, 0)
+        return (num_prompt_tokens - 1) // hbs * hbs
     # With partial hits: the prompt of each request, and the prompts whose request
     # stopped at its last hash-block boundary inside a block (a partial entry sits there).
     prompts: dict[str, list[int]] = {}
@@ -52,6 +63,12 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     next_id = 0
     explicit_steps = False
     applied = 0
+    # With EAGLE, partial hits and enable_mamba_shared_prefix_checkpoint, vLLM's scheduler
+    # also ends a prompt chunk at the junction a lookup reported (the manager keys the
+    # Mamba state there): the lookup is applied at once to learn (hit, junction).
+    junction_stops = (eagle and partial_hits and align
+                      and bool(config.get("enable_mamba_shared_prefix_checkpoint")))
+    looked: tuple[int, int] | None = None
     while len(ops) < num_ops:
         if align:
             # Learn the real outcome of what was emitted so far (computed tokens).
@@ -61,7 +78,7 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 if emitted.get("op") == "allocate" and rid_ in reqs and out.get("ok"):
                     reqs[rid_][1] = out["num_computed_tokens"]
                     prompt = prompts.get(rid_) if partial_hits else None
-                    if prompt is not None and reqs[rid_][1] == (len(prompt) - 1) // hbs * hbs \
+                    if prompt is not None and reqs[rid_][1] == tail_boundary(len(prompt)) \
                             and reqs[rid_][1] % cbs:
                         reached.append(prompt)
             applied = len(ops)
@@ -101,8 +118,14 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
         rid = rng.choice(list(reqs))
         num_tokens, computed, running = reqs[rid]
         if r < 0.55:
+            looked = None
             if computed == 0 and rng.random() < 0.9:
                 ops.append({"op": "lookup", "req": rid})
+                if junction_stops:
+                    for emitted in ops[applied:]:
+                        out = replayer.apply(emitted)
+                    applied = len(ops)
+                    looked = (out.get("hit_tokens", 0), out.get("shared_prefix_boundary", 0))
             remaining = num_tokens - computed
             if remaining <= 0:
                 n = 1
@@ -114,17 +137,30 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
                 elif align and computed + n < num_tokens and (computed + n) % cbs:
                     n = (computed + n) // cbs * cbs - computed
                     if n <= 0:
+                        if eagle and ops[-1] == {"op": "lookup", "req": rid}:
+                            # A lookup belongs to this step's allocation: the pool re-runs
+                            # a stale one, vLLM does not, and with EAGLE the junction it
+                            # answered decides which blocks are kept. (Traces of configs
+                            # without EAGLE keep the lookup, so that the committed samples
+                            # stay reproducible: on them the re-run lookup answers alike.)
+                            ops.pop()
                         continue  # vLLM schedules nothing for it this step
-                tail = (num_tokens - 1) // hbs * hbs
+                tail = tail_boundary(num_tokens)
                 if partial_hits and computed < tail < computed + n \
-                        and tail > (num_tokens - 1) // cbs * cbs:
+                        and tail > (num_tokens // cbs * cbs - cbs if eagle
+                                    else (num_tokens - 1) // cbs * cbs):
                     n = tail - computed
+            junction_stop = False
+            if looked is not None and ops[-1] == {"op": "lookup", "req": rid}:
+                hit, junction = looked
+                if hit < junction < hit + n and junction <= num_tokens:
+                    n, junction_stop = junction - hit, True
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True
-            if rng.random() < 0.05:
+            if rng.random() < (0.5 if eagle else 0.05):
                 op["num_lookahead_tokens"] = rng.randrange(1, 8)
-            if rng.random() < 0.03:
+            if rng.random() < 0.03 and not junction_stop:
                 op["use_lookup"] = False
             ops.append(op)
             if not align:

@@ -18,6 +18,10 @@ It also does what the scheduler does with a lookup's shared-prefix boundary
 (``Scheduler.schedule``: ``request.shared_prefix_boundary`` is set from
 ``get_computed_blocks``): sparse retention (``--retention-interval 0|N``) keeps the
 checkpoint at that junction. ``vllm_oracle.py`` alone leaves it 0.
+
+Two options of vLLM's ``KVCacheManager`` that ``vllm_oracle.py`` does not take are
+taken here (and removed before its own arguments are parsed): ``--use-eagle``
+(``use_eagle=True``), ``--enable-mamba-shared-prefix-checkpoint`` and ``--watermark W``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,30 @@ sys.path.insert(0, str(ORACLE.parent))
 
 import vllm_oracle  # noqa: E402  (found through the path set above)
 
+# Manager options this wrapper adds: flag -> KVCacheManager keyword.
+MANAGER_FLAGS = {"--use-eagle": "use_eagle",
+                 "--enable-mamba-shared-prefix-checkpoint":
+                     "enable_mamba_shared_prefix_checkpoint"}
+MANAGER_OPTIONS: dict[str, Any] = {}
+
 
 class SchedulingOracle(vllm_oracle.Oracle):
     """The oracle, draining copy-on-write copies after each operation."""
+
+    def __init__(self, cfg: vllm_oracle.OracleConfig) -> None:
+        super().__init__(cfg)
+        if MANAGER_OPTIONS:
+            # The same manager as vllm_oracle.Oracle builds, with the extra options.
+            self.manager = vllm_oracle.KVCacheManager(
+                kv_cache_config=self.kv_cache_config, max_model_len=self.cfg.max_model_len,
+                scheduler_block_size=self.scheduler_block_size,
+                hash_block_size=self.hash_block_size,
+                enable_caching=bool(self.cfg.enable_caching), **MANAGER_OPTIONS)
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = super().describe()
+        out.update(MANAGER_OPTIONS)
+        return out
 
     def op_lookup(self, op: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = super().op_lookup(op)
@@ -52,5 +77,13 @@ class SchedulingOracle(vllm_oracle.Oracle):
 
 
 if __name__ == "__main__":
+    for flag, keyword in MANAGER_FLAGS.items():
+        if flag in sys.argv:
+            sys.argv.remove(flag)
+            MANAGER_OPTIONS[keyword] = True
+    if "--watermark" in sys.argv:  # KVCacheManager(watermark=W)
+        i = sys.argv.index("--watermark")
+        MANAGER_OPTIONS["watermark"] = float(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
     vllm_oracle.Oracle = SchedulingOracle
     sys.exit(vllm_oracle.main())

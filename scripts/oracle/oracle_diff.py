@@ -42,6 +42,12 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
             "--enable-caching" if config.get("enable_caching", True) else "--no-caching"]
     retention = config.get("prefix_cache_retention_interval")
     args += ["--retention-interval", "none" if retention is None else str(retention)]
+    if config.get("use_eagle"):
+        args.append("--use-eagle")
+    if config.get("enable_mamba_shared_prefix_checkpoint"):
+        args.append("--enable-mamba-shared-prefix-checkpoint")
+    if config.get("watermark"):
+        args += ["--watermark", str(config["watermark"])]
     for g in config["groups"]:
         if g["type"] == "sliding_window":
             args += ["--sliding-window", str(g["sliding_window"])]
@@ -60,8 +66,9 @@ def run_oracle(config: dict[str, Any], trace: str) -> list[dict[str, Any]]:
 def provenance(config_path: Path, trace_path: Path, trace: str, config: dict[str, Any],
                trace_command: str | None) -> dict[str, Any]:
     args = oracle_args(config)
-    proc = subprocess.run([str(ORACLE_PY), str(ORACLE), *args, "--describe"],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run([str(ORACLE_PY), str(SCHEDULING_ORACLE), *args, "--describe"],
+                          capture_output=True, text=True, check=True,
+                          env={**os.environ, "VLLM_ORACLE": str(ORACLE)})
     described = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "answers_by": "vLLM's own KVCacheManager, in process on a CPU (vllm_oracle.py, "

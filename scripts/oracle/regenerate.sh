@@ -19,6 +19,21 @@ for r in 0 128; do
 done
 SCENARIO[full_swa_mamba_r0]="full_swa_mamba --enable-caching --retention-interval 0"
 SCENARIO[mamba_align_r0]="mamba --enable-caching --retention-interval 0"  # attention-free
+SCENARIO[full_swa_mamba_r128]="full_swa_mamba --enable-caching --retention-interval 128"
+SCENARIO[mamba_align_r128]="mamba --enable-caching --retention-interval 128"
+# EAGLE (use_eagle; the configs say so): every group mix, dense and sparse. The wrapper
+# (oracle_cow.py) builds vLLM's manager with use_eagle=True; full_mamba32_eagle_r0 also
+# turns on enable_mamba_shared_prefix_checkpoint, which only acts with EAGLE.
+SCENARIO[full_eagle]="full --use-eagle"
+SCENARIO[full_swa_eagle_r0]="full_swa --retention-interval 0 --use-eagle"
+SCENARIO[full_mamba_eagle_r0]="full_mamba --retention-interval 0 --use-eagle"
+E_SP="--use-eagle --enable-mamba-shared-prefix-checkpoint"
+SCENARIO[full_mamba32_eagle_r0]="full_mamba --mamba-block-size 32 --retention-interval 0 $E_SP"
+SCENARIO[full_swa_mamba_eagle_r128]="full_swa_mamba --enable-caching --retention-interval 128 --use-eagle"
+SCENARIO[mamba_align_eagle_r0]="mamba --enable-caching --retention-interval 0 --use-eagle"
+# The admission watermark (KVCacheManager(watermark=0.1): 10% of the pool kept free when a
+# waiting or preempted request is admitted next to running ones).
+SCENARIO[full_swa_r0_wm10]="full_swa --retention-interval 0 --watermark 0.1"
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"
@@ -30,13 +45,15 @@ for name in "${names[@]}"; do
   # A realistic scheduler workload (shared prefixes, chunked prefill, decode,
   # preemption) from the oracle's own bench, small enough to commit.
   # shellcheck disable=SC2086
-  "$PY" "$ORACLE" --bench --scenario ${SCENARIO[$name]} $BENCH_ARGS \
+  # (through the wrapper, which passes vllm_oracle.py's arguments on and adds
+  # --use-eagle / --enable-mamba-shared-prefix-checkpoint)
+  "$PY" "$TOOLS/oracle_cow.py" --bench --scenario ${SCENARIO[$name]} $BENCH_ARGS \
     --emit-trace "$name.bench.jsonl" --json > /dev/null
   # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
   python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
   # The commands that generated each trace go into the answers' provenance header.
   # shellcheck disable=SC2086
-  bench_cmd="vllm_oracle.py --bench --scenario ${SCENARIO[$name]} $(echo $BENCH_ARGS) --emit-trace $name.bench.jsonl"
+  bench_cmd="oracle_cow.py --bench --scenario ${SCENARIO[$name]} $(echo $BENCH_ARGS) --emit-trace $name.bench.jsonl"
   mixed_cmd="python scripts/oracle/make_trace.py $name.json --ops 600 --seed 11"
   python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.bench.jsonl" --write --trace-command "$bench_cmd"
   python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.mixed.jsonl" --write --trace-command "$mixed_cmd"

@@ -55,6 +55,12 @@ def _layer(**kw) -> Callable[[pb.RegisterPoolRequest], None]:
     return edit
 
 
+def _chunked_local_only(req: pb.RegisterPoolRequest) -> None:
+    del req.layers[:]
+    req.layers.append(layers.chunked_local("cl", block_size=16, num_kv_heads=1, head_size=1,
+                                           dtype="float32", attention_chunk_size=64))
+
+
 def _hashes(n: int, size: int = 32) -> list[bytes]:
     return [bytes([i]) * size for i in range(n)]
 
@@ -165,6 +171,10 @@ CASES = [
     Case("retention interval without sliding-window or Mamba groups", "RegisterPool",
          register(options=lambda r: setattr(r.options, "prefix_cache_retention_interval", 16)),
          Code.INVALID_ARGUMENT, "options.prefix_cache_retention_interval"),
+    Case("EAGLE with chunked local attention", "RegisterPool",
+         register(layers=_chunked_local_only,
+                  options=lambda r: setattr(r.options, "use_eagle", True)),
+         Code.INVALID_ARGUMENT, "options.use_eagle"),
     Case("max_model_len missing", "RegisterPool",
          register(options=lambda r: setattr(r.options, "max_model_len", 0)),
          Code.INVALID_ARGUMENT, "options.max_model_len"),

@@ -337,6 +337,8 @@ def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) ->
         (g.index, g.kind, g.sliding_window) for g in info.groups)
     assert all(e.token_ids == prompt and len(e.block_hashes) == 4 for e in first)
     assert all(e.parent_block_hash is None for e in first)
+    # Each names the session whose Step added the storing request (vLLM's session_id).
+    assert client.session_id and all(e.session_id == client.session_id for e in first)
 
     # A subscriber waiting for the next sequence sees it when it happens (asking for
     # next = last + 1 rather than "live only" makes the test independent of when the

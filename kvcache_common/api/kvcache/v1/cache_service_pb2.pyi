@@ -100,7 +100,7 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
 
 class PoolOptions(_message.Message):
-    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota")
+    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class PoolOptions(_message.Message):
     ENABLE_MAMBA_SHARED_PREFIX_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_PINNED_BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     enable_caching: bool
     hash_algo: HashAlgo
@@ -133,7 +134,8 @@ class PoolOptions(_message.Message):
     enable_mamba_shared_prefix_checkpoint: bool
     max_pinned_blocks: int
     session_pinned_block_quota: int
-    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ...) -> None: ...
+    use_eagle: bool
+    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ..., use_eagle: _Optional[bool] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options", "session_id", "sequence")
@@ -690,7 +692,7 @@ class SubscribeEventsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token", "session_id")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -702,6 +704,7 @@ class BlockStored(_message.Message):
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
     PREFIX_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -713,7 +716,8 @@ class BlockStored(_message.Message):
     medium: str
     prefix_lengths: _containers.RepeatedScalarFieldContainer[int]
     start_token: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx", "medium")
