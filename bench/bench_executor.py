@@ -55,11 +55,11 @@ from cache_service.client._builders import register_request
 from cache_service.client._results import pool_info_from
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
-from executor.batch import GroupLayout, SeqChunk
 from executor.cache import model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.demo import make_workload, run_workload
 from executor.engine import Engine, EngineConfig, EngineRequest
+from executor.forward_meta import GroupLayout, SeqChunk
 from executor.launch import start_cache_service, start_executor
 from executor.presets import DEFAULT_PRESET, PRESETS
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_service.client import CacheClient, CacheError, layers, ops
+from cache_service.client import CacheClient, CacheError, ops
 from cache_service.replay import load_config, make_pool, read_expected, replay, same_result
+from cache_service.specs_proto import layer_spec_to_proto
 
 SAMPLES = Path(__file__).resolve().parent / "replay_samples"
 PROG = "python -m cache_service.conformance"
@@ -118,7 +119,7 @@ class ServerReplayer:
 def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
     """A replay config as a RegisterPool call: one layer per group, same num_blocks."""
     core_config, options = load_config(config)
-    layer_specs = [layers.from_spec(f"layer{i}", g.spec)
+    layer_specs = [layer_spec_to_proto(f"layer{i}", g.spec)
                    for i, g in enumerate(core_config.groups)]
     client.register_pool(
         pool_id, layer_specs, num_blocks=core_config.num_blocks,

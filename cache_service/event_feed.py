@@ -18,16 +18,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
+from cache_service.errors import SequenceOutOfRange
+
 E = TypeVar("E")
-
-
-class SequenceOutOfRange(Exception):
-    """``from_sequence`` is older than the replay buffer or beyond the next sequence."""
-
-    def __init__(self, message: str, *, oldest: int, next_sequence: int) -> None:
-        super().__init__(message)
-        self.oldest = oldest
-        self.next_sequence = next_sequence
 
 
 class EventFeed(Generic[E]):

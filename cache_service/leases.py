@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from cache_service.errors import ResourceExhausted, Unavailable
 from cache_service.state import ServiceState, WalRecord
-from cache_service.status import ResourceExhausted, Unavailable
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 
 _log = structlog.get_logger("cache_service.leases")

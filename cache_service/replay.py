@@ -19,8 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,
@@ -41,6 +40,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from cache_service.errors import InvalidArgument, KVCacheError
 
 _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
                "mamba_cache_mode"}

@@ -42,6 +42,7 @@ import structlog
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
+from cache_service.errors import DataDirError
 from cache_service.wal import WriteAheadLog, _fsync_dir
 
 MAGIC = b"KVCSNAP\n"
@@ -53,7 +54,7 @@ _PREFIX, _SUFFIX = "snapshot-", ".snap"
 _log = structlog.get_logger("cache_service.snapshot")
 
 
-class SnapshotCorruption(Exception):
+class SnapshotCorruption(DataDirError):
     """A snapshot file does not read back as written, or the log needs one that is not
     there (names the file)."""
 

@@ -51,10 +51,11 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from cache_service.errors import DataDirError
 
 FsyncPolicy = Literal["always", "batch", "never"]
 
@@ -68,7 +69,7 @@ MAX_RECORD_BYTES = 1 << 30  # a longer length field can only be garbage
 _PREFIX, _SUFFIX = "wal-", ".log"
 
 
-class WalCorruption(Exception):
+class WalCorruption(DataDirError):
     """The log cannot be read back as written. ``path`` and ``offset`` locate the bad
     bytes; the service must not start on it."""
 
@@ -500,8 +501,3 @@ class WriteAheadLog:
                     self._fdatasync()
             finally:
                 os.close(self._fd)
-
-
-def iter_payloads(result: ScanResult) -> Iterator[bytes]:
-    """The payloads of a scan, in index order."""
-    return (payload for _, payload in result.records)

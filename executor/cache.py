@@ -29,7 +29,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from executor.batch import GroupLayout
+from executor.forward_meta import GroupLayout
 from executor.model import layer_name
 from executor.model_config import ModelConfig
 

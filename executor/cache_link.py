@@ -21,12 +21,12 @@ from cache_service.client import (
     PoolStats,
     StepResult,
     StepStream,
-    layers,
 )
 from cache_service.core.specs import KVCacheSpec
-from executor.batch import GroupLayout
+from cache_service.specs_proto import layer_spec_to_proto
 from executor.cache import CacheGroup
 from executor.errors import CacheUnavailable, PoolLost
+from executor.forward_meta import GroupLayout
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.backoff import Backoff
 
@@ -54,16 +54,15 @@ class PoolPlan:
 
     def layer_protos(self) -> list[pb.LayerSpec]:
         """The LayerSpec message of each layer, in the plan's order."""
-        return [layers.from_spec(n, s) for n, s in self.specs.items()]
+        return [layer_spec_to_proto(n, s) for n, s in self.specs.items()]
 
 
 def group_layouts(info: PoolInfo) -> list[GroupLayout]:
     """The executor's view of the pool's groups (kind, block size, Mamba mode)."""
     out = []
-    for g in info.raw.groups:
-        if g.kind == pb.LAYER_KIND_MAMBA:
-            mode = "align" if g.mamba_cache_mode == pb.MAMBA_CACHE_MODE_ALIGN else "none"
-            out.append(GroupLayout("mamba", g.block_size, mode))
+    for g in info.groups:
+        if g.kind == "mamba":
+            out.append(GroupLayout("mamba", g.block_size, g.mamba_cache_mode))
         else:
             out.append(GroupLayout("attention", g.block_size))
     return out

@@ -1,9 +1,10 @@
 """Decoder building blocks: norms, RoPE, gated MLP, paged attention, Mamba-2 and Mamba-1 mixers.
 
-Every mixer reads and writes its cache only through the ``kernels`` API, with the metadata of
-``executor.batch`` (packed tokens, block tables, slot mapping, state indices). Prompts, chunked
-prefill and decode go through the same calls; pure-decode batches use the single-step Mamba
-kernels. Parameter names follow Hugging Face's where that costs nothing (loaders map the rest).
+Every mixer reads and writes its cache only through the ``kernels`` API, with the metadata
+of ``executor.forward_meta`` (packed tokens, block tables, slot mapping, state indices).
+Prompts, chunked prefill and decode go through the same calls; pure-decode batches use the
+single-step Mamba kernels. Parameter names follow Hugging Face's where that costs nothing
+(loaders map the rest).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
-from executor.batch import AttentionMeta, MambaMeta
+from executor.forward_meta import AttentionMeta, MambaMeta
 from executor.model_config import ModelConfig
 
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from executor.batch import AttentionMeta, ForwardMeta, MambaMeta
+from executor.forward_meta import AttentionMeta, ForwardMeta, MambaMeta
 from executor.layers import Attention, GatedMLP, Mamba1Mixer, Mamba2Mixer, RMSNorm
 from executor.model_config import ModelConfig
 

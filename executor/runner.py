@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from executor.batch import GroupLayout, SeqChunk, build_forward_meta
 from executor.cache import CacheTensors
 from executor.errors import InvalidArgument
+from executor.forward_meta import GroupLayout, SeqChunk, build_forward_meta
 from executor.model import HybridModel
 
 

@@ -39,7 +39,6 @@ from prometheus_client.process_collector import ProcessCollector
 
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from executor.batch import SeqChunk
 from executor.cache import CacheTensors, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, cache_groups
 from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, check_engine_config
@@ -50,6 +49,7 @@ from executor.errors import (
     NotReady,
     RequestFailed,
 )
+from executor.forward_meta import SeqChunk
 from executor.model import HybridModel
 from executor.model_config import ModelConfig
 from executor.presets import get_preset
@@ -371,8 +371,8 @@ class EngineCollector:
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
             c.add_metric([], float(value))
             yield c
-        for name, value in (("running_requests", len(engine.running)),
-                            ("waiting_requests", len(engine.waiting))):
+        for name, value in (("running_requests", len(engine.scheduler.running)),
+                            ("waiting_requests", len(engine.scheduler.waiting))):
             g = GaugeMetricFamily(f"kvcache_executor_{name}", name.replace("_", " "))
             g.add_metric([], float(value))
             yield g
@@ -434,7 +434,7 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     async def engine_idle(grace_seconds: float) -> None:
         """Running and waiting requests finish, or the grace passes."""
         deadline = time.monotonic() + grace_seconds
-        while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+        while (ex.engine is not None and ex.engine.scheduler.has_requests
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 

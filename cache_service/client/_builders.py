@@ -9,15 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_service.core.specs import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from cache_service.specs_proto import layer_spec_to_proto
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
+from kvcache_common.enums import HASH_ALGOS, MAMBA_CACHE_MODES
 
 
 class layers:  # noqa: N801 - a namespace of builders, used as layers.full_attention(...)
@@ -64,30 +58,8 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
             mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
             mamba_cache_mode=MAMBA_CACHE_MODES.value(mamba_cache_mode), mamba_type=mamba_type)
 
-    @staticmethod
-    def from_spec(name: str, spec: KVCacheSpec) -> pb.LayerSpec:
-        """The ``LayerSpec`` message of a core layer spec (defaults filled in): how the
-        executor, which sizes its cache with the core's spec arithmetic, describes its
-        layers, and how the service echoes registered layers back."""
-        out = pb.LayerSpec(name=name, kind=LAYER_KINDS.value(spec.kind),
-                           block_size=spec.block_size,
-                           page_size_padded=getattr(spec, "page_size_padded", None) or 0)
-        if isinstance(spec, MambaSpec):
-            out.mamba_states.extend(pb.MambaState(shape=list(s), dtype=d)
-                                    for s, d in zip(spec.shapes, spec.dtypes))
-            out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
-            out.mamba_type = spec.mamba_type
-            return out
-        assert isinstance(spec, AttentionSpec)
-        out.num_kv_heads = spec.num_kv_heads
-        out.head_size = spec.head_size
-        out.head_size_v = spec.head_size_v or 0
-        out.dtype = spec.dtype
-        if isinstance(spec, SlidingWindowSpec):
-            out.sliding_window = spec.sliding_window
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            out.attention_chunk_size = spec.attention_chunk_size
-        return out
+    #: The ``LayerSpec`` of a core layer spec (see :mod:`cache_service.specs_proto`).
+    from_spec = staticmethod(layer_spec_to_proto)
 
 
 class StepBuilder:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import LAYER_KINDS
+from kvcache_common.enums import LAYER_KINDS, MAMBA_CACHE_MODES
 
 R = TypeVar("R")
 
@@ -220,6 +220,8 @@ class GroupInfo:
     sliding_window: int
     attention_chunk_size: int
     page_size_bytes: int
+    #: Mamba groups: ``"none"`` or ``"align"`` (docs/semantics.md); ``""`` for the others.
+    mamba_cache_mode: str = ""
 
 
 @dataclass(frozen=True)
@@ -326,12 +328,19 @@ def step_result(resp: pb.StepResponse) -> StepResult:
     return StepResult([op_result_from(r) for r in resp.results], resp.num_free_blocks)
 
 
+def _mamba_cache_mode(group: pb.KVCacheGroup) -> str:
+    if LAYER_KINDS.name(group.kind) != "mamba":
+        return ""
+    return MAMBA_CACHE_MODES.name(group.mamba_cache_mode) or "none"  # UNSPECIFIED = none
+
+
 def pool_info_from(cfg: pb.PoolConfig, created: bool = False) -> PoolInfo:
     """A PoolInfo of a PoolConfig (``created``: RegisterPool made it just now)."""
     return PoolInfo(
         cfg.pool_id, cfg.num_blocks,
         [GroupInfo(g.index, list(g.layer_names), LAYER_KINDS.name(g.kind), g.block_size,
-                   g.sliding_window, g.attention_chunk_size, g.page_size_bytes)
+                   g.sliding_window, g.attention_chunk_size, g.page_size_bytes,
+                   _mamba_cache_mode(g))
          for g in cfg.groups],
         cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg,
         cfg.layer_page_size_bytes, cfg.incarnation)

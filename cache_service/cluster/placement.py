@@ -47,8 +47,7 @@ import structlog
 from cache_service.cluster.etcd import ETCD_ERRORS, RETRY_BACKOFF, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
-from cache_service.core.errors import NotFound
-from cache_service.status import Unavailable
+from cache_service.errors import NotFound, Unavailable
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.redirect import OWNER_ADDRESS_KEY, OWNER_MEMBER_KEY
 

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from cache_service.client import Event, PoolInfo, PoolStats, RequestState
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES, MISS_REASONS
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MISS_REASONS
 
 Row = dict[str, Any]
 
@@ -77,13 +77,13 @@ def pool_data(info: PoolInfo, stats: PoolStats) -> Row:
     """A pool's configuration, counters and per-group rows."""
     opts = info.raw.options
     groups = []
-    for g, raw in zip(info.groups, info.raw.groups):
+    for g in info.groups:
         cached = stats.num_cached_blocks_per_group
         groups.append({
             "group": g.index, "kind": g.kind, "layers": len(g.layer_names),
             "block_size": g.block_size, "sliding_window": g.sliding_window,
             "attention_chunk_size": g.attention_chunk_size,
-            "mamba_cache_mode": MAMBA_CACHE_MODES.name(raw.mamba_cache_mode),
+            "mamba_cache_mode": g.mamba_cache_mode,
             "page_size_bytes": g.page_size_bytes,
             "cached_blocks": cached[g.index] if g.index < len(cached) else 0})
     return {**pool_row(info, stats), "incarnation": info.incarnation,

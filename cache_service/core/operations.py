@@ -5,6 +5,13 @@ One class per kind of scheduler operation. ``KIND`` is the op's name in error pa
 the service reports the same paths the client sent. Values are checked by the pool when
 the batch is applied (any Python value may arrive here from a replay trace), never by
 the constructors.
+
+The size of an op, in one table (:data:`OP_SIZE_FIELDS`) for every place that counts it:
+:func:`op_requests` and :func:`op_tokens` are what the service's per-Step limits count
+(``max_ops_per_step``, ``max_tokens_per_step``), and :func:`op_cost` is the work the
+service slices a long Step by (checking, hashing and applying it a slice at a time).
+The protocol's ops have the same field names, so the same functions size a Step before
+it is converted.
 """
 
 from __future__ import annotations
@@ -127,3 +134,44 @@ Op = (AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep |
 #: (allocate), int = free blocks after the op (free, preempt), None (new_step),
 #: DecodeOutcome (decode), int = placeholders filled (fill_placeholders).
 OpOutcome = Any
+
+#: Token ids per unit of work: checking, copying and hashing (one hash block at the usual
+#: size of 16) that many tokens costs about what applying one request-op does.
+TOKENS_PER_COST = 16
+
+#: Per kind: (the field that names one request per entry, or None: the op names one
+#: request; the field holding token ids, or None).
+OP_SIZE_FIELDS: dict[str, tuple[str | None, str | None]] = {
+    AddRequest.KIND: (None, "token_ids"),
+    Lookup.KIND: (None, None),
+    Allocate.KIND: (None, "append_token_ids"),
+    AppendTokens.KIND: (None, "token_ids"),
+    Free.KIND: (None, None),
+    Preempt.KIND: (None, None),
+    NewStep.KIND: (None, None),
+    Decode.KIND: ("request_ids", "token_ids"),
+    FillPlaceholders.KIND: ("request_ids", "token_ids"),
+}
+
+
+def op_requests(kind: str, op: Any) -> int:
+    """Request-ops: one per request a decode or fill op names, else one. ``op``: a core op
+    or the protocol's message of that kind (a validated one: its fields are sequences)."""
+    per, _ = OP_SIZE_FIELDS[kind]
+    return 1 if per is None else len(getattr(op, per))
+
+
+def op_tokens(kind: str, op: Any) -> int:
+    """Token ids the op carries (0 for kinds without any)."""
+    _, tokens = OP_SIZE_FIELDS[kind]
+    return 0 if tokens is None else len(getattr(op, tokens))
+
+
+def op_cost(kind: str, op: Any) -> int:
+    """Units of work: one per request-op, plus one per :data:`TOKENS_PER_COST` token ids
+    of an op naming one request (a decode or fill op carries one token id per request it
+    names, paid for with the request)."""
+    per, tokens = OP_SIZE_FIELDS[kind]
+    if per is not None:
+        return len(getattr(op, per))
+    return 1 if tokens is None else 1 + len(getattr(op, tokens)) // TOKENS_PER_COST
