@@ -45,6 +45,12 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         non_negative(getattr(opts, name), f"{p}.{name}", limit=1 << 31)
     non_negative(opts.vocab_size, f"{p}.vocab_size", limit=1 << 40)
     non_negative(opts.session_block_quota, f"{p}.session_block_quota", limit=1 << 40)
+    non_negative(opts.session_pinned_block_quota, f"{p}.session_pinned_block_quota",
+                 limit=1 << 40)
+    max_pinned = None
+    if opts.HasField("max_pinned_blocks"):
+        max_pinned = non_negative(opts.max_pinned_blocks, f"{p}.max_pinned_blocks",
+                                  limit=1 << 40)
     if not 0.0 <= opts.watermark < 1.0:  # also rejects NaN
         raise InvalidArgument(f"must be in [0, 1), got {opts.watermark}",
                               field=f"{p}.watermark")
@@ -69,6 +75,8 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         account_block_quota=opts.session_block_quota or None,
         prefix_cache_retention_interval=retention,
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
+        max_pinned_blocks=max_pinned,
+        pinned_block_quota=opts.session_pinned_block_quota or None,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -84,7 +92,9 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         enable_events=opts.enable_events, vocab_size=opts.vocab_size or 0, hybrid=hybrid,
         session_block_quota=opts.account_block_quota or 0,
         prefix_cache_retention_interval=opts.prefix_cache_retention_interval,
-        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
+        max_pinned_blocks=opts.max_pinned_blocks,
+        session_pinned_block_quota=opts.pinned_block_quota or 0)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -195,7 +205,11 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         preemptions=s.preemptions,
         groups=[pb.GroupStats(index=i, num_cached_blocks=n)
                 for i, n in enumerate(s.num_cached_blocks_per_group)],
-        last_event_sequence=last_sequence)
+        last_event_sequence=last_sequence,
+        num_pinned_blocks=s.num_pinned_blocks, max_pinned_blocks=s.max_pinned_blocks,
+        num_pins=s.num_pins, pin_refusals=s.pin_refusals,
+        pinned_blocks=[pb.PinnedBlocks(session_id_prefix=a[:8], blocks=n)
+                       for a, n in sorted(s.pinned_blocks_by_account.items())])
 
 
 def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
@@ -298,11 +312,11 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
                 raise qualify(exc, "add_request.hash_recipe") from None
         return operations.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
-                              account)
+                              account, m.eviction_class)
     if kind == "lookup":
         return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
-        return operations.Free(op.free.request_id)
+        return operations.Free(op.free.request_id, op.free.evict_first)
     if kind == "preempt":
         return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":

@@ -75,6 +75,13 @@ class PoolGate:
             finally:
                 self._waiting -= 1
 
+    async def wait_all_idle(self) -> None:
+        """Returns once no pool is being worked on by a sliced call: the state is then the
+        one after every accepted record (e.g. to be copied whole). Nothing may await
+        between this and what it guards."""
+        while self._busy:
+            await next(iter(self._busy.values())).wait()
+
     async def run(self, work: Generator[None, None, T], pools: list[str]) -> T:
         """Runs a sliced mutation of ``pools``: once they are idle, a first turn at once
         (most calls end within it, with no task or loop switch), the rest by

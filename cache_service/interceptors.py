@@ -38,6 +38,12 @@ OPEN_SERVICES = frozenset({
     "grpc.reflection.v1alpha.ServerReflection",
     "grpc.reflection.v1.ServerReflection",
 })
+#: Replica-to-replica services (cluster mode): passed through as they are. No tenant auth
+#: (the standby checks the sender against etcd), no per-call metrics, never counted as a
+#: call in flight (a replication stream lives as long as the replica; a drain must not
+#: wait for it) and not refused while draining (a leaving replica stays a standby until
+#: its lease is gone).
+INTERNAL_SERVICES = frozenset({"kvcache.internal.v1.ReplicationService"})
 
 _log = structlog.get_logger("cache_service.rpc")
 
@@ -156,6 +162,8 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
                 request_id = value
             elif key == "authorization":
                 authorization = value
+        if service in INTERNAL_SERVICES:
+            return handler
         if service in OPEN_SERVICES:
             # Probes need neither auth nor per-call metrics: only bad bytes are handled.
             return self._open(handler, service, method)

@@ -126,6 +126,11 @@ class PoolCollector:
             "max_account_blocks": GaugeMetricFamily(
                 "kvcache_pool_max_session_blocks", "Blocks held by the pool's most "
                 "demanding session (pools with a quota).", labels=["pool"]),
+            "num_pinned_blocks": GaugeMetricFamily(
+                "kvcache_pool_pinned_blocks", "Distinct blocks held by prefix pins.",
+                labels=["pool"]),
+            "num_pins": GaugeMetricFamily("kvcache_pool_pins", "Live prefix pins.",
+                                          labels=["pool"]),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily(
@@ -145,6 +150,9 @@ class PoolCollector:
             "quota_refusals": CounterMetricFamily(
                 "kvcache_pool_session_quota_refusals", "Allocations answered 'no room' "
                 "because of the session block quota.", labels=["pool"]),
+            "pin_refusals": CounterMetricFamily(
+                "kvcache_pool_pin_refusals", "PinPrefix calls refused by max_pinned_blocks "
+                "or a session's pinned-block quota.", labels=["pool"]),
         }
         tenant_pools = GaugeMetricFamily("kvcache_tenant_pools", "Pools a tenant holds.",
                                          labels=["tenant"])
@@ -276,6 +284,20 @@ class ClusterCollector:
                                   "(and may serve).")
         owned.add_metric([], float(len(node.placement.owned)))
         yield owned
+        replicator = getattr(node, "replicator", None)
+        if replicator is not None:
+            degraded = GaugeMetricFamily(
+                "kvcache_replication_degraded", "1 while some pool this replica owns has "
+                "no live standby (writes are answered without one after the replication "
+                "timeout), else 0.")
+            degraded.add_metric([], 1.0 if replicator.degraded else 0.0)
+            yield degraded
+            lag = GaugeMetricFamily("kvcache_replication_lag_records", "Records this "
+                                    "replica logged that a standby has not acknowledged "
+                                    "yet.", labels=["standby"])
+            for member, link in replicator.links.items():
+                lag.add_metric([member], float(max(0, replicator.index - link.acked)))
+            yield lag
 
 
 def new_registry(stats_of: Callable[[], Iterable[tuple[str, Any]]],

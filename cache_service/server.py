@@ -18,6 +18,7 @@ import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import structlog
@@ -105,6 +106,7 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
         snapshot_every=settings.snapshot_every)
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
     state.lease_ttl_seconds = settings.lease_ttl_seconds
+    state.max_pin_ttl_seconds = settings.max_pin_ttl_seconds
     state.max_ops_per_step = settings.max_ops_per_step
     state.max_tokens_per_step = settings.max_tokens_per_step
     state.registry.max_total_blocks = settings.max_total_blocks
@@ -189,11 +191,12 @@ async def serve(settings: Settings) -> int:
                                   unauthenticated=settings.unauthenticated_tenant())
     servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens, leases=leases,
                              cluster=node, step_observer=rpc_metrics.observe_step)
+    if node is not None and node.replicator is not None:
+        node.replicator.gate = servicer.gate  # a standby's snapshot waits for sliced calls
     try:
         listener = await start_server(
             service_name=SERVICE_NAME,
-            add_servicers=lambda server: pb_grpc.add_CacheServiceServicer_to_server(
-                servicer, server),
+            add_servicers=lambda server: _add_servicers(server, servicer, node),
             host=settings.host, port=settings.port, options=grpc_options(settings),
             interceptors=[interceptor], credentials=creds,
             # Cluster mode: SERVING once a member, so readiness implies it can own pools.
@@ -212,6 +215,7 @@ async def serve(settings: Settings) -> int:
                                    f"{settings.etcd_endpoints} is unreachable ({exc})", 2)
         await listener.mark_serving()  # the servicer acts as a member from here on
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
+    pin_reaper = asyncio.create_task(servicer.pin_reaper.run(), name="pin-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     lifecycle().info("serving", host=settings.host, port=listener.port,
                      metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
@@ -222,6 +226,7 @@ async def serve(settings: Settings) -> int:
 
     await listener.wait()
     reaper.cancel()  # no lease expires while draining: clients cannot renew then
+    pin_reaper.cancel()
     freezer.cancel()
 
     def refuse_new() -> None:
@@ -249,6 +254,12 @@ async def serve(settings: Settings) -> int:
     await listener.shutdown(settings.drain_seconds, refuse_new=refuse_new,
                             wait_idle=wait_idle, close=close)
     return 0
+
+
+def _add_servicers(server: grpc.aio.Server, servicer: CacheServicer, node: Any) -> None:
+    pb_grpc.add_CacheServiceServicer_to_server(servicer, server)
+    if node is not None:  # cluster mode: replica-to-replica services too
+        node.add_servicers(server)
 
 
 def _close_quietly(data_dir: DataDir | None) -> None:

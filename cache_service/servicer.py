@@ -44,6 +44,7 @@ from cache_service.fairness import (
     thaw_heap,
 )
 from cache_service.leases import LeaseKeeper, LeaseReaper
+from cache_service.pins import PinReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
 from cache_service.status import to_status
@@ -133,6 +134,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if not session.expiring:
                 self.leases.start(sid)
         self.reaper = LeaseReaper(state, self.leases, self.submit)
+        self.pin_reaper = PinReaper(state.pins, self.submit)
         # pool id -> (its last PeekPrefix answer, the id the caller knows, that entry
         # serialized); see _peek_response.
         self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
@@ -306,7 +308,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 field="session_id"))
         sid = request.session_id or secrets.token_hex(16)
         response = await self._mutate(context, "open_session", wal_pb2.OpenSession(
-            session_id=sid, client_name=request.client_name))
+            session_id=sid, client_name=request.client_name,
+            evict_first_on_end=request.evict_first_on_end))
         self.leases.start(sid)
         _log.info("session_opened", session_id=sid, client=request.client_name)
         return response
@@ -350,6 +353,34 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                blocks_held=pool.account_blocks(sid) if pool else 0,
                                block_quota=stats.account_block_quota if stats else 0)
         return answer
+
+    # -- prefix pins (cache_service/pins.py) -------------------------------------------
+
+    async def PinPrefix(self, request: pb.PinPrefixRequest,
+                        context: grpc.aio.ServicerContext) -> pb.PinPrefixResponse:
+        # The expiry is computed here, outside apply, and carried by the record.
+        record = wal_pb2.PinPrefix(request=request,
+                                   expires_at=time.time() + request.ttl_seconds)
+        return await self._pin_call(context, "pin_prefix", record, request.session_id)
+
+    async def RenewPin(self, request: pb.RenewPinRequest,
+                       context: grpc.aio.ServicerContext) -> pb.RenewPinResponse:
+        record = wal_pb2.RenewPin(request=request,
+                                  expires_at=time.time() + request.ttl_seconds)
+        return await self._pin_call(context, "renew_pin", record)
+
+    async def DropPin(self, request: pb.DropPinRequest,
+                      context: grpc.aio.ServicerContext) -> pb.DropPinResponse:
+        return await self._pin_call(context, "drop_pin", request)
+
+    async def _pin_call(self, context: grpc.aio.ServicerContext, kind: str, record: Any,
+                        session_id: str = "") -> Any:
+        inner = record.request if kind in ("pin_prefix", "renew_pin") else record
+        answer = await self._mutate(context, kind, record, session_id,
+                                    before=lambda: self._own(inner))
+        response = type(answer)()
+        response.CopyFrom(answer)
+        return response
 
     # -- queries -----------------------------------------------------------------------
 
@@ -406,7 +437,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 if space is not None:
                     inputs[space] = (hashed or [], max_len)
             answers = self.registry.index.peek(plan.pool_ids, inputs.__getitem__)
-        return self._peek_response(plan, answers, cache=not request.explain)
+        response = self._peek_response(plan, answers, cache=not request.explain)
+        for i, entry in enumerate(plan.entries):
+            if entry.pool.num_pinned_blocks:  # pins: PoolHit.pinned_tokens
+                hashed, _, _ = yield from entry.pool.peek_input_in_slices(
+                    tokens, hashes, keys, slice_blocks=PEEK_SLICE_BLOCKS)
+                response.hits[i].pinned_tokens = min(
+                    response.hits[i].hit_tokens, entry.pool.pinned_tokens(hashed or []))
+        return response
 
     def _peek_response(self, plan: _PeekPlan, answers: list[Residency], *,
                        cache: bool) -> pb.PeekPrefixResponse:

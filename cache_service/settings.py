@@ -70,6 +70,8 @@ class Settings(BaseSettings):
     lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "
                                      "with no call (nor KeepAlive) for this long expires "
                                      "and its requests are freed")
+    max_pin_ttl_seconds: float = Field(24 * 3600.0, gt=0, description="longest TTL a "
+                                       "PinPrefix / RenewPin may ask for")
     keepalive_time_ms: int = Field(30000, ge=1000, description="server keepalive ping "
                                    "interval")
     keepalive_timeout_ms: int = Field(10000, ge=100, description="keepalive ping ack timeout")
@@ -92,6 +94,17 @@ class Settings(BaseSettings):
     etcd_lease_ttl: int = Field(5, ge=2, le=300, description="cluster mode: seconds the etcd "
                            "lease outlives this replica's last keep-alive; the failover "
                            "detection time")
+    replication: Literal["sync", "async", "none"] = Field(
+        "sync", description="cluster mode: each pool's owner streams every accepted record "
+        "to a standby replica (the next one in the pool's rendezvous order), which takes "
+        "the pool over with its state when the owner dies. sync = a call is answered once "
+        "the standby has its record (nothing answered is lost by one failure); async = "
+        "answered before (a failover loses what the standby had not received); none = no "
+        "standby (a failover without --shared-data-root starts the pool anew)")
+    replication_timeout_seconds: float = Field(
+        0.0, ge=0, description="cluster mode, --replication sync: how long a write waits "
+        "for a standby that is unreachable or catching up before it is answered without "
+        "it (degraded: kvcache_replication_degraded is 1); 0 = 3 x --etcd-lease-ttl")
     data_dir: Path | None = Field(None, description="directory for the write-ahead log and "
                                   "snapshots: every accepted mutation is logged before it "
                                   "is answered and a restart restores the state; unset = "
@@ -137,7 +150,17 @@ class Settings(BaseSettings):
             if self.data_dir is not None and self.data_dir != own:
                 raise ValueError(f"with --shared-data-root, --data-dir must be {own} "
                                  "(<root>/<member-id>, where the others look) or unset")
+        if self.replication_timeout_seconds and \
+                self.replication_timeout_seconds <= 2 * self.etcd_lease_ttl:
+            raise ValueError("--replication-timeout-seconds must exceed 2 x --etcd-lease-ttl "
+                             "(a standby trusts its copy for the timeout less one TTL after "
+                             "its stream broke)")
         return self
+
+    @property
+    def replication_wait(self) -> float:
+        """--replication-timeout-seconds, its default resolved."""
+        return self.replication_timeout_seconds or 3.0 * self.etcd_lease_ttl
 
     @property
     def state_dir(self) -> Path | None:

@@ -47,6 +47,7 @@ from cache_service.errors import (
     ResourceExhausted,
 )
 from cache_service.ownership import Ownership
+from cache_service.pins import MAX_PIN_TTL_SECONDS, PinLease, PinRecords
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
 from cache_service.tenants import tenant_of
@@ -103,6 +104,8 @@ class Session:
     last_request: Message | None = None
     last_response: Message | None = None
     expiring: bool = False
+    #: A release hint: its requests are freed evict-first when it ends.
+    evict_first_on_end: bool = False
 
 
 @dataclass
@@ -145,6 +148,11 @@ class ServiceState:
             "expire_session": self._prepare_expire,
             "adopt_pool": self._prepare_adopt,
         }
+        #: Prefix pins' leases (cache_service.pins): pool id -> pin id -> lease.
+        self.pin_leases: dict[str, dict[str, PinLease]] = {}
+        self.max_pin_ttl_seconds = MAX_PIN_TTL_SECONDS
+        self.pins = PinRecords(self)
+        self._handlers.update(self.pins.handlers())
 
     def __getstate__(self) -> dict:
         """Everything but the durability hook (open files, threads): what a snapshot of
@@ -162,6 +170,15 @@ class ServiceState:
                     ownership.add(pool_id, rid, sid)
         self.__dict__.update(state)
         self.durability = NoDurability()
+        if "pins" not in state:  # a snapshot from before pins
+            self.pin_leases, self.max_pin_ttl_seconds = {}, MAX_PIN_TTL_SECONDS
+            self.pins = PinRecords(self)
+            self._handlers.update(self.pins.handlers())
+
+    @property
+    def record_tenant_name(self) -> str:
+        """The tenant of the record being applied."""
+        return self._tenant.name
 
     # -- the entry point -------------------------------------------------------------------
 
@@ -280,7 +297,12 @@ class ServiceState:
     def pools_of_call(self, kind: str, request: Message) -> list[str]:
         """:meth:`pools_of` of ``WalRecord(<kind>=request)``."""
         if kind in ("close_session", "expire_session"):
-            return self.ownership.pools_of(request.session_id)
+            pools = set(self.ownership.pools_of(request.session_id))
+            pools.update(p for p, pins in self.pin_leases.items()
+                         if any(lease.session_id == request.session_id for lease in pins.values()))
+            return sorted(pools)
+        if kind in ("pin_prefix", "renew_pin"):
+            return [request.request.pool_id]
         pool_id = getattr(request, "pool_id", None)
         return [pool_id] if pool_id else []
 
@@ -393,6 +415,7 @@ class ServiceState:
         def commit() -> pb.DeletePoolResponse:
             dropped = self.registry.delete(request.pool_id)
             self._tables.pop(request.pool_id, None)
+            self.pin_leases.pop(request.pool_id, None)
             self.ownership.drop_pool(request.pool_id)
             return pb.DeletePoolResponse(num_requests_dropped=dropped)
         return commit
@@ -441,7 +464,8 @@ class ServiceState:
                     if getattr(s.last_request, "pool_id", None) == pool_id)
         sessions = [copy.copy(self.sessions[sid]) for sid in sorted(sids)]
         return dumps_state({"entry": entry, "tables": self._tables.get(pool_id),
-                            "owners": owners, "sessions": sessions})
+                            "owners": owners, "sessions": sessions,
+                            "pins": self.pin_leases.get(pool_id)})
 
     def _prepare_adopt(self, request: wal_pb2.AdoptPool
                        ) -> Callable[[], wal_pb2.AdoptPoolResult]:
@@ -463,6 +487,8 @@ class ServiceState:
             self.registry.adopt(entry)
             if data["tables"] is not None:
                 self._tables[entry.pool_id] = data["tables"]
+            if data.get("pins"):
+                self.pin_leases[entry.pool_id] = dict(data["pins"])
             for adopted in sessions:
                 # Records written before Ownership listed each session's requests in the
                 # pool too: the same facts as "owners", in the same order.
@@ -492,7 +518,8 @@ class ServiceState:
                                                   lease_ttl_seconds=self.lease_ttl_seconds)
 
         def commit() -> pb.OpenSessionResponse:
-            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant)
+            self.sessions[sid] = Session(sid, request.client_name, tenant=tenant,
+                                         evict_first_on_end=request.evict_first_on_end)
             self.counters.opened += 1
             return pb.OpenSessionResponse(session_id=sid,
                                           lease_ttl_seconds=self.lease_ttl_seconds)
@@ -503,7 +530,9 @@ class ServiceState:
         session = self.live_session(request.session_id, tenant=self._tenant.name)
 
         def commit() -> pb.CloseSessionResponse:
-            freed = self._free_owned(session, self.ownership.count(session.session_id))
+            self.pins.session_ended(session.session_id)
+            freed = self._free_owned(session, self.ownership.count(session.session_id),
+                                     evict_first=request.evict_first)
             del self.sessions[session.session_id]
             self.counters.closed += 1
             return pb.CloseSessionResponse(num_requests_freed=freed)
@@ -521,6 +550,7 @@ class ServiceState:
             if not session.expiring:
                 session.expiring = True
                 self.counters.expired += 1
+                self.pins.session_ended(session.session_id)
             freed = self._free_owned(session, request.max_requests)
             self.counters.requests_expired += freed
             left = self.ownership.count(session.session_id)
@@ -530,7 +560,7 @@ class ServiceState:
                                                num_requests_left=left)
         return commit
 
-    def _free_owned(self, session: Session, limit: int) -> int:
+    def _free_owned(self, session: Session, limit: int, *, evict_first: bool = False) -> int:
         """Frees up to ``limit`` of the session's requests, oldest first, each exactly as
         a FreeOp would (one batch per pool; events flushed). Ownership is exact (adds
         and frees are tracked, deleted pools drop theirs), so every batch is valid."""
@@ -540,7 +570,8 @@ class ServiceState:
             by_pool.setdefault(pool_id, []).append(rid)
         for pool_id, rids in by_pool.items():
             entry: PoolEntry = self.registry.entry(pool_id)  # a commit: no check may fail
-            entry.pool.apply_batch([Free(rid) for rid in rids])
+            hint = evict_first or getattr(session, "evict_first_on_end", False)
+            entry.pool.apply_batch([Free(rid, hint) for rid in rids])
             entry.flush_events()
             tables = self._tables.get(pool_id)
             for rid in rids:

@@ -235,6 +235,8 @@ REGISTRY: dict[str, Entry] = {
     "python3 bench/bench_cluster.py --parts failover,rolling --kills 3": Gated(
         "minutes of machine time and etcd", "the run the numbers come from; `python3 "
         "bench/bench_cluster.py` (every part, smaller sizes) runs in tests/cluster"),
+    "python3 bench/bench_replication.py": _bench(  # needs etcd: the cluster tier
+        "replication", "--kills 1 --steps 10 --rounds 1 --blocks 2048", tier="cluster"),
     "python3 bench/bench_durability.py": _bench(
         "durability", "--steps 10 --warmup 2 --rounds 1 --requests 500 --tail 10"),
     "python3 bench/bench_snapshot.py": _bench(

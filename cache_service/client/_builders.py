@@ -85,9 +85,10 @@ class StepBuilder:
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
-            hash_recipe: pb.HashRecipe | None = None) -> StepBuilder:
+            hash_recipe: pb.HashRecipe | None = None, eviction_class: int = 0) -> StepBuilder:
         """Appends an add op (a new request and its prompt; ``block_hashes`` when the client
-        hashed it itself); returns the builder, for chaining."""
+        hashed it itself; ``eviction_class``: docs/semantics.md, "Eviction classes");
+        returns the builder, for chaining."""
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -101,6 +102,8 @@ class StepBuilder:
             m.lora_path = lora_path
         if hash_recipe is not None:
             m.hash_recipe.CopyFrom(hash_recipe)
+        if eviction_class:
+            m.eviction_class = eviction_class
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
@@ -147,9 +150,13 @@ class StepBuilder:
         m.token_ids.extend(token_ids)
         return self
 
-    def free(self, request_id: str) -> StepBuilder:
-        """Appends a free op: the request ends, its blocks go back (cached ones stay reusable)."""
-        self._add().free.request_id = request_id
+    def free(self, request_id: str, *, evict_first: bool = False) -> StepBuilder:
+        """Appends a free op: the request ends, its blocks go back (cached ones stay
+        reusable); ``evict_first``: they go to the front of the free queue (a release hint)."""
+        m = self._add().free
+        m.request_id = request_id
+        if evict_first:
+            m.evict_first = True
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:
@@ -278,6 +285,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      session_block_quota: int = 0,
                      prefix_cache_retention_interval: int | None = None,
                      enable_mamba_shared_prefix_checkpoint: bool = False,
+                     max_pinned_blocks: int | None = None,
+                     session_pinned_block_quota: int = 0,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -297,7 +306,9 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         hybrid=hybrid, skip_capacity_check=skip_capacity_check,
         session_block_quota=session_block_quota,
         prefix_cache_retention_interval=prefix_cache_retention_interval,
-        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint)
+        enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
+        max_pinned_blocks=max_pinned_blocks,
+        session_pinned_block_quota=session_pinned_block_quota)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks

@@ -21,12 +21,14 @@ from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
+from cache_service.cluster.replication import Replicator, Standby
 from cache_service.errors import InvalidArgument, KVCacheError
 from cache_service.leases import LeaseKeeper
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
 from cache_service.state import ServiceState, WalRecord
 from cache_service.tenants import Namespace
+from kvcache_common.api.kvcache.internal.v1 import replication_pb2_grpc as rpb_grpc
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -74,6 +76,38 @@ class ClusterNode:
         self.read_peer = read_peer
         #: Set once :meth:`join` succeeded (the servicer acts as a member from then on).
         self.joined = False
+        #: Replication (see cache_service.cluster.replication): this replica's side as
+        #: an owner (wrapping the state's durability hook) and as a standby (a service).
+        self.replicator: Replicator | None = None
+        if settings.replication != "none":
+            self.replicator = Replicator(
+                state.durability, state, mode=settings.replication,
+                timeout=settings.replication_wait, me=lambda: self._membership().member_id,
+                lease=lambda: self._membership().lease_id,
+                owned=lambda: self.placement.owned if self.placement is not None else {},
+                members=lambda: {m: v.address for m, v in self.placement.members.items()}
+                if self.placement is not None else {},
+                channel_options=[
+                    ("grpc.max_send_message_length", settings.max_message_bytes),
+                    ("grpc.max_receive_message_length", settings.max_message_bytes)])
+            state.durability = self.replicator
+        self.standby = Standby(
+            me=lambda: self._membership().member_id,
+            # Empty until the first view of etcd is loaded (a joining replica knows none).
+            members=lambda: {m: v.lease for m, v in self.placement.members.items()}
+            if self.placement is not None and self.placement.synced.is_set() else {},
+            owners=lambda: {p: (o.member, o.token) for p, o in self.placement.owners.items()}
+            if self.placement is not None else {},
+            owned=lambda: self.placement.owned if self.placement is not None else {},
+            trust=settings.replication_wait - settings.etcd_lease_ttl)
+
+    def _membership(self) -> Membership:
+        assert self.membership is not None, "join first"
+        return self.membership
+
+    def add_servicers(self, server: grpc.aio.Server) -> None:
+        """Adds the replica-to-replica services (replication) to the gRPC server."""
+        rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, server)
 
     async def join(self, port: int, timeout: float = 30.0) -> None:
         """Registers this replica and acts on the cluster's current state; raises
@@ -82,16 +116,36 @@ class ClusterNode:
         member_id = self.settings.member_id or address
         self.membership = Membership(self.etcd, self.keys, member_id, address,
                                      self.settings.etcd_lease_ttl)
-        restore = self._adopt if self.settings.shared_data_root is not None else None
+        shared = self.settings.shared_data_root is not None
         self.placement = Placement(self.etcd, self.keys, self.membership,
-                                   self.registry.has, restore, self._discard,
+                                   self.registry.has, self._restore, self._discard,
                                    lambda: [entry.pool_id for entry in self.registry],
-                                   self._receive if restore is not None else None)
+                                   self._receive if shared else None)
         self.registry.placement = self.placement
+        if self.replicator is not None:
+            self.placement.on_change = self.replicator.refresh
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
         await asyncio.wait_for(self.placement.start(), timeout)
         self.joined = True
+
+    async def _restore(self, pool_id: str, holder: str) -> None:
+        """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is
+        fenced) with its state: from this replica's copy of the holder's state when it
+        is a safe one (replication), else from the holder's directory under the shared
+        data root; without either the pool stays absent (clients register it again: a
+        new incarnation), which is logged."""
+        started = time.perf_counter()
+        payload = self.standby.take(pool_id, holder)
+        if payload is not None and self._install(pool_id, holder, payload, started,
+                                                 via="standby"):
+            return
+        if self.settings.shared_data_root is not None:
+            await self._adopt(pool_id, holder)
+            return
+        _log.warning("pool_not_adopted", pool_id=pool_id, holder=holder,
+                     reason="no safe copy of the holder's state here (no --replication "
+                     "standby caught up, no --shared-data-root): a new incarnation")
 
     async def _adopt(self, pool_id: str, holder: str) -> None:
         """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is
@@ -195,6 +249,8 @@ class ClusterNode:
         """Stops following etcd and revokes the lease (other replicas take the pools)."""
         if self.placement is not None:
             await self.placement.stop()
+        if self.replicator is not None:
+            await self.replicator.close()
         if self.membership is not None:
             await self.membership.leave()
         await self.etcd.close()

@@ -109,6 +109,13 @@ class Placement:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self.synced = asyncio.Event()
+        #: Called after the owned pools or the members may have changed (replication
+        #: picks the standbys from them).
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     @property
     def me(self) -> str:
@@ -285,11 +292,11 @@ class Placement:
             for pool_id, owner in list(self.owners.items()):
                 if owner.member == me and owner.lease == lease and pool_id not in self.owned:
                     await self._instantiate(pool_id, owner.token, handoff=owner)
-            if not self.membership.lease_valid():
-                return
-            for pool_id in sorted(self.registered - self.owners.keys()):
-                if rendezvous_owner(pool_id, self.members) == me:
-                    await self._claim(pool_id)
+            if self.membership.lease_valid():
+                for pool_id in sorted(self.registered - self.owners.keys()):
+                    if rendezvous_owner(pool_id, self.members) == me:
+                        await self._claim(pool_id)
+            self._changed()
 
     def _lose(self, pool_id: str, owner: Owner | None) -> None:
         """Stops serving ``pool_id``. Its state is dropped (a logged drop) only once
@@ -415,6 +422,7 @@ class Placement:
                     if owner.member != self.me or owner.lease != self.membership.lease_id:
                         raise PoolMoved(pool_id, owner)
                     self.owned[pool_id] = owner.token
+                    self._changed()
                     return
                 if not self.membership.lease_valid():
                     break
@@ -451,6 +459,7 @@ class Placement:
                 if target != self.me:
                     raise PoolMoved(pool_id, owner)
                 self.owned[pool_id] = token
+                self._changed()
                 return
         raise Unavailable(f"cannot place pool {pool_id!r} now (no live replica or etcd "
                           "unreachable); retry", field="pool_id")

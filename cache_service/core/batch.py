@@ -38,6 +38,7 @@ from cache_service.core.errors import (
     UnknownRequest,
     qualify,
 )
+from cache_service.core.eviction_classes import MAX_CLASS
 from cache_service.core.hashing import HashRecipe, check_declared_recipe
 from cache_service.core.operations import (
     TOKENS_PER_COST,
@@ -365,6 +366,8 @@ class BatchCheck:
                                   f"max_model_len {limits.max_model_len}",
                                   field="token_ids")
         check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
+        if op.eviction_class:
+            check_int(op.eviction_class, "eviction_class", minimum=0, maximum=MAX_CLASS)
         if op.hash_recipe is not None:
             try:
                 check_declared_recipe(limits.recipe, op.hash_recipe)
@@ -395,6 +398,8 @@ class BatchCheck:
         self.blocks_moved = True
 
     def _check_free(self, op: Free) -> None:
+        if type(op.evict_first) is not bool:
+            raise InvalidArgument("evict_first must be a boolean", field="evict_first")
         self._require(op.request_id)
         self.state[op.request_id] = Simulated()
         self.blocks_moved = True

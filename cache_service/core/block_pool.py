@@ -26,6 +26,7 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
 from cache_service.core.hashing import external_block_hash
+from cache_service.core.release_hints import release_to_front
 
 if TYPE_CHECKING:
     from cache_service.core.request import Request
@@ -65,6 +66,8 @@ class BlockPool:
         self.null_block.is_null = True
         self.events: list[KVEvent] = []
         self.num_evictions = 0  # cached blocks evicted to make room (a statistic)
+        #: While set (core/release_hints.py), frees put every released block at the front.
+        self.free_to_front = False
         self.observer: CacheObserver | None = None
 
     def _materialize(self, block_id: int) -> KVCacheBlock:
@@ -218,6 +221,9 @@ class BlockPool:
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, first = evicted first (see module doc)."""
+        if self.free_to_front:
+            release_to_front(self, ordered_blocks)
+            return
         front: list[KVCacheBlock] = []
         back: list[KVCacheBlock] = []
         caching = self.enable_caching

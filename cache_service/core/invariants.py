@@ -16,9 +16,11 @@ from cache_service.core.kv_cache_manager import KVCacheManager
 from cache_service.core.request import Request
 
 
-def check_pool_invariants(kv: KVCacheManager, requests: Mapping[str, Request]) -> None:
+def check_pool_invariants(kv: KVCacheManager, requests: Mapping[str, Request],
+                          pinned: Mapping[int, int] | None = None) -> None:
     """Raise AssertionError naming the broken invariant (``requests``: the pool's registry
-    by id)."""
+    by id; ``pinned``: block id -> references prefix pins hold on it, core/pins.py)."""
+    pins = pinned or {}
     pool = kv.pool
     pool.check_invariants()
     refs: dict[int, int] = {}
@@ -53,12 +55,13 @@ def check_pool_invariants(kv: KVCacheManager, requests: Mapping[str, Request]) -
     for block in pool.blocks.values():
         if block.is_null:
             continue
-        assert block.ref_cnt == refs.get(block.block_id, 0), \
+        held = pins.get(block.block_id, 0)
+        assert block.ref_cnt == refs.get(block.block_id, 0) + held, \
             (f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-             f"{refs.get(block.block_id, 0)} tables holding it")
+             f"{refs.get(block.block_id, 0)} tables + {held} pins holding it")
         used += block.ref_cnt > 0
     assert pool.get_num_free_blocks() + used == pool.num_blocks - 1, \
         (f"free {pool.get_num_free_blocks()} + used {used} != "
          f"num_blocks - 1 = {pool.num_blocks - 1}")
-    if not requests:
+    if not requests and not pins:
         assert used == 0, f"{used} blocks still referenced with no request registered"

@@ -38,6 +38,8 @@ class AddRequest:
     hash_recipe: DeclaredRecipe | None = None  # checked against the pool's when given
     #: Whose quota the request counts against (pools with an account block quota).
     account: str | None = None
+    #: The eviction class of the blocks it releases (:mod:`eviction_classes`); 0 = default.
+    eviction_class: int = 0
 
 
 @dataclass(slots=True)
@@ -81,10 +83,13 @@ class AppendTokens:
 
 @dataclass(slots=True)
 class Free:
-    """Free a request's blocks (they stay cached) and forget it."""
+    """Free a request's blocks (they stay cached) and forget it. ``evict_first`` (a
+    release hint): the blocks nothing else holds go to the front of the free queue, the
+    first to be evicted, instead of its back (:mod:`release_hints`)."""
 
     KIND: ClassVar[str] = "free"
     request_id: str
+    evict_first: bool = False
 
 
 @dataclass(slots=True)

@@ -35,8 +35,9 @@ from cache_service.core.batch import (
     check_batch_in_slices,
     check_int,
 )
-from cache_service.core.errors import InvalidArgument, UnknownRequest
+from cache_service.core.errors import FailedPrecondition, InvalidArgument, NotFound, UnknownRequest
 from cache_service.core.events import KVEvent
+from cache_service.core.eviction_classes import ClassedFreeQueue
 from cache_service.core.hashing import (
     DeclaredRecipe,
     HashRecipe,
@@ -61,7 +62,9 @@ from cache_service.core.operations import (
     op_cost,
 )
 from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
+from cache_service.core.pins import PinInfo, PinTable, default_cap
 from cache_service.core.quota import BlockQuota
+from cache_service.core.release_hints import evict_first
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.residency import ExtraKeys, GroupResidency, PrefixLog, Residency
 from cache_service.core.single_type_managers import HitBlocks
@@ -93,6 +96,10 @@ class PoolOptions:
     prefix_cache_retention_interval: int | None = None
     #: vLLM's ``enable_mamba_shared_prefix_checkpoint`` (effective only with EAGLE).
     enable_mamba_shared_prefix_checkpoint: bool = False
+    #: Prefix pins (:mod:`pins`): the most blocks all pins may hold (None = the usable
+    #: blocks less one ``max_model_len`` request's worst case) and one account's pins.
+    max_pinned_blocks: int | None = None
+    pinned_block_quota: int | None = None
 
 
 @dataclass(slots=True)
@@ -169,6 +176,13 @@ class PoolCounters:
     max_account_blocks: int = 0
     #: (group index, miss reason) -> explained lookups that answered it.
     miss_reasons: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: Prefix pins (:mod:`pins`): distinct pinned blocks, their bound, live pins, pins
+    #: refused by a bound, and the blocks charged per account.
+    num_pinned_blocks: int = 0
+    max_pinned_blocks: int = 0
+    num_pins: int = 0
+    pin_refusals: int = 0
+    pinned_blocks_by_account: dict[str, int] = field(default_factory=dict)
 
 
 class PreparedBatch:
@@ -188,6 +202,8 @@ class PreparedBatch:
         apply = pool._apply
         outcomes = [apply(op, prepared) for op, prepared in zip(self._ops, self._plan)]
         pool._manager.release_copied_blocks()
+        if pool._pins is not None:
+            pool._pins_after_batch()
         return outcomes
 
     def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
@@ -214,11 +230,20 @@ class PreparedBatch:
                 spent = 0
                 yield
         pool._manager.release_copied_blocks()
+        if pool._pins is not None:
+            pool._pins_after_batch()
         return outcomes
 
 
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
+
+    #: The pin table, made on the first pin (a class default, so that pools pickled before
+    #: pins existed load without one).
+    _pins: PinTable | None = None
+    #: Request id -> eviction class (classes > 0), from the first request with one on
+    #: (core/eviction_classes.py); None while the pool has seen none.
+    _classes: dict[str, int] | None = None
 
     def __init__(self, config: KVCacheConfig, options: PoolOptions) -> None:
         check_int(options.max_model_len, "max_model_len", minimum=1)
@@ -259,6 +284,10 @@ class Pool:
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
+        if options.max_pinned_blocks is not None:
+            check_int(options.max_pinned_blocks, "max_pinned_blocks", minimum=0)
+        if options.pinned_block_quota is not None:
+            check_int(options.pinned_block_quota, "pinned_block_quota", minimum=1)
         self._quota = (BlockQuota(options.account_block_quota)
                        if options.account_block_quota is not None else None)
         self._table_ids = self._manager.coordinator.get_block_ids
@@ -273,6 +302,8 @@ class Pool:
         if options.enable_caching:
             self._manager.pool.observer = self._log
         self._peek = PrefixPeek(self._manager, self._limits, self._hash_fn, self._log)
+        # Made on the first pin: a pool without pins pays one None check per batch.
+        self._pins: PinTable | None = None
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -382,6 +413,8 @@ class Pool:
         check.last = True  # nothing reads the simulation after the only op
         outcome = self._apply(op, check.check(op))
         self._manager.release_copied_blocks()
+        if self._pins is not None:
+            self._pins_after_batch()
         return outcome
 
     def _checker(self) -> BatchCheck:
@@ -424,6 +457,8 @@ class Pool:
                 self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
             if self._quota is not None:
                 self._quota.join(op.request_id, op.account or "")
+            if op.eviction_class:
+                self._class_table()[op.request_id] = op.eviction_class
             return self._info(req)
         if isinstance(op, Lookup):
             req = self._requests[op.request_id]
@@ -441,7 +476,17 @@ class Pool:
         if isinstance(op, Free):
             req = self._requests.pop(op.request_id)
             self._epoch += 1
-            self._manager.free(req)
+            if self._pins is not None:
+                self._pins_after_batch()  # growing pins take their blocks first
+            if self._classes is not None:
+                self._release_as(self._classes.pop(op.request_id, 0))
+            if op.evict_first:
+                with evict_first(self._manager.pool):
+                    self._manager.free(req)
+            else:
+                self._manager.free(req)
+            if self._classes is not None:
+                self._release_as(0)
             if self._quota is not None:
                 self._quota.leave(op.request_id)
             self._pending.pop(op.request_id, None)
@@ -449,7 +494,13 @@ class Pool:
         if isinstance(op, Preempt):
             req = self._requests[op.request_id]
             self._epoch += 1
+            if self._pins is not None:
+                self._pins_after_batch()
+            if self._classes is not None:
+                self._release_as(self._classes.get(op.request_id, 0))
             self._manager.free(req)
+            if self._classes is not None:
+                self._release_as(0)
             if self._quota is not None:
                 self._quota.update(op.request_id, 0)
             req.status = RequestStatus.PREEMPTED
@@ -554,11 +605,15 @@ class Pool:
             del self._pending[request_id]
         self._epoch += 1
         quota = self._quota
+        if self._classes is not None:  # out-of-window blocks are released by allocation
+            self._release_as(self._classes.get(request_id, 0))
         new = manager.allocate_slots(
             req, num_new_tokens, hit, blocks, num_lookahead_tokens,
             delay_cache_blocks=delay_cache_blocks, num_encoder_tokens=num_encoder_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
             max_new_blocks=None if quota is None else quota.room(request_id))
+        if self._classes is not None:
+            self._release_as(0)
         if quota is not None:
             self._count_quota(request_id, new is None)
         if new is None:
@@ -652,8 +707,9 @@ class Pool:
         running = RequestStatus.RUNNING
         ok = outcome.ok
         grown = outcome.new_block_ids
-        # With a quota every request takes the general path (which checks and counts it).
-        fast = self._quota is None
+        # With a quota every request takes the general path (which checks and counts it),
+        # and with eviction classes (which sets the class of what it releases).
+        fast = self._quota is None and self._classes is None
         for i in range(lo, hi):
             req = reqs[i]
             if placeholders:
@@ -692,6 +748,8 @@ class Pool:
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
+        if self._pins is not None:
+            self._pins_after_batch()
 
     # -- router / stats -----------------------------------------------------------------------
     def peek_prefix(self, token_ids: Sequence[int] | None = None, *,
@@ -767,9 +825,18 @@ class Pool:
             allocation_failures=self._allocation_failures, preemptions=self._preemptions,
             num_requests=len(self._requests),
             num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
-            miss_reasons=dict(self._log.misses), **self._quota_counters())
+            miss_reasons=dict(self._log.misses), **self._quota_counters(),
+            **self._pin_counters())
 
-    def _quota_counters(self) -> dict[str, int]:
+    def _pin_counters(self) -> dict[str, Any]:
+        pins = self._pins
+        if pins is None:
+            return {}
+        return dict(num_pinned_blocks=pins.num_pinned_blocks, max_pinned_blocks=pins.cap,
+                    num_pins=len(pins.pins), pin_refusals=pins.refusals,
+                    pinned_blocks_by_account={a: c for a, c in pins.charged.items() if c})
+
+    def _quota_counters(self) -> dict[str, Any]:
         quota = self._quota
         if quota is None:
             return {}
@@ -814,9 +881,136 @@ class Pool:
                                       f"[0, {self._config.num_blocks})", field=f"block_ids[{i}]")
         self._epoch += 1
         self._manager.evict_blocks(ids)
+        if self._pins is not None:
+            self._pins.refresh(force=True)  # pins re-resolve what is still hittable
+
+    # -- eviction classes (core/eviction_classes.py) ---------------------------------------------
+    def _class_table(self) -> dict[str, int]:
+        classes = self._classes
+        if classes is None:
+            block_pool = self._manager.pool
+            block_pool.free_block_queue = ClassedFreeQueue(  # type: ignore[assignment]
+                block_pool.free_block_queue)
+            classes = self._classes = {}
+        return classes
+
+    def _release_as(self, eviction_class: int) -> None:
+        queue = self._manager.pool.free_block_queue
+        assert isinstance(queue, ClassedFreeQueue)
+        queue.release_class = eviction_class
+
+    # -- pins (core/pins.py) ----------------------------------------------------------------------
+    def _pin_table(self) -> PinTable:
+        pins = self._pins
+        if pins is None:
+            opts = self._options
+            cap = opts.max_pinned_blocks
+            if cap is None:
+                cap = default_cap(self._config, opts.max_model_len, opts.max_in_flight_tokens)
+            pins = self._pins = PinTable(self._manager.pool, self._manager.coordinator,
+                                         cap=cap, account_quota=opts.pinned_block_quota,
+                                         hash_block_size=self._hbs)
+        return pins
+
+    def _pins_after_batch(self) -> None:
+        pins = self._pins
+        if pins is not None and pins.any_growing:
+            pins.refresh()
+
+    def check_pin(self, pin_id: str, token_ids: Sequence[int] | None = None, *,
+                  block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                  lora_name: str | None = None, lora_path: str | None = None,
+                  account: str = "") -> Any:
+        """The checked pin :meth:`add_pin` takes; raises (changing nothing) if the input
+        is bad or a bound refuses it."""
+        if self._hash_fn is None:
+            raise FailedPrecondition("prefix caching is off in this pool: nothing to pin",
+                                     field="pool_id")
+        if type(account) is not str:
+            raise InvalidArgument("account must be a string", field="account")
+        hashes, max_len, _ = run_to_end(self.peek_input_in_slices(
+            token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path)))
+        assert hashes is not None
+        return self._pin_table().check_new(pin_id, account, hashes, max_len)
+
+    def add_pin(self, checked: Any) -> PinInfo:
+        """Takes a pin :meth:`check_pin` answered (nothing may change the pool between)."""
+        pins = self._pin_table()
+        pins.add(checked)
+        return pins.info(checked)
+
+    def pin_prefix(self, pin_id: str, token_ids: Sequence[int] | None = None, *,
+                   block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
+                   lora_name: str | None = None, lora_path: str | None = None,
+                   account: str = "") -> PinInfo:
+        """Pins the prefix (see :mod:`pins`): its cached blocks a hit needs are held out
+        of eviction until :meth:`drop_pin`; what is not cached yet is held once cached."""
+        return self.add_pin(self.check_pin(pin_id, token_ids, block_hashes=block_hashes,
+                                           cache_salt=cache_salt, lora_name=lora_name,
+                                           lora_path=lora_path, account=account))
+
+    def pin_info(self, pin_id: str) -> PinInfo:
+        """The pin (NotFound naming ``pin_id`` if there is none)."""
+        if self._pins is None:
+            raise NotFound(f"unknown pin {pin_id!r:.80}", field="pin_id")
+        return self._pins.info(self._pins.get(pin_id))
+
+    def drop_pin(self, pin_id: str) -> PinInfo:
+        """Releases a pin's blocks (tail first; those nothing else holds re-enter the free
+        queue at its back) and forgets it; answers the pin as it was."""
+        info = self.pin_info(pin_id)
+        assert self._pins is not None
+        self._epoch += 1
+        self._pins.drop(pin_id)
+        return info
+
+    def pins(self) -> list[PinInfo]:
+        """Every pin of the pool, oldest first."""
+        pins = self._pins
+        return [pins.info(p) for p in pins.pins.values()] if pins is not None else []
+
+    def pinned_blocks_by_account(self) -> dict[str, int]:
+        """Account -> pinned blocks charged to it (see :mod:`pins`)."""
+        return dict(self._pins.charged) if self._pins is not None else {}
+
+    def pinned_tokens(self, hashes: Sequence[bytes]) -> int:
+        """Of a prompt with these block hashes, the leading tokens some live pin holds."""
+        pins = self._pins
+        if pins is None:
+            return 0
+        best = 0
+        for pin in pins.pins.values():
+            n = 0
+            for a, b in zip(pin.hashes, hashes):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, min(n * self._hbs, pin.hit_tokens))
+        return best
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins."""
+        return self._pins.num_pinned_blocks if self._pins is not None else 0
+
+    @property
+    def max_pinned_blocks(self) -> int:
+        opts = self._options
+        if opts.max_pinned_blocks is not None:
+            return opts.max_pinned_blocks
+        return self._pins.cap if self._pins is not None else default_cap(
+            self._config, opts.max_model_len, opts.max_in_flight_tokens)
 
     # -- invariants ------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError naming the broken invariant. O(pool).
         (docs/semantics.md#invariants)"""
-        check_pool_invariants(self._manager, self._requests)
+        pins = self._pins
+        check_pool_invariants(self._manager, self._requests,
+                              pins.refs if pins is not None else None)
+        if pins is not None:
+            pins.check_invariants()
+        queue = self._manager.pool.free_block_queue
+        if isinstance(queue, ClassedFreeQueue):
+            queue.check_invariants()
+            assert set(self._classes or ()) <= set(self._requests), "class of a gone request"

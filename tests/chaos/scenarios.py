@@ -5,7 +5,9 @@ the benchmark (``bench/bench_chaos.py``, more runs).
 Each scenario is ``run(seed, workdir) -> Verdict`` with real processes: cache-service
 servers (``python -m cache_service``), a real etcd for cluster mode, real signals, real
 files. Cluster scenarios run 3 replicas on one shared data root (``--shared-data-root``,
-a successor restores a pool from its owner's files) with a 3 s etcd lease.
+a successor restores a pool from its owner's files) with a 3 s etcd lease; the
+``standby_*`` ones run them each on its own data directory, the pool's standby
+(``--replication sync``) taking it over.
 """
 
 from __future__ import annotations
@@ -163,16 +165,22 @@ class Replicas:
     """Three replicas m0..m2 of one cluster on a shared data root; a replica restarted
     comes back on its own port (the clients' seed list stays valid)."""
 
-    def __init__(self, etcd: EtcdServer, root: Path, name: str) -> None:
+    def __init__(self, etcd: EtcdServer, root: Path, name: str, *,
+                 standby: bool = False) -> None:
         self.etcd, self.root, self.name = etcd, root, name
+        self.standby = standby
         self.procs: list[ServerProcess] = [self._start(i) for i in range(3)]
         self.ports = [p.port for p in self.procs]
 
     def _start(self, i: int, port: int = 0) -> ServerProcess:
+        # standby: each replica on its own data directory, no shared storage (a pool's
+        # state survives its owner through the owner's standby, --replication sync).
+        storage = (["--data-dir", str(self.root / f"m{i}")] if self.standby
+                   else ["--shared-data-root", str(self.root)])
         return start_cache_service(
             "--port", str(port), "--etcd-endpoints", self.etcd.endpoint,
             "--cluster-name", self.name, "--etcd-lease-ttl", str(LEASE_TTL),
-            "--drain-seconds", "1", "--shared-data-root", str(self.root),
+            "--drain-seconds", "1", *storage,
             "--member-id", f"m{i}", "--lease-ttl-seconds", "30")
 
     @property
@@ -207,12 +215,14 @@ class Replicas:
 
 
 @contextmanager
-def cluster(workdir: Path, seed: int) -> Iterator[tuple[EtcdServer, Replicas]]:
+def cluster(workdir: Path, seed: int, *, standby: bool = False
+            ) -> Iterator[tuple[EtcdServer, Replicas]]:
     etcd = EtcdServer(workdir / "etcd")
     etcd.start()
     replicas = None
     try:
-        replicas = Replicas(etcd, workdir / "shared", f"chaos-{seed}-{os.getpid()}")
+        replicas = Replicas(etcd, workdir / "shared", f"chaos-{seed}-{os.getpid()}",
+                            standby=standby)
         yield etcd, replicas
     finally:
         if replicas is not None:
@@ -221,27 +231,33 @@ def cluster(workdir: Path, seed: int) -> Iterator[tuple[EtcdServer, Replicas]]:
 
 
 def _cluster_scenario(seed: int, workdir: Path,
-                      fault: Callable[[EtcdServer, Replicas, Load], object]) -> Verdict:
-    with cluster(workdir, seed) as (etcd, replicas):
+                      fault: Callable[[EtcdServer, Replicas, Load], object], *,
+                      standby: bool = False) -> Verdict:
+    with cluster(workdir, seed, standby=standby) as (etcd, replicas):
         load = Load(replicas.target, seed).start()
         load.wait_steps(STEPS)
+        if standby:  # every owner's standby filled before the fault
+            for proc in replicas.procs:
+                if any(r.get("event") == "standby_chosen" for r in proc.records):
+                    proc.wait_for(lambda r: r.get("event") == "standby_live", 30)
         fault(etcd, replicas, load)
         load.wait_steps(STEPS)
         return _check(replicas.target, load)
 
 
-def sigkill_owner(seed: int, workdir: Path) -> Verdict:
-    """The owner of a loaded pool SIGKILLed, then started again."""
+def sigkill_owner(seed: int, workdir: Path, *, standby: bool = False) -> Verdict:
+    """The owner of a loaded pool SIGKILLed, then started again (``standby``: no shared
+    storage, the pool's standby takes it over)."""
     def fault(etcd: EtcdServer, replicas: Replicas, load: Load) -> None:
         victim = replicas.owner(load.histories[0].pool_id)
         replicas.procs[victim].signal(signal.SIGKILL)
         replicas.procs[victim].stop()
         load.wait_steps(5, pool=0)  # the pool moved to a successor
         replicas.restart(victim)
-    return _cluster_scenario(seed, workdir, fault)
+    return _cluster_scenario(seed, workdir, fault, standby=standby)
 
 
-def sigstop_owner(seed: int, workdir: Path) -> Verdict:
+def sigstop_owner(seed: int, workdir: Path, *, standby: bool = False) -> Verdict:
     """The owner of a loaded pool stopped (SIGSTOP) past its etcd lease, then resumed: the
     pool moves, and the stopped replica, once it runs again, must not write to it."""
     def fault(etcd: EtcdServer, replicas: Replicas, load: Load) -> None:
@@ -251,7 +267,7 @@ def sigstop_owner(seed: int, workdir: Path) -> Verdict:
             load.wait_steps(5, timeout=60, pool=0)  # the pool moved to a successor
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
-    return _cluster_scenario(seed, workdir, fault)
+    return _cluster_scenario(seed, workdir, fault, standby=standby)
 
 
 def rolling_restart(seed: int, workdir: Path) -> Verdict:
@@ -282,6 +298,8 @@ SCENARIOS: dict[str, Callable[[int, Path], Verdict]] = {
     "disk_full": disk_full,
     "sigkill_owner": sigkill_owner,
     "sigstop_owner": sigstop_owner,
+    "standby_sigkill_owner": lambda seed, workdir: sigkill_owner(seed, workdir, standby=True),
+    "standby_sigstop_owner": lambda seed, workdir: sigstop_owner(seed, workdir, standby=True),
     "rolling_restart": rolling_restart,
     "etcd_restart": etcd_restart,
 }

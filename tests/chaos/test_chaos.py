@@ -59,6 +59,18 @@ def test_sigstop_of_an_owner_costs_a_bounded_stall(tmp_path: Path) -> None:
 
 
 @pytest.mark.cluster
+def test_sigkill_of_an_owner_without_shared_storage(tmp_path: Path) -> None:
+    _exact(SCENARIOS["standby_sigkill_owner"](SEED, tmp_path))
+
+
+@pytest.mark.cluster
+def test_sigstop_of_an_owner_without_shared_storage(tmp_path: Path) -> None:
+    verdict = SCENARIOS["standby_sigstop_owner"](SEED, tmp_path)
+    _exact(verdict)
+    assert verdict.longest_step < LEASE_TTL + 1.0 + 3.0, verdict.explain()
+
+
+@pytest.mark.cluster
 def test_a_rolling_restart(tmp_path: Path) -> None:
     _exact(SCENARIOS["rolling_restart"](SEED, tmp_path))
 

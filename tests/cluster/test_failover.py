@@ -95,12 +95,16 @@ def test_a_replica_partitioned_from_etcd_stops_accepting_writes(cluster: Cluster
     try:
         # The first replica is the only member when the pool is placed: it owns it.
         lonely = cluster.start_replica("--etcd-endpoints", proxy.endpoint)
-        with CacheClient(lonely.target) as client:
+        # No session: closing the client must not free the request (its state is checked
+        # on the new owner below).
+        with CacheClient(lonely.target, session=False) as client:
             register(client, "fenced")
             client.step("fenced", [ops.add("before", [1, 2, 3])])
         cluster.start_replica()
         cluster.start_replica()
         others = cluster.replicas[1:]
+        # The pool's standby (--replication sync, the default) holds every write.
+        lonely.wait_for(lambda r: r.get("event") == "standby_live", 30)
         proxy.cut()
         # etcd expires the partitioned replica's lease; a replica that can reach etcd
         # claims the pool. The partitioned one hears nothing about it.
@@ -118,7 +122,10 @@ def test_a_replica_partitioned_from_etcd_stops_accepting_writes(cluster: Cluster
         lonely.wait_for(lambda r: r.get("event") == "ownership_lost"
                         and r.get("pool_id") == "fenced", 30)
         with CacheClient(",".join(r.target for r in others)) as client:
-            assert register(client, "fenced").created  # a new incarnation: state was lost
+            # The standby took the pool over with its state: same incarnation, the
+            # acknowledged write kept, the refused one applied nowhere.
+            assert not register(client, "fenced").created
+            assert client.get_request("fenced", "before").num_tokens == 3
             with pytest.raises(CacheError) as missing:
                 client.get_request("fenced", "after")
             assert missing.value.code == grpc.StatusCode.NOT_FOUND

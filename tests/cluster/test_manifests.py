@@ -90,3 +90,20 @@ def test_k8s_replicas_are_named_by_pod_and_probed_on_grpc_health():
         assert container[probe]["grpc"]["port"] == ports["grpc"]
     assert pod["terminationGracePeriodSeconds"] > float(env["KVCACHE_DRAIN_SECONDS"]) + 1
     assert not any(doc["kind"].lower().startswith("etcd") for doc in K8S)
+
+
+def test_k8s_replicas_replicate_to_a_standby_each_on_its_own_volume():
+    (sts,) = by_kind("StatefulSet")
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVCACHE_REPLICATION"] == "sync"
+    assert "KVCACHE_SHARED_DATA_ROOT" not in env
+    (template,) = sts["spec"]["volumeClaimTemplates"]
+    assert template["spec"]["accessModes"] == ["ReadWriteOnce"]  # no shared volume
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts[template["metadata"]["name"]] == env["KVCACHE_DATA_DIR"]
+    assert not any("persistentVolumeClaim" in v
+                   for v in sts["spec"]["template"]["spec"].get("volumes", []))
+    settings = Settings(**{key[len("KVCACHE_"):].lower(): value for key, value in env.items()
+                           if key.startswith("KVCACHE_") and "$(" not in str(value)})
+    assert settings.replication == "sync" and settings.state_dir == Path("/data")

@@ -100,7 +100,7 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
 
 class PoolOptions(_message.Message):
-    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint")
+    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,8 @@ class PoolOptions(_message.Message):
     SESSION_BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     ENABLE_MAMBA_SHARED_PREFIX_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_PINNED_BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     enable_caching: bool
     hash_algo: HashAlgo
@@ -129,7 +131,9 @@ class PoolOptions(_message.Message):
     session_block_quota: int
     prefix_cache_retention_interval: int
     enable_mamba_shared_prefix_checkpoint: bool
-    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ...) -> None: ...
+    max_pinned_blocks: int
+    session_pinned_block_quota: int
+    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options", "session_id", "sequence")
@@ -254,7 +258,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +266,7 @@ class AddRequestOp(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_CLASS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -269,7 +274,8 @@ class AddRequestOp(_message.Message):
     lora_name: str
     lora_path: str
     hash_recipe: HashRecipe
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ...) -> None: ...
+    eviction_class: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id", "explain")
@@ -310,10 +316,12 @@ class AppendTokensOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "evict_first")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    evict_first: bool
+    def __init__(self, request_id: _Optional[str] = ..., evict_first: _Optional[bool] = ...) -> None: ...
 
 class PreemptOp(_message.Message):
     __slots__ = ("request_id",)
@@ -544,14 +552,16 @@ class GroupResidency(_message.Message):
     def __init__(self, group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., checkpoint_tokens: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., evicted_removals_ago: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "hit_tokens", "groups")
+    __slots__ = ("pool_id", "hit_tokens", "groups", "pinned_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     hit_tokens: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupResidency]
-    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ...) -> None: ...
+    pinned_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ..., pinned_tokens: _Optional[int] = ...) -> None: ...
 
 class PeekPrefixResponse(_message.Message):
     __slots__ = ("hits",)
@@ -600,7 +610,7 @@ class GroupStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence", "num_pinned_blocks", "max_pinned_blocks", "num_pins", "pin_refusals", "pinned_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -613,6 +623,11 @@ class PoolStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     LAST_EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINS_FIELD_NUMBER: _ClassVar[int]
+    PIN_REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -625,7 +640,20 @@ class PoolStats(_message.Message):
     preemptions: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
     last_event_sequence: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ...) -> None: ...
+    num_pinned_blocks: int
+    max_pinned_blocks: int
+    num_pins: int
+    pin_refusals: int
+    pinned_blocks: _containers.RepeatedCompositeFieldContainer[PinnedBlocks]
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., pin_refusals: _Optional[int] = ..., pinned_blocks: _Optional[_Iterable[_Union[PinnedBlocks, _Mapping]]] = ...) -> None: ...
+
+class PinnedBlocks(_message.Message):
+    __slots__ = ("session_id_prefix", "blocks")
+    SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    session_id_prefix: str
+    blocks: int
+    def __init__(self, session_id_prefix: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class GetPoolStatsResponse(_message.Message):
     __slots__ = ("stats",)
@@ -720,12 +748,14 @@ class SubscribeEventsResponse(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "session_id")
+    __slots__ = ("client_name", "session_id", "evict_first_on_end")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIRST_ON_END_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     session_id: str
-    def __init__(self, client_name: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    evict_first_on_end: bool
+    def __init__(self, client_name: _Optional[str] = ..., session_id: _Optional[str] = ..., evict_first_on_end: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "lease_ttl_seconds")
@@ -748,10 +778,12 @@ class KeepAliveResponse(_message.Message):
     def __init__(self, lease_ttl_seconds: _Optional[float] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "evict_first")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    evict_first: bool
+    def __init__(self, session_id: _Optional[str] = ..., evict_first: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionResponse(_message.Message):
     __slots__ = ("num_requests_freed",)
@@ -826,3 +858,79 @@ class ListSessionsResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class PinPrefixRequest(_message.Message):
+    __slots__ = ("pool_id", "pin_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "ttl_seconds", "session_id", "outlive_session")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTLIVE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    pin_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salt: str
+    lora_name: str
+    lora_path: str
+    ttl_seconds: float
+    session_id: str
+    outlive_session: bool
+    def __init__(self, pool_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., session_id: _Optional[str] = ..., outlive_session: _Optional[bool] = ...) -> None: ...
+
+class PinInfo(_message.Message):
+    __slots__ = ("pin_id", "prefix_tokens", "hit_tokens", "num_blocks", "growing", "expires_at_unix_seconds")
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROWING_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pin_id: str
+    prefix_tokens: int
+    hit_tokens: int
+    num_blocks: int
+    growing: bool
+    expires_at_unix_seconds: float
+    def __init__(self, pin_id: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., growing: _Optional[bool] = ..., expires_at_unix_seconds: _Optional[float] = ...) -> None: ...
+
+class PinPrefixResponse(_message.Message):
+    __slots__ = ("pin",)
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    pin: PinInfo
+    def __init__(self, pin: _Optional[_Union[PinInfo, _Mapping]] = ...) -> None: ...
+
+class RenewPinRequest(_message.Message):
+    __slots__ = ("pool_id", "pin_id", "ttl_seconds")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    pin_id: str
+    ttl_seconds: float
+    def __init__(self, pool_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class RenewPinResponse(_message.Message):
+    __slots__ = ("pin",)
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    pin: PinInfo
+    def __init__(self, pin: _Optional[_Union[PinInfo, _Mapping]] = ...) -> None: ...
+
+class DropPinRequest(_message.Message):
+    __slots__ = ("pool_id", "pin_id")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    PIN_ID_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    pin_id: str
+    def __init__(self, pool_id: _Optional[str] = ..., pin_id: _Optional[str] = ...) -> None: ...
+
+class DropPinResponse(_message.Message):
+    __slots__ = ("pin",)
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    pin: PinInfo
+    def __init__(self, pin: _Optional[_Union[PinInfo, _Mapping]] = ...) -> None: ...

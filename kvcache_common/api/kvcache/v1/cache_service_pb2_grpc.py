@@ -115,6 +115,21 @@ class CacheServiceStub:
                 request_serializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/kvcache.v1.CacheService/PinPrefix',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.RenewPin = channel.unary_unary(
+                '/kvcache.v1.CacheService/RenewPin',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.RenewPinRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.RenewPinResponse.FromString,
+                _registered_method=True)
+        self.DropPin = channel.unary_unary(
+                '/kvcache.v1.CacheService/DropPin',
+                request_serializer=kvcache_dot_v1_dot_cache__service__pb2.DropPinRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_cache__service__pb2.DropPinResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -273,6 +288,32 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """Pins a prefix of one pool for a TTL (docs/protocol.md, "Prefix pins"): the cached
+        blocks a hit of the prefix needs, in every group, are not evicted while the pin lives;
+        a prefix not (wholly) cached yet is held as it gets cached. Refused with
+        RESOURCE_EXHAUSTED (nothing changes) beyond the pool's max_pinned_blocks or the
+        session's session_pinned_block_quota. Owned by session_id when given: dropped when
+        the session ends unless outlive_session. A logged mutation (survives restarts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewPin(self, request, context):
+        """Sets a live pin's TTL again from now (NOT_FOUND naming pin_id if it is gone).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropPin(self, request, context):
+        """Drops a pin now: its blocks become evictable again (at the back of the free queue).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -355,6 +396,21 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.ListSessions,
                     request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.PinPrefixRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'RenewPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewPin,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.RenewPinRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.RenewPinResponse.SerializeToString,
+            ),
+            'DropPin': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropPin,
+                    request_deserializer=kvcache_dot_v1_dot_cache__service__pb2.DropPinRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_cache__service__pb2.DropPinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -790,6 +846,87 @@ class CacheService:
             '/kvcache.v1.CacheService/ListSessions',
             kvcache_dot_v1_dot_cache__service__pb2.ListSessionsRequest.SerializeToString,
             kvcache_dot_v1_dot_cache__service__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/PinPrefix',
+            kvcache_dot_v1_dot_cache__service__pb2.PinPrefixRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/RenewPin',
+            kvcache_dot_v1_dot_cache__service__pb2.RenewPinRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.RenewPinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropPin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.CacheService/DropPin',
+            kvcache_dot_v1_dot_cache__service__pb2.DropPinRequest.SerializeToString,
+            kvcache_dot_v1_dot_cache__service__pb2.DropPinResponse.FromString,
             options,
             channel_credentials,
             insecure,

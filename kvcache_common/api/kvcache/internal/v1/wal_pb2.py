@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as kvcache_dot_v1_dot_cache__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvcache/internal/v1/wal.proto\x12\x13kvcache.internal.v1\x1a\x1ekvcache/v1/cache_service.proto\"\x8f\x04\n\tWalRecord\x12\x38\n\rregister_pool\x18\x01 \x01(\x0b\x32\x1f.kvcache.v1.RegisterPoolRequestH\x00\x12\x34\n\x0b\x64\x65lete_pool\x18\x02 \x01(\x0b\x32\x1d.kvcache.v1.DeletePoolRequestH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.kvcache.v1.StepRequestH\x00\x12\x41\n\x12reset_prefix_cache\x18\x04 \x01(\x0b\x32#.kvcache.v1.ResetPrefixCacheRequestH\x00\x12\x38\n\x0copen_session\x18\x05 \x01(\x0b\x32 .kvcache.internal.v1.OpenSessionH\x00\x12\x38\n\rclose_session\x18\x06 \x01(\x0b\x32\x1f.kvcache.v1.CloseSessionRequestH\x00\x12<\n\x0e\x65xpire_session\x18\x07 \x01(\x0b\x32\".kvcache.internal.v1.ExpireSessionH\x00\x12\x34\n\nadopt_pool\x18\x08 \x01(\x0b\x32\x1e.kvcache.internal.v1.AdoptPoolH\x00\x12\x32\n\x06tenant\x18\x0f \x01(\x0b\x32\".kvcache.internal.v1.TenantContextB\n\n\x08mutation\"S\n\rTenantContext\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmax_pools\x18\x02 \x01(\x03\x12\x12\n\nmax_blocks\x18\x03 \x01(\x03\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\"6\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\"9\n\rExpireSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cmax_requests\x18\x02 \x01(\x03\"L\n\x13\x45xpireSessionResult\x12\x1a\n\x12num_requests_freed\x18\x01 \x01(\x03\x12\x19\n\x11num_requests_left\x18\x02 \x01(\x03\"@\n\tAdoptPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_member\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\x0c\"&\n\x0f\x41\x64optPoolResult\x12\x13\n\x0bsession_ids\x18\x01 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvcache/internal/v1/wal.proto\x12\x13kvcache.internal.v1\x1a\x1ekvcache/v1/cache_service.proto\"\xdf\x05\n\tWalRecord\x12\x38\n\rregister_pool\x18\x01 \x01(\x0b\x32\x1f.kvcache.v1.RegisterPoolRequestH\x00\x12\x34\n\x0b\x64\x65lete_pool\x18\x02 \x01(\x0b\x32\x1d.kvcache.v1.DeletePoolRequestH\x00\x12\'\n\x04step\x18\x03 \x01(\x0b\x32\x17.kvcache.v1.StepRequestH\x00\x12\x41\n\x12reset_prefix_cache\x18\x04 \x01(\x0b\x32#.kvcache.v1.ResetPrefixCacheRequestH\x00\x12\x38\n\x0copen_session\x18\x05 \x01(\x0b\x32 .kvcache.internal.v1.OpenSessionH\x00\x12\x38\n\rclose_session\x18\x06 \x01(\x0b\x32\x1f.kvcache.v1.CloseSessionRequestH\x00\x12<\n\x0e\x65xpire_session\x18\x07 \x01(\x0b\x32\".kvcache.internal.v1.ExpireSessionH\x00\x12\x34\n\nadopt_pool\x18\x08 \x01(\x0b\x32\x1e.kvcache.internal.v1.AdoptPoolH\x00\x12\x34\n\npin_prefix\x18\t \x01(\x0b\x32\x1e.kvcache.internal.v1.PinPrefixH\x00\x12\x32\n\trenew_pin\x18\n \x01(\x0b\x32\x1d.kvcache.internal.v1.RenewPinH\x00\x12.\n\x08\x64rop_pin\x18\x0b \x01(\x0b\x32\x1a.kvcache.v1.DropPinRequestH\x00\x12\x34\n\nexpire_pin\x18\x0c \x01(\x0b\x32\x1e.kvcache.internal.v1.ExpirePinH\x00\x12\x32\n\x06tenant\x18\x0f \x01(\x0b\x32\".kvcache.internal.v1.TenantContextB\n\n\x08mutation\"S\n\rTenantContext\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tmax_pools\x18\x02 \x01(\x03\x12\x12\n\nmax_blocks\x18\x03 \x01(\x03\x12\r\n\x05\x61\x64min\x18\x04 \x01(\x08\"R\n\x0bOpenSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63lient_name\x18\x02 \x01(\t\x12\x1a\n\x12\x65vict_first_on_end\x18\x03 \x01(\x08\"9\n\rExpireSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cmax_requests\x18\x02 \x01(\x03\"L\n\x13\x45xpireSessionResult\x12\x1a\n\x12num_requests_freed\x18\x01 \x01(\x03\x12\x19\n\x11num_requests_left\x18\x02 \x01(\x03\"@\n\tAdoptPool\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66rom_member\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\x0c\"&\n\x0f\x41\x64optPoolResult\x12\x13\n\x0bsession_ids\x18\x01 \x03(\t\"N\n\tPinPrefix\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.kvcache.v1.PinPrefixRequest\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\"L\n\x08RenewPin\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvcache.v1.RenewPinRequest\x12\x12\n\nexpires_at\x18\x02 \x01(\x01\"@\n\tExpirePin\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0e\n\x06pin_id\x18\x02 \x01(\t\x12\x12\n\nexpires_at\x18\x03 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.internal.v1.wal_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WALRECORD']._serialized_start=87
-  _globals['_WALRECORD']._serialized_end=614
-  _globals['_TENANTCONTEXT']._serialized_start=616
-  _globals['_TENANTCONTEXT']._serialized_end=699
-  _globals['_OPENSESSION']._serialized_start=701
-  _globals['_OPENSESSION']._serialized_end=755
-  _globals['_EXPIRESESSION']._serialized_start=757
-  _globals['_EXPIRESESSION']._serialized_end=814
-  _globals['_EXPIRESESSIONRESULT']._serialized_start=816
-  _globals['_EXPIRESESSIONRESULT']._serialized_end=892
-  _globals['_ADOPTPOOL']._serialized_start=894
-  _globals['_ADOPTPOOL']._serialized_end=958
-  _globals['_ADOPTPOOLRESULT']._serialized_start=960
-  _globals['_ADOPTPOOLRESULT']._serialized_end=998
+  _globals['_WALRECORD']._serialized_end=822
+  _globals['_TENANTCONTEXT']._serialized_start=824
+  _globals['_TENANTCONTEXT']._serialized_end=907
+  _globals['_OPENSESSION']._serialized_start=909
+  _globals['_OPENSESSION']._serialized_end=991
+  _globals['_EXPIRESESSION']._serialized_start=993
+  _globals['_EXPIRESESSION']._serialized_end=1050
+  _globals['_EXPIRESESSIONRESULT']._serialized_start=1052
+  _globals['_EXPIRESESSIONRESULT']._serialized_end=1128
+  _globals['_ADOPTPOOL']._serialized_start=1130
+  _globals['_ADOPTPOOL']._serialized_end=1194
+  _globals['_ADOPTPOOLRESULT']._serialized_start=1196
+  _globals['_ADOPTPOOLRESULT']._serialized_end=1234
+  _globals['_PINPREFIX']._serialized_start=1236
+  _globals['_PINPREFIX']._serialized_end=1314
+  _globals['_RENEWPIN']._serialized_start=1316
+  _globals['_RENEWPIN']._serialized_end=1392
+  _globals['_EXPIREPIN']._serialized_start=1394
+  _globals['_EXPIREPIN']._serialized_end=1458
 # @@protoc_insertion_point(module_scope)

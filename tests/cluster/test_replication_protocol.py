@@ -1,0 +1,166 @@
+"""The replication protocol in one process, without etcd: a :class:`Replicator` (the
+owner's durability hook) streaming to a :class:`Standby` behind a real gRPC server on
+loopback. The cluster's view of etcd (members, owners) is given as plain dictionaries."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from cache_service.client import layers, ops
+from cache_service.client._builders import register_request
+from cache_service.cluster.replication import Fenced, Replicator, Standby
+from cache_service.registry import PoolRegistry
+from cache_service.state import ServiceState
+from kvcache_common.api.kvcache.internal.v1 import replication_pb2_grpc as rpb_grpc
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+
+LAYERS = [layers.full_attention("l0", block_size=16, num_kv_heads=2, head_size=8)]
+OWNER_LEASE = 7
+
+
+class Pair:
+    """An owner state with its Replicator, and a Standby served on a real port."""
+
+    def __init__(self, *, member_lease: int = OWNER_LEASE) -> None:
+        self.members = {"owner": member_lease}
+        self.owners: dict[str, tuple[str, int]] = {}
+        self.owned = {"p": 5}
+        self.standby = Standby(me=lambda: "standby", members=lambda: self.members,
+                               owners=lambda: self.owners, owned=dict, trust=30.0)
+        self.state = ServiceState(PoolRegistry(instance_id="owner"))
+        self.server = grpc.aio.server()
+        rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+
+    async def start(self) -> Replicator:
+        await self.server.start()
+        # The state's own default hook (in memory) inside, as a server without --data-dir.
+        rep = Replicator(self.state.durability, self.state, mode="sync", timeout=30.0,
+                         me=lambda: "owner", lease=lambda: OWNER_LEASE,
+                         owned=lambda: self.owned,
+                         members=lambda: {"owner": "unused:1",
+                                          "standby": f"127.0.0.1:{self.port}"})
+        self.state.durability = rep
+        return rep
+
+    async def stop(self, rep: Replicator) -> None:
+        await rep.close()
+        await self.server.stop(0)
+
+
+def step(rid: str, tokens: list[int]) -> pb.StepRequest:
+    return pb.StepRequest(pool_id="p", ops=[ops.add(rid, tokens),
+                                            ops.allocate(rid, len(tokens))])
+
+
+def view(state: ServiceState) -> tuple:
+    """What a client can observe of pool ``p``: stats, event sequence, every request's
+    blocks and counts."""
+    entry = state.registry.entry("p")
+    pool = entry.pool
+    rids = ["a"] + [f"b{i}" for i in range(5)]
+    return (pool.stats(), entry.feed.next_sequence,
+            {rid: (pool.block_ids(rid), pool.request_info(rid)) for rid in rids
+             if pool.has_request(rid)})
+
+
+def test_a_standby_is_filled_then_follows_every_record_exactly() -> None:
+    async def main() -> None:
+        pair = Pair()
+        rep = await pair.start()
+        try:
+            # Before the standby exists: it gets these through the snapshot.
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            pair.state.apply_call("step", step("a", list(range(40))))
+            rep.refresh()
+            await asyncio.wait_for(rep.sync(), 10)
+            # After: record by record, each acknowledged before sync() returns.
+            for i in range(5):
+                pair.state.apply_call("step", step(f"b{i}", list(range(i, i + 20))))
+                await asyncio.wait_for(rep.sync(), 10)
+            shadow = pair.standby.shadows["owner"]
+            assert shadow.index == rep.index == 7 and shadow.state is not None
+            assert view(shadow.state) == view(pair.state)  # the same state
+            assert pair.standby.take("p", "owner") is not None
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_record_under_an_older_token_is_refused_and_fails_the_write() -> None:
+    async def main() -> None:
+        pair = Pair()
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            await asyncio.wait_for(rep.sync(), 10)
+            # etcd now shows the pool owned under a newer token (another replica took
+            # it): the owner's next write must not be acknowledged.
+            pair.owners["p"] = ("standby", 9)
+            pair.state.apply_call("step", step("late", [1, 2, 3]))
+            with pytest.raises(Fenced):
+                await asyncio.wait_for(rep.sync(), 10)
+            assert pair.standby.shadows["owner"].index == 1  # the record was not taken
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_sender_that_is_no_live_member_under_its_lease_is_refused() -> None:
+    async def main() -> None:
+        pair = Pair(member_lease=OWNER_LEASE + 1)  # etcd shows another lease
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            with pytest.raises(Fenced):
+                await asyncio.wait_for(rep.sync(), 10)
+            assert "owner" not in pair.standby.shadows
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_after_a_promotion_the_old_owner_gets_nothing_acknowledged() -> None:
+    async def main() -> None:
+        pair = Pair()
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            await asyncio.wait_for(rep.sync(), 10)
+            assert pair.standby.take("p", "owner") is not None  # promoted from the copy
+            pair.state.apply_call("step", step("after", [1, 2, 3]))
+            with pytest.raises(Fenced):
+                await asyncio.wait_for(rep.sync(), 10)
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> None:
+    async def main() -> None:
+        pair = Pair()
+        pair.members = {}  # e.g. the standby is still joining
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            waiting = asyncio.ensure_future(rep.sync())
+            done, _ = await asyncio.wait([waiting], timeout=0.5)
+            assert not done  # the write waits for the standby (not refused, not answered)
+            pair.members = {"owner": OWNER_LEASE}  # its view caught up
+            await asyncio.wait_for(waiting, 10)
+            assert pair.standby.shadows["owner"].index == 1
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
