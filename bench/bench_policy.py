@@ -105,7 +105,8 @@ def agentic(args: argparse.Namespace) -> tuple[list[Req], int]:
 
 
 def mooncake(args: argparse.Namespace) -> tuple[list[Req], int]:
-    """The Mooncake trace's requests and its working set in blocks."""
+    """The trace's requests (at most ``--max-requests``), each with the prompt tokens an
+    earlier request shares, and the working set in blocks."""
     trace = load_trace(Path(args.trace), args.max_requests)
     seen: set[int] = set()
     reqs = []
@@ -124,7 +125,7 @@ def mooncake(args: argparse.Namespace) -> tuple[list[Req], int]:
 
 
 def make_pool(num_blocks: int, max_len: int, args: argparse.Namespace) -> Pool:
-    """A one-group full-attention pool of ``num_blocks``."""
+    """A one-group full-attention pool of ``num_blocks`` blocks (events off)."""
     config = KVCacheConfig(num_blocks=num_blocks, groups=(KVCacheGroupSpec(
         ("l0",), FullAttentionSpec(block_size=args.block_size, head_size=1)),))
     return Pool(config, PoolOptions(max_model_len=max_len, enable_events=False))
@@ -132,7 +133,8 @@ def make_pool(num_blocks: int, max_len: int, args: argparse.Namespace) -> Pool:
 
 def run(policy: str, reqs: list[Req], num_blocks: int, max_len: int,
         args: argparse.Namespace, *, trace: bool) -> Outcome:
-    """Replays ``reqs`` on a fresh pool under ``policy``; the sessions' hits."""
+    """Runs ``reqs`` one at a time through a fresh pool under ``policy``; answers the outcome
+    (hit and recomputed tokens, refused pins, seconds)."""
     pool = make_pool(num_blocks, max_len, args)
     out = Outcome()
     session_pin: dict[str, str] = {}
@@ -207,7 +209,8 @@ print(best)
 
 
 def step_cost(tree: Path, args: argparse.Namespace) -> float:
-    """Seconds per Step of the plain workload with the core of ``tree`` (best round)."""
+    """Seconds per in-process decode Step of the tree at ``tree``, best of ``--step-rounds``
+    (in a child process with that tree on its path)."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     done = subprocess.run([sys.executable, "-c", _STEP_COST, str(args.step_requests),
                            str(args.step_count), str(args.step_rounds)], env=env, cwd=tree,
@@ -216,7 +219,8 @@ def step_cost(tree: Path, args: argparse.Namespace) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; prints the table (and writes JSON with --out)."""
+    """Runs every policy on each workload side by side, prints the tables and writes the JSON
+    results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sessions", type=int, default=24)
     p.add_argument("--turns", type=int, default=12)

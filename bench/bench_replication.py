@@ -49,6 +49,7 @@ TTL = 2
 
 
 def replica(etcd: EtcdServer, cluster: str, root: Path, mode: str) -> ServerProcess:
+    """A cluster replica with its own data dir under ``root`` and replication ``mode``."""
     member = uuid.uuid4().hex[:8]
     return start_cache_service(
         "--drain-seconds", "1", "--port", "0", "--etcd-endpoints", etcd.endpoint,
@@ -57,6 +58,7 @@ def replica(etcd: EtcdServer, cluster: str, root: Path, mode: str) -> ServerProc
 
 
 def register(client: CacheClient, pool: str, blocks: int = 4096) -> None:
+    """Registers the benchmark's pool ``pool`` of ``blocks`` blocks."""
     client.register_pool(pool, LAYERS, num_blocks=blocks, max_model_len=8192)
 
 
@@ -75,6 +77,8 @@ def _decode_loop(client: CacheClient, pool: str, n: int) -> list[float]:
 
 
 def bench_latency(etcd: EtcdServer, root: Path, steps: int, rounds: int) -> dict:
+    """Step latency with replication sync, async and off (two replicas each), interleaved in
+    rounds."""
     names = {mode: f"lat-{mode}-{uuid.uuid4().hex[:6]}" for mode in ("sync", "async", "none")}
     clusters = {mode: [replica(etcd, name, root, mode) for _ in range(2)]
                 for mode, name in names.items()}
@@ -142,6 +146,7 @@ def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
 
 
 def bench_failover(etcd: EtcdServer, root: Path, kills: int) -> dict:
+    """Failover times over ``kills`` SIGKILLs of a pool's owner with a synchronous standby."""
     cluster = f"fo-{uuid.uuid4().hex[:6]}"
     replicas = [replica(etcd, cluster, root, "sync") for _ in range(3)]
     samples: list[float] = []
@@ -172,6 +177,7 @@ def bench_failover(etcd: EtcdServer, root: Path, kills: int) -> dict:
 
 
 def bench_catchup(etcd: EtcdServer, root: Path, blocks: int) -> dict:
+    """How long a new standby takes to catch up with a pool of ``blocks`` blocks."""
     cluster = f"cu-{uuid.uuid4().hex[:6]}"
     owner = replica(etcd, cluster, root, "sync")
     try:
@@ -205,6 +211,7 @@ def _when(record: dict) -> float:
 
 
 def main() -> int:
+    """Runs the chosen parts, prints the table and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200, help="latency: Steps per round")

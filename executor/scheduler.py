@@ -112,6 +112,8 @@ class StepRollback:
                                req.placeholders_sent))
 
     def restore(self, scheduler: Scheduler) -> None:
+        """Undoes the step's sync-state changes on every touched request and gives the
+        scheduler back the frees, preempts and fills the step took."""
         scheduler.to_free = self.to_free + scheduler.to_free
         scheduler.to_preempt = self.to_preempt + scheduler.to_preempt
         scheduler.fill_queue = self.fill_queue + scheduler.fill_queue

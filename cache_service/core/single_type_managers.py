@@ -63,6 +63,8 @@ class CoarseHashView(Sequence[bytes]):
 
 
 def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
+    """``fine`` hashes as seen at ``block_size``: themselves when it is the hash block size,
+    else a view that joins each run of ``block_size // hash_block_size`` of them into one."""
     k = block_size // hash_block_size
     return fine if k == 1 else CoarseHashView(fine, k)
 
@@ -135,6 +137,8 @@ class SingleTypeKVCacheManager:
         copy.ref_cnt += 1
 
     def take_pending_copies(self) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """The (source, destination) block copies queued since the last call; the caller runs
+        them."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
@@ -363,6 +367,7 @@ class SingleTypeKVCacheManager:
             self._null_out_range(request_id, 0, n, stop_at_null=True)
 
     def new_step_starts(self) -> None:
+        """A new scheduler step starts (no per-step state here; Mamba keeps some)."""
         return None
 
     # -- hits ----------------------------------------------------------------------------
@@ -371,6 +376,10 @@ class SingleTypeKVCacheManager:
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
+        type, at most ``max_length`` tokens and a multiple of ``alignment_tokens``: the
+        hit's blocks per group and its length in tokens (``drop_eagle_block``: less the unit an
+        EAGLE hit gives up)."""
         raise NotImplementedError
 
 
@@ -385,6 +394,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
+        type, at most ``max_length`` tokens and a multiple of ``alignment_tokens``: the
+        hit's blocks per group and its length in tokens (``drop_eagle_block``: less the unit an
+        EAGLE hit gives up). Under a finer alignment, the hit
+        may end inside the first block not cached whole."""
         bs = spec.block_size
         hashes = hash_view(block_hashes, pool.hash_block_size, bs)
         n = min(max_length // bs, len(hashes))
@@ -472,10 +486,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         self.sliding_window = spec.sliding_window
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens that left the window once ``num_computed_tokens`` are computed."""
         n = num_computed_tokens - self.sliding_window + 1
         return n if n > 0 else 0
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Frees the request's blocks that left the window (replaced by the null block)."""
         # Called on every allocation: return early when the last block that left the
         # window is already null (the common decode case).
         n = (num_computed_tokens - self.sliding_window + 1) // self.block_size
@@ -549,6 +565,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
+        type, at most ``max_length`` tokens and a multiple of ``alignment_tokens``: the
+        hit's blocks per group and its length in tokens (``drop_eagle_block``: less the unit an
+        EAGLE hit gives up). Only the window's blocks before the
+        hit's end need to be cached."""
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         hashes = hash_view(block_hashes, pool.hash_block_size, bs)
@@ -612,6 +633,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         self.attention_chunk_size = spec.attention_chunk_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens of the chunks before the current one."""
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
     @classmethod
@@ -619,6 +641,11 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
+        type, at most ``max_length`` tokens and a multiple of ``alignment_tokens``: the
+        hit's blocks per group and its length in tokens (``drop_eagle_block``: less the unit an
+        EAGLE hit gives up). Blocks of earlier chunks are null
+        in the hit."""
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
         if bs != alignment_tokens:
@@ -671,6 +698,7 @@ class MambaManager(SingleTypeKVCacheManager):
         self.shared_prefix_checkpoint = False
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every token but the last: only the latest state is needed."""
         return num_computed_tokens - 1
 
     def note_step_start(self, request_id: str, num_computed_tokens: int) -> None:
@@ -911,6 +939,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 self.req_to_ids[request_id][idx] = 0
 
     def free(self, request_id: str) -> None:
+        """Forgets the request's per-request state here, then frees its blocks."""
         self.allocated_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
@@ -919,6 +948,8 @@ class MambaManager(SingleTypeKVCacheManager):
         super().free(request_id)
 
     def new_step_starts(self) -> None:
+        """A new scheduler step starts: states cached during the last one may serve hits now (a
+        hit on a state cached in the same step waits for the next)."""
         self.cached_this_step.clear()
 
     @classmethod
@@ -926,6 +957,11 @@ class MambaManager(SingleTypeKVCacheManager):
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
+        type, at most ``max_length`` tokens and a multiple of ``alignment_tokens``: the
+        hit's blocks per group and its length in tokens (``drop_eagle_block``: less the unit an
+        EAGLE hit gives up). The hit is the last cached state
+        checkpoint."""
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
         null = pool.null_block
@@ -964,18 +1000,23 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                                   new_computed_blocks: Sequence[KVCacheBlock],
                                   num_local_computed_tokens: int,
                                   num_external_computed_tokens: int) -> None:
+        """Nothing to add: cross attention has no prefix hits."""
         assert not new_computed_blocks, "cross attention has no prefix hits"
 
     def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
                                           num_external_computed_tokens: int) -> None:
+        """Nothing to allocate: cross attention has no external hits."""
         return None
 
     def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
                            num_cacheable_tokens: int) -> bool:
+        """Never: the blocks are sized by encoder tokens, so every allocation takes the general
+        path."""
         # Sized by encoder tokens, not by num_tokens: always take the general path.
         return False
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Raises ValueError: cross-attention blocks are never cached."""
         raise ValueError("cross-attention blocks are never cached")
 
     @classmethod
@@ -983,6 +1024,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
                                group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
+        """Raises NotImplementedError: cross attention is never prefix cached."""
         raise NotImplementedError("cross attention does not support prefix caching")
 
 

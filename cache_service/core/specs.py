@@ -40,6 +40,7 @@ DTYPE_BYTES: dict[str, int] = {
 
 
 def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype``; ConfigError naming the known dtypes otherwise."""
     try:
         return DTYPE_BYTES[dtype]
     except KeyError:
@@ -49,6 +50,7 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ``a`` by positive ``b``."""
     return -(-a // b)
 
 
@@ -81,6 +83,8 @@ class SizingLimits:
 
     @property
     def in_flight(self) -> int:
+        """The tokens one request may have in flight: ``max_in_flight_tokens``, else
+        ``max_model_len``."""
         if self.max_in_flight_tokens is None:
             return self.max_model_len
         return self.max_in_flight_tokens
@@ -98,9 +102,12 @@ class KVCacheSpec:
 
     @property
     def page_size_bytes(self) -> int:
+        """Bytes of one block of this layer (its page)."""
         raise NotImplementedError
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Bytes one request may need at most under ``limits`` (what sizes a pool and its
+        capacity check)."""
         raise NotImplementedError
 
     @classmethod
@@ -143,11 +150,13 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def real_page_size_bytes(self) -> int:
+        """The unpadded page: K and V of ``block_size`` tokens over every KV head."""
         hv = self.head_size if self.head_size_v is None else self.head_size_v
         return self.num_kv_heads * self.block_size * (self.head_size + hv) * dtype_bytes(self.dtype)
 
     @property
     def page_size_bytes(self) -> int:
+        """``page_size_padded`` if set, else the unpadded page."""
         if self.page_size_padded is not None:
             return self.page_size_padded
         return self.real_page_size_bytes
@@ -163,6 +172,7 @@ class FullAttentionSpec(AttentionSpec):
     attention_chunk_size: int | None = None
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Pages for a whole ``max_model_len`` request."""
         return cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
 
     @classmethod
@@ -208,14 +218,18 @@ class SlidingWindowSpec(AttentionSpec):
             raise ConfigError("sliding_window must be positive", field="sliding_window")
 
     def max_admission_blocks(self, limits: SizingLimits) -> int:
+        """Blocks a request can hold at once: the window plus its in-flight tokens (at most the
+        model length), and one more since the window need not start on a block boundary."""
         # +1: the window need not start on a block boundary.
         tokens = min(self.sliding_window - 1 + limits.in_flight, limits.max_model_len)
         return cdiv(tokens, self.block_size) + 1
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Pages of :meth:`max_admission_blocks`."""
         return self.max_admission_blocks(limits) * self.page_size_bytes
 
     def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Sliding-window specs with the same window only."""
         return all(isinstance(s, SlidingWindowSpec) and s.sliding_window == self.sliding_window
                    for s in specs)
 
@@ -233,13 +247,17 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
             raise ConfigError("attention_chunk_size must be positive", field="attention_chunk_size")
 
     def max_admission_blocks(self, limits: SizingLimits) -> int:
+        """Blocks a request can hold at once: one chunk plus its in-flight tokens (at most the
+        model length)."""
         tokens = min(self.attention_chunk_size + limits.in_flight, limits.max_model_len)
         return cdiv(tokens, self.block_size)
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Pages of :meth:`max_admission_blocks`."""
         return self.max_admission_blocks(limits) * self.page_size_bytes
 
     def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Chunked local specs with the same chunk size only."""
         return all(isinstance(s, ChunkedLocalAttentionSpec)
                    and s.attention_chunk_size == self.attention_chunk_size for s in specs)
 
@@ -251,6 +269,7 @@ class CrossAttentionSpec(AttentionSpec):
     kind: ClassVar[str] = "cross_attention"
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Pages for the encoder's input tokens (the decoder's length does not matter)."""
         return cdiv(limits.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
@@ -290,19 +309,25 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def real_page_size_bytes(self) -> int:
+        """The unpadded page: every state tensor of one request."""
         return sum(math.prod(s) * dtype_bytes(d) for s, d in zip(self.shapes, self.dtypes))
 
     @property
     def page_size_bytes(self) -> int:
+        """``page_size_padded`` if set, else the unpadded page."""
         if self.page_size_padded is not None:
             return self.page_size_padded
         return self.real_page_size_bytes
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """One state page (two in align mode: the running state and a checkpoint), plus the
+        speculative ones."""
         blocks = (2 if self.mamba_cache_mode == "align" else 1) + self.num_speculative_blocks
         return self.page_size_bytes * blocks
 
     def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Mamba specs with the same page size and speculative blocks only (a block is one
+        whole state)."""
         # A Mamba block is one whole state: pages must match exactly, not just the type.
         return all(isinstance(s, MambaSpec) and s.page_size_bytes == self.page_size_bytes
                    and s.num_speculative_blocks == self.num_speculative_blocks
@@ -338,18 +363,22 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @property
     def kind(self) -> str:  # type: ignore[override]
+        """The layers' kind."""
         return self.first_spec.kind
 
     @property
     def first_spec(self) -> KVCacheSpec:
+        """The first layer's spec (all agree on type, block size and window)."""
         return self.layer_specs[0][1]
 
     @property
     def specs_by_layer(self) -> dict[str, KVCacheSpec]:
+        """Layer name -> its own spec."""
         return dict(self.layer_specs)
 
     @property
     def page_size_bytes(self) -> int:
+        """One block id's pages over every layer of the group."""
         return sum(spec.page_size_bytes for _, spec in self.layer_specs)
 
     def max_num_pages(self, limits: SizingLimits) -> int:
@@ -358,9 +387,11 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                    for _, spec in self.layer_specs)
 
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """Pages of :meth:`max_num_pages` over every layer."""
         return self.max_num_pages(limits) * self.page_size_bytes
 
     def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Only with equal specs."""
         return all(spec == self for spec in specs)
 
     def __getattr__(self, name: str) -> Any:
@@ -441,4 +472,5 @@ class KVCacheConfig:
 
     @property
     def block_sizes(self) -> list[int]:
+        """Each group's block size, in group order."""
         return [g.spec.block_size for g in self.groups]
