@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import cbor2
 
-from cache_service.core.errors import InvalidArgument
+from cache_service.core.errors import Checked, InvalidArgument
 
 HashFn = Callable[[object], bytes]
 
@@ -49,7 +49,7 @@ HASH_FUNCTIONS: dict[str, HashFn] = {
 }
 
 
-def get_hash_fn(algo: str) -> HashFn:
+def get_hash_fn(algo: Checked[str]) -> HashFn:
     """The hash function named ``algo`` (``"sha256"`` or ``"sha256_cbor"``)."""
     try:
         return HASH_FUNCTIONS[algo]

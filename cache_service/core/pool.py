@@ -38,7 +38,7 @@ from cache_service.core.batch import (
     check_int,
     check_tokens,
 )
-from cache_service.core.errors import InvalidArgument, UnknownRequest
+from cache_service.core.errors import Checked, InvalidArgument, UnknownRequest
 from cache_service.core.events import KVEvent
 from cache_service.core.hashing import (
     DeclaredRecipe,
@@ -476,18 +476,20 @@ class Pool:
         return None
 
     # -- requests -------------------------------------------------------------------------
-    # The single-op methods below are batches of one (same checks, same outcome).
-    def add_request(self, request_id: str, token_ids: Sequence[int], *,
-                    cache_salt: str | None = None, lora_name: str | None = None,
+    # The single-op methods below are batches of one (same checks, same outcome); the
+    # values the batch checks are ``Checked`` (the compiled core lets them reach the check).
+    def add_request(self, request_id: Checked[str], token_ids: Sequence[int], *,
+                    cache_salt: Checked[str | None] = None,
+                    lora_name: Checked[str | None] = None,
                     block_hashes: Sequence[bytes] | None = None,
-                    lora_path: str | None = None) -> RequestInfo:
+                    lora_path: Checked[str | None] = None) -> RequestInfo:
         """Register a request and hash its full blocks (or adopt the client's hashes,
         one per ``hash_block_size`` full block). A LoRA request's blocks hash
         ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes."""
         return self._apply_one(AddRequest(request_id, token_ids, block_hashes, cache_salt,
                                           lora_name, lora_path))
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+    def append_tokens(self, request_id: Checked[str], token_ids: Sequence[int]) -> RequestInfo:
         """Append decoded tokens; newly completed blocks are hashed."""
         return self._apply_one(AppendTokens(request_id, token_ids))
 
@@ -514,7 +516,8 @@ class Pool:
         return self._manager.get_block_ids(request_id)
 
     # -- lookup / allocate ----------------------------------------------------------------
-    def lookup(self, request_id: str, *, explain_misses: bool = False) -> PrefixHit:
+    def lookup(self, request_id: Checked[str], *,
+               explain_misses: Checked[bool] = False) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
         references; remembered for the request's next ``allocate``. ``explain_misses``
         adds every group's reach and miss reason (costs probes and rehashing)."""
@@ -535,10 +538,12 @@ class Pool:
         recipe (:func:`check_declared_recipe`)."""
         check_declared_recipe(self._recipe, declared)
 
-    def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
-                 full_sequence_must_fit: bool = False, use_lookup: bool = True,
-                 delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                 include_tables: bool = True, num_placeholder_tokens: int = 0) -> Allocation:
+    def allocate(self, request_id: Checked[str], num_new_tokens: Checked[int], *,
+                 num_lookahead_tokens: Checked[int] = 0,
+                 full_sequence_must_fit: Checked[bool] = False,
+                 use_lookup: Checked[bool] = True, delay_cache_blocks: Checked[bool] = False,
+                 num_encoder_tokens: Checked[int] = 0, include_tables: Checked[bool] = True,
+                 num_placeholder_tokens: Checked[int] = 0) -> Allocation:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
@@ -695,11 +700,11 @@ class Pool:
                 outcome.block_copies += r.block_copies
 
     # -- release ----------------------------------------------------------------------------
-    def free(self, request_id: str) -> int:
+    def free(self, request_id: Checked[str]) -> int:
         """Free the request's blocks (tail first) and forget it; returns free blocks."""
         return self._apply_one(Free(request_id))
 
-    def preempt(self, request_id: str) -> int:
+    def preempt(self, request_id: Checked[str]) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
         return self._apply_one(Preempt(request_id))
     def new_step(self) -> None:

@@ -15,11 +15,11 @@ the fine hash at ``(i+1)*k - 1``: docs/semantics.md#coarse-hash-views).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, overload
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
 
 from cache_service.core.block import KVCacheBlock
-from cache_service.core.block_pool import BlockPool
+from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -34,14 +34,16 @@ if TYPE_CHECKING:
     from cache_service.core.request import Request
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
+#: A block's key in a hit search: its hash, or its position in the routing index's view.
+_K = TypeVar("_K", bound=Hashable)
 
 
-class CoarseHashView(Sequence[bytes]):
+class CoarseHashView(Sequence[_K]):
     """The fine hash list seen at ``k`` times the hash block size (no copying)."""
 
     __slots__ = ("_fine", "_k")
 
-    def __init__(self, fine: Sequence[bytes], k: int) -> None:
+    def __init__(self, fine: Sequence[_K], k: int) -> None:
         self._fine = fine
         self._k = k
 
@@ -49,12 +51,12 @@ class CoarseHashView(Sequence[bytes]):
         return len(self._fine) // self._k
 
     @overload
-    def __getitem__(self, i: int) -> bytes: ...
+    def __getitem__(self, i: int) -> _K: ...
 
     @overload
-    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: slice) -> list[_K]: ...
 
-    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+    def __getitem__(self, i: int | slice) -> _K | list[_K]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
@@ -62,12 +64,12 @@ class CoarseHashView(Sequence[bytes]):
         return self._fine[(i + 1) * self._k - 1]
 
 
-def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
+def hash_view(fine: Sequence[_K], hash_block_size: int, block_size: int) -> Sequence[_K]:
     k = block_size // hash_block_size
     return fine if k == 1 else CoarseHashView(fine, k)
 
 
-def _lookup(pool: BlockPool, block_hash: bytes,
+def _lookup(pool: CachedBlockLookup, block_hash: Hashable,
             group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         block = pool.get_one_cached_block(block_hash, group_ids[0])
@@ -349,8 +351,9 @@ class SingleTypeKVCacheManager:
 
     # -- hits ----------------------------------------------------------------------------
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         raise NotImplementedError
 
@@ -362,8 +365,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     supports_partial_hits = True
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         bs = spec.block_size
         hashes = hash_view(block_hashes, pool.hash_block_size, bs)
@@ -484,8 +488,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return mask
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
@@ -543,8 +548,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
@@ -834,8 +840,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_this_step.clear()
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         assert isinstance(spec, MambaSpec)
         bs = spec.block_size
@@ -890,8 +897,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise ValueError("cross-attention blocks are never cached")
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int) -> tuple[HitBlocks, int]:
         raise NotImplementedError("cross attention does not support prefix caching")
 
