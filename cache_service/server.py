@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 import structlog
 
+from cache_service.core._variant import build_info as core_build_info
 from cache_service.durability import (
     DataDir,
     DataDirError,
@@ -169,6 +170,8 @@ async def serve(settings: Settings) -> int:
         flag, _, why = busy.partition(": ")
         return exit_with_error(PROG, f"{setting_name(settings, flag[2:].replace('-', '_'))}: "
                                f"{why}", 2)
+    core = core_build_info()  # which allocator core runs: pure Python or mypyc-compiled
+    lifecycle().info("core", variant=core["variant"], reason=core["reason"])
     # Everything read from files comes first: a mistake there touches no data directory.
     try:
         tenants = settings.tenant_table()
