@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
@@ -56,6 +58,7 @@ class CachedBlockLookup(Protocol):
                          ) -> list[KVCacheBlock] | None: ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class BlockPool:
     """``num_blocks`` blocks including the null block 0, so ``num_blocks - 1`` usable."""
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import cbor2
 
 from cache_service.core.errors import Checked, InvalidArgument
+from cache_service.core.restore import RebuiltFromFields
 
 HashFn = Callable[[object], bytes]
 
@@ -186,7 +187,7 @@ def external_block_hash(h: bytes) -> int:
 
 
 @dataclass(frozen=True)
-class HashRecipe:
+class HashRecipe(RebuiltFromFields):
     """How the pool hashes blocks: a client that computes its own hashes (or a router that
     predicts hits) must use the same. ``none_hash = hash_fn(none_hash_seed)`` is the parent
     of every chain's first block (docs/hashing.md)."""

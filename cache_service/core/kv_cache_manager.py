@@ -12,11 +12,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
 from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.request import Request, RequestStatus
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
 
@@ -59,7 +62,7 @@ class BlockCopy:
 
 
 @dataclass
-class PrefixCacheStats:
+class PrefixCacheStats(RebuiltFromFields):
     """Prefix-cache counters recorded at admission; ``preempted_*`` for re-admissions."""
 
     requests: int = 0
@@ -84,6 +87,7 @@ class PrefixCacheStats:
 _ADMISSION_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class KVCacheManager:
     """vLLM 0.33's KVCacheManager semantics over one coordinator."""
 

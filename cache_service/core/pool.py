@@ -28,6 +28,8 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
@@ -73,6 +75,7 @@ from cache_service.core.residency import (
     explain,
     group_residency,
 )
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.specs import KVCacheConfig
 
@@ -93,7 +96,7 @@ def run_to_end(work: Generator[None, None, T]) -> T:
 
 
 @dataclass(frozen=True)
-class PoolOptions:
+class PoolOptions(RebuiltFromFields):
     """Pool-wide settings. ``scheduler_block_size`` / ``hash_block_size`` None = the
     rules of docs/semantics.md#block-sizes. ``vocab_size`` None accepts token ids in [0, 2**31)."""
 
@@ -237,6 +240,7 @@ class PreparedBatch:
         return outcomes
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 from cache_service.core.specs import (
@@ -77,6 +79,7 @@ def _lookup(pool: CachedBlockLookup, block_hash: Hashable,
     return pool.get_cached_block(block_hash, group_ids)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class SingleTypeKVCacheManager:
     """Base behaviour (docs/semantics.md#per-group-type-rules); subclasses change skipping,
     hits and allocation."""
@@ -358,6 +361,7 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: a hit is the longest run of cached blocks from the start (with
     partial hits, plus a partial entry inside the next block)."""
@@ -428,6 +432,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             self.pool.cache_partial_block(request, table[idx], boundary, self.group_id)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window W: only the last ``cdiv(W-1, bs)`` blocks before a hit matter."""
 
@@ -532,6 +537,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return result, len(result[0]) * bs
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: tokens of earlier chunks are never attended again."""
 
@@ -571,6 +577,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return result, len(result[0]) * bs
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state. ``"none"``: one state block per request (block size is the model
     length). ``"align"``: positions on the block grid, only the running state is real;
@@ -874,6 +881,7 @@ class MambaManager(SingleTypeKVCacheManager):
         return tuple([] for _ in group_ids), 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Encoder-decoder cross attention: a static allocation sized by encoder tokens;
     never prefix cached (encoder-decoder models run with caching off)."""
