@@ -170,8 +170,6 @@ async def serve(settings: Settings) -> int:
         flag, _, why = busy.partition(": ")
         return exit_with_error(PROG, f"{setting_name(settings, flag[2:].replace('-', '_'))}: "
                                f"{why}", 2)
-    core = core_build_info()  # which allocator core runs: pure Python or mypyc-compiled
-    lifecycle().info("core", variant=core["variant"], reason=core["reason"])
     # Everything read from files comes first: a mistake there touches no data directory.
     try:
         tenants = settings.tenant_table()
@@ -236,6 +234,8 @@ async def serve(settings: Settings) -> int:
         await listener.mark_serving()
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
+    core = core_build_info()  # which allocator core runs: pure Python or mypyc-compiled
+    lifecycle().info("core", variant=core["variant"], reason=core["reason"])
     lifecycle().info("serving", host=settings.host, port=listener.port,
                      metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
                      auth=tenants is not None,
