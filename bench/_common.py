@@ -60,6 +60,8 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def fmt(value: Any) -> str:
+    """A table cell: ``-`` for None, 4 significant digits for a float (thousands separated),
+    ints with separators."""
     if value is None:
         return "-"
     if isinstance(value, float):

@@ -75,6 +75,9 @@ def _chunk(start: int, n: int, num_tokens: int, junction: int, bs: int) -> int:
 
 def run_one(args: argparse.Namespace, retention: int | None,
             workload: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Runs ``workload`` through one pool with Mamba checkpoint retention ``retention`` (None:
+    dense) and answers its row: hit rate, cached Mamba blocks (mean, peak, share),
+    preemptions, manager time."""
     pool = _pool(args, retention)
     rng = random.Random(args.seed + 1)
     bs = args.block_size
@@ -173,6 +176,8 @@ def run_one(args: argparse.Namespace, retention: int | None,
 
 
 def retention_report(args: argparse.Namespace) -> dict[str, Any]:
+    """The retention comparison: dense, 0 and ``--retention-interval`` over one workload, as
+    rows and a printed table."""
     workload = _workload(args, args.num_requests)
     settings: list[int | None] = [None, 0, args.retention_interval]
     runs = [run_one(args, r, workload) for r in settings]

@@ -37,6 +37,8 @@ CLUSTER = {"sigkill_owner", "sigstop_owner", "rolling_restart", "etcd_restart"}
 
 
 def skipped(name: str) -> str | None:
+    """Why scenario ``name`` cannot run on this machine (no etcd, no mountable filesystem), or
+    None."""
     if name in CLUSTER and etcd_binary() is None:
         return "no etcd binary"
     if name == "disk_full":
@@ -45,6 +47,8 @@ def skipped(name: str) -> str | None:
 
 
 def main() -> None:
+    """Runs the chosen scenarios ``--runs`` times each and prints a table of what the checker
+    found."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="runs per scenario (seeds)")
     parser.add_argument("--seed", type=int, default=1000, help="the first run's seed")

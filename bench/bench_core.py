@@ -135,54 +135,69 @@ class ManagerDriver:
         self.hbs = hash_block_size
 
     def add(self, br: BenchReq) -> Request:
+        """A core Request of the benchmark request, hashed as the manager expects."""
         return Request(br.rid, br.prompt, hash_fn=self.hash_fn, hash_block_size=self.hbs)
 
     def lookup(self, req: Request) -> tuple[Any, int]:
+        """The manager's cached prefix of ``req``: (its blocks, hit tokens)."""
         blocks, hit, _ = self.mgr.get_computed_blocks(req)
         return blocks, hit
 
     def admit(self, req: Request, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        """First allocation of ``n`` tokens on top of the hit (the whole sequence must fit);
+        False: no room."""
         return self.mgr.allocate_slots(req, n, num_new_computed_tokens=hit,
                                        new_computed_blocks=blocks, full_sequence_must_fit=True,
                                        has_scheduled_reqs=has_running) is not None
 
     def after_admit(self, req: Request, n: int, hit: int) -> None:
+        """Marks the admitted request running with the hit and ``n`` tokens computed."""
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = hit + n
 
     def allocate(self, req: Request, n: int) -> bool:
+        """Room for ``n`` more tokens of a running request; False: no room."""
         return self.mgr.allocate_slots(req, n) is not None
 
     def after_allocate(self, req: Request, n: int) -> None:
+        """Counts the ``n`` allocated tokens as computed."""
         req.num_computed_tokens += n
 
     def free(self, req: Request) -> None:
+        """Frees the request's blocks (the manager also frees a preempted one this way)."""
         self.mgr.free(req)
 
     def after_preempt(self, req: Request) -> None:
+        """Marks the request preempted: nothing computed, one more preemption."""
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
 
     def append(self, req: Request, token: int) -> None:
+        """Appends one decoded token (its block hashes grow)."""
         req.append_tokens((token,))
 
     def new_step(self) -> None:
+        """Tells the manager a scheduler step starts."""
         self.mgr.new_step_starts()
 
     def usage(self) -> float:
+        """The share of the pool's blocks in use."""
         return self.mgr.usage
 
     @staticmethod
     def computed(req: Request) -> int:
+        """The request's computed tokens."""
         return req.num_computed_tokens
 
     @staticmethod
     def num_tokens(req: Request) -> int:
+        """The request's tokens (prompt and decoded)."""
         return req.num_tokens
 
     @staticmethod
     def num_preemptions(req: Request) -> int:
+        """How often the request was preempted."""
         return req.num_preemptions
 
 
@@ -197,6 +212,7 @@ class PoolDriver:
         self.preemptions: dict[str, int] = {}
 
     def add(self, br: BenchReq) -> str:
+        """Adds the request to the pool; answers its id (the handle the other calls take)."""
         info = self.pool.add_request(br.rid, br.prompt)
         self.tokens[br.rid] = info.num_tokens
         self.computed_tokens[br.rid] = 0
@@ -204,46 +220,63 @@ class PoolDriver:
         return br.rid
 
     def lookup(self, rid: str) -> tuple[Any, int]:
+        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
+        for its allocate."""
         return None, self.pool.lookup(rid).hit_tokens
 
     def admit(self, rid: str, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        """First allocation of ``n`` tokens, using the pending hit (the whole sequence must
+        fit); False: no room."""
         return self.pool.allocate(rid, n, full_sequence_must_fit=True).ok
 
     def after_admit(self, rid: str, n: int, hit: int) -> None:
+        """Records the hit and ``n`` tokens as computed (the pool advanced its own count
+        already)."""
         self.computed_tokens[rid] = hit + n
 
     def allocate(self, rid: str, n: int) -> bool:
+        """Room for ``n`` more tokens of a running request (no lookup); False: no room."""
         return self.pool.allocate(rid, n, use_lookup=False).ok
 
     def after_allocate(self, rid: str, n: int) -> None:
+        """Records the ``n`` allocated tokens as computed."""
         self.computed_tokens[rid] += n
 
     def free(self, rid: str) -> None:
+        """Frees the request in the pool."""
         self.pool.free(rid)
 
     def preempt(self, rid: str) -> None:
+        """Preempts the request in the pool (blocks freed, request kept)."""
         self.pool.preempt(rid)
 
     def after_preempt(self, rid: str) -> None:
+        """Records the preemption: nothing computed."""
         self.computed_tokens[rid] = 0
         self.preemptions[rid] += 1
 
     def append(self, rid: str, token: int) -> None:
+        """Appends one decoded token in the pool and records the new token count."""
         self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
 
     def new_step(self) -> None:
+        """Starts a scheduler step in the pool."""
         self.pool.new_step()
 
     def usage(self) -> float:
+        """The share of the pool's blocks in use."""
         return self.pool.stats().usage
 
     def computed(self, rid: str) -> int:
+        """The request's computed tokens as recorded here."""
         return self.computed_tokens[rid]
 
     def num_tokens(self, rid: str) -> int:
+        """The request's tokens as the pool last answered."""
         return self.tokens[rid]
 
     def num_preemptions(self, rid: str) -> int:
+        """How often the request was preempted."""
         return self.preemptions[rid]
 
 
@@ -267,6 +300,8 @@ class NaiveManager:
         self.num_cached: dict[str, int] = {}
 
     def get_computed_blocks(self, req: Request) -> tuple[list[list[int]], int, int]:
+        """The cached prefix of ``req``: (blocks per group, hit tokens, 0); a block counts only
+        when every group has it cached."""
         hits: list[list[int]] = [[] for _ in self.groups]
         for h in req.block_hashes[: (req.num_tokens - 1) // self.bs]:
             found = [b for g in self.groups if (b := self.cached.get(h + bytes((g,)))) is not None]
@@ -289,6 +324,8 @@ class NaiveManager:
                        new_computed_blocks: list[list[int]] | None = None,
                        full_sequence_must_fit: bool = False,
                        has_scheduled_reqs: bool = True) -> list[list[int]] | None:
+        """Blocks for ``num_new_tokens`` more tokens (after the hit's ``new_computed_blocks``),
+        per group, newly cached full blocks recorded; None: no room."""
         rid = req.request_id
         tables = self.tables.get(rid) or [[] for _ in self.groups]
         computed = req.num_computed_tokens + num_new_computed_tokens
@@ -333,6 +370,8 @@ class NaiveManager:
         return new
 
     def free(self, req: Request) -> None:
+        """Frees the request's blocks: uncached ones to the front of the free list, cached ones
+        to its end (evicted last)."""
         for table in self.tables.pop(req.request_id, []):
             for b in reversed(table):
                 self.ref[b] -= 1
@@ -344,14 +383,17 @@ class NaiveManager:
         self.num_cached.pop(req.request_id, None)
 
     def new_step_starts(self) -> None:
+        """Nothing to do: the naive manager has no per-step state."""
         pass
 
     @property
     def usage(self) -> float:
+        """The share of the usable blocks (block 0 aside) in use."""
         return 1.0 - len(self.free_list) / (self.num_blocks - 1)
 
 
 def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
+    """The driver of one side (core, pool, naive) over a fresh manager for config ``kind``."""
     config = make_config(kind, args)
     hash_fn = get_hash_fn(args.hash_fn)
     sched, hbs = resolve_block_sizes(config, True)
@@ -373,6 +415,8 @@ def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
 
 def run_bench(side: str, kind: str, args: argparse.Namespace,
               profiler: cProfile.Profile | None = None) -> dict[str, Any]:
+    """Runs the workload on one side and config: the scheduler's decisions, the manager's time
+    and op rates, and per-op latencies."""
     rng = random.Random(args.seed)
     drv = make_side(side, kind, args)
     t_gen = time.perf_counter()
@@ -513,6 +557,7 @@ def run_bench(side: str, kind: str, args: argparse.Namespace,
 # --- vLLM through the oracle ----------------------------------------------------------------
 
 def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
+    """The vLLM oracle's command line for the same workload and config."""
     return ["--bench", "--json", "--scenario", kind, "--num-blocks", str(args.num_blocks),
             "--block-size", str(args.block_size), "--sliding-window", str(args.sliding_window),
             "--max-model-len", str(args.max_model_len), "--hash-fn", args.hash_fn,
@@ -526,6 +571,8 @@ def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
 
 
 def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
+    """The vLLM side, run by the oracle's interpreter (None when it is not installed or not
+    asked for)."""
     py = Path(args.oracle_python)
     if args.no_oracle or not py.exists():
         return None
@@ -598,12 +645,16 @@ def measure_construction(args: argparse.Namespace) -> list[dict[str, Any]]:
 # --- reporting ------------------------------------------------------------------------------
 
 def decisions(r: dict[str, Any]) -> tuple:
+    """What every side must agree on: steps, first-admission hits, allocation failures,
+    preemptions, finished requests."""
     res = r["results"]
     return (res["steps"], res["hit_tokens_first_admission"], res["alloc_failures"],
             res["preemptions"], res["finished"])
 
 
 def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary per config: each side's numbers against the core's, and whether their
+    decisions match."""
     summary = {}
     for kind in CONFIGS:
         by_side = {r["side"]: r for r in runs if r["config"] == kind}
@@ -706,6 +757,7 @@ def compare(runs: list[dict[str, Any]],
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the chosen configs and sides, prints the tables and writes the JSON results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of full,full_swa")
     p.add_argument("--sides", default="core,pool,naive,vllm",

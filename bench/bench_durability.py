@@ -40,9 +40,9 @@ from cache_service.client import (  # noqa: E402
     register_request,
 )
 from cache_service.durability import open_data_dir  # noqa: E402
-from cache_service.server import _new_state, _replay  # noqa: E402
+from cache_service.server import new_state  # noqa: E402
 from cache_service.settings import parse_settings  # noqa: E402
-from cache_service.state import WalRecord  # noqa: E402
+from cache_service.state import WalRecord, replay_record  # noqa: E402
 from kvcache_common.launch import ServerProcess, start_cache_service  # noqa: E402
 
 MODES = (("in-memory", ()), ("--fsync batch", ("--fsync", "batch")),
@@ -102,8 +102,8 @@ def build_state(directory: Path, num_blocks: int, requests: int, prompt: int,
     """A data directory with a big pool: admissions + a snapshot + a log tail
     (``headroom``: tokens each request may still grow by after the tail)."""
     settings = parse_settings(["--event-buffer", "10000"])
-    data_dir, state = open_data_dir(directory, new_state=lambda i: _new_state(settings, i),
-                                    apply=_replay, fsync="never", snapshot_every=10**9)
+    data_dir, state = open_data_dir(directory, new_state=lambda i: new_state(settings, i),
+                                    apply=replay_record, fsync="never", snapshot_every=10**9)
     state.durability = data_dir
     started = time.perf_counter()
     state.apply(WalRecord(register_pool=register_request(
@@ -160,6 +160,7 @@ def bench_restart(directory: Path, state_info: dict) -> dict:
 
 
 def main() -> int:
+    """Measures Steps per durability mode, interleaved in rounds, and prints the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests-per-step", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200, help="measured Steps per mode")

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import hashlib
 import os
-import re
 import sys
 import time
 import urllib.request
@@ -48,6 +47,7 @@ from typing import Any
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from _common import percentile, print_table, ratio, write_results
 from cache_service.client import StepResult, step_result
@@ -55,25 +55,28 @@ from cache_service.client._builders import register_request
 from cache_service.client._results import pool_info_from
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
-from executor.batch import GroupLayout, SeqChunk
 from executor.cache import model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, group_layouts
 from executor.demo import make_workload, run_workload
 from executor.engine import Engine, EngineConfig, EngineRequest
+from executor.forward_meta import GroupLayout, SeqChunk
 from executor.launch import start_cache_service, start_executor
 from executor.presets import DEFAULT_PRESET, PRESETS
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 
 def scrape(metrics_port: int) -> dict[str, float]:
+    """The executor's own label-less series (``kvcache_executor_*``; counters without
+    ``_total``) by name."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    out = {}
-    for m in re.finditer(r"^(kvcache_executor_\w+?)(?:_total)? ([0-9.e+-]+)$", text, re.M):
-        out[m.group(1)] = float(m.group(2))
-    return out
+    return {s.name.removesuffix("_total"): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("kvcache_executor_") and not s.labels}
 
 
 def cache_share(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a run's metrics deltas say: steps, cache calls, and the shares of step time spent
+    in the cache call, waiting on it, and in the forward pass."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     step = d.get("kvcache_executor_step_seconds", 0.0)
     return {"steps": d.get("kvcache_executor_steps", 0.0),
@@ -99,6 +102,8 @@ class TimedStandIn:
         """No device memory to copy: the stand-in holds no cache."""
 
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> torch.Tensor:
+        """Sleeps the stand-in's forward time and answers deterministic one-hot logits (no
+        math)."""
         time.sleep(self.seconds)
         vocab = self.model.config.vocab_size
         logits = torch.zeros(len(tokens), vocab)
@@ -121,6 +126,7 @@ class InProcessLink:
         self.info = None
 
     def register(self):
+        """Registers the plan's pool in the in-process state (as RegisterPool would)."""
         resp = self.state.apply(WalRecord(register_pool=register_request(
             self.plan.pool_id, self.plan.layer_protos(), num_blocks=self.plan.num_blocks,
             max_model_len=self.plan.max_model_len, vocab_size=self.plan.vocab_size)))
@@ -128,6 +134,7 @@ class InProcessLink:
         return self.info
 
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        """Applies one Step to the in-process state, timed as CacheLink times its calls."""
         start = time.perf_counter()
         resp = self.state.apply(WalRecord(step=pb.StepRequest(
             pool_id=self.plan.pool_id, begin_step=begin_step, ops=ops)))
@@ -139,6 +146,7 @@ class InProcessLink:
         return result
 
     def close(self) -> None:
+        """Nothing to close (no connection)."""
         pass
 
 
@@ -180,6 +188,8 @@ def run_simulated(target: str | None, args: argparse.Namespace, forward_ms: floa
 
 
 def simulated(args: argparse.Namespace) -> int:
+    """The simulated runs (a stand-in model of fixed forward time, with and without overlap,
+    in-process and over gRPC) and their table."""
     # The stand-in does no math: torch's worker threads would only contend for the CPUs.
     torch.set_num_threads(1)
     prompts = make_workload(args.requests, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
@@ -211,6 +221,7 @@ def simulated(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
+    """Runs the executor benchmark (or its simulated variant) and prints the table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     ap.add_argument("--requests", type=int, default=64)

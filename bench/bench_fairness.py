@@ -10,8 +10,8 @@ is measured three ways in ONE run:
   GIL) sends decode Steps over 10,000 running requests of its own pool back to back;
 * ``lookup 1M``: the heavy client sends PeekPrefix calls of 1,000,000 tokens back to back.
 
-The goal (issue 10): the small client's p99 under load stays below 20 ms; the table shows
-it and its ratio to the idle p99. The heavy client's own call latency is reported too
+The goal (isolation between tenants): the small client's p99 under load stays below 20 ms;
+the table shows it and its ratio to the idle p99. The heavy client's own call latency is reported too
 (long work is cut into slices, so it takes longer than alone, but it completes).
 
     python3 bench/bench_fairness.py                # about a minute
@@ -41,10 +41,12 @@ PROMPT = 16
 
 
 def model() -> list:
+    """The pools' model: one full-attention layer."""
     return [layers.full_attention("full", block_size=16, num_kv_heads=8, head_size=128)]
 
 
 def admit(client: CacheClient, pool_id: str, n: int, prefix: str) -> None:
+    """Adds and allocates ``n`` requests (ids ``<prefix><i>``) in batches of 500."""
     for start in range(0, n, 500):
         batch = StepBuilder(pool_id, begin_step=True)
         for i in range(start, min(n, start + 500)):
@@ -80,6 +82,7 @@ def heavy(target: str, kind: str, n: int, tokens: int, ready, stop, out) -> None
 
 
 def measure_small(client: CacheClient, pool_id: str, seconds: float) -> list[int]:
+    """The small client's decode Step latencies in ns over ``seconds``."""
     rids = [f"s{i}" for i in range(SMALL_REQUESTS)]
     samples = []
     deadline = time.monotonic() + seconds
@@ -94,6 +97,8 @@ def measure_small(client: CacheClient, pool_id: str, seconds: float) -> list[int
 
 
 def run_loaded(target: str, client: CacheClient, pool_id: str, kind: str, args) -> tuple:
+    """The small client's latencies while a heavy client process of ``kind`` loads the server;
+    answers (small, heavy) samples."""
     ctx = mp.get_context("spawn")
     ready, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=heavy, args=(target, kind, args.decode_requests,
@@ -112,6 +117,7 @@ def run_loaded(target: str, client: CacheClient, pool_id: str, kind: str, args) 
 
 
 def main() -> int:
+    """Measures the small client idle and under each load; prints the table and the ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per phase")
     parser.add_argument("--decode-requests", type=int, default=10_000)

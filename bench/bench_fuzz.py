@@ -26,6 +26,8 @@ from kvcache_common.launch import start_cache_service  # noqa: E402
 
 
 def main() -> int:
+    """Fuzzes a fresh server per seed; prints the table; answers 1 when any run found a
+    failure."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="1,2,3,4", help="comma-separated seeds")
     parser.add_argument("--calls", type=int, default=5000, help="calls per seed")

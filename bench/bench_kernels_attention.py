@@ -52,6 +52,8 @@ def _paged_copy(keys: torch.Tensor, values: torch.Tensor, block_size: int, gen: 
 
 def bench_case(name: str, batch: int, q_len: int, kv_len: int, q_heads: int, kv_heads: int, head_size: int,
                block_size: int, window: int | None, repeat: int) -> dict:
+    """One attention shape: the paged kernel against dense SDPA on the same data, timed, with
+    the largest difference."""
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(batch, kv_len, kv_heads, head_size, generator=gen)
     values = torch.randn(batch, kv_len, kv_heads, head_size, generator=gen)
@@ -94,6 +96,7 @@ def bench_case(name: str, batch: int, q_len: int, kv_len: int, q_heads: int, kv_
 
 
 def main() -> None:
+    """Times every attention case, prints the table and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: stable)")
     parser.add_argument("--repeat", type=int, default=7)

@@ -63,6 +63,7 @@ def _case(name: str, shape: str, fast: Callable[[], object], ref: Callable[[], o
 
 
 def bench_ssd(tokens: int, heads: int, head_dim: int, state: int, repeat: int) -> dict:
+    """ssd_scan (Mamba-2 prefill): the torch path against the reference, one row."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, heads, head_dim, generator=gen)
     dt = torch.randn(tokens, heads, generator=gen)
@@ -81,6 +82,7 @@ def bench_ssd(tokens: int, heads: int, head_dim: int, state: int, repeat: int) -
 
 
 def bench_conv(tokens: int, channels: int, repeat: int) -> list[dict]:
+    """causal_conv1d prefill and update: the torch path against the reference, one row each."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, channels, generator=gen)
     w, bias = torch.randn(channels, 4, generator=gen), torch.randn(channels, generator=gen)
@@ -102,6 +104,7 @@ def bench_conv(tokens: int, channels: int, repeat: int) -> list[dict]:
 
 
 def bench_ssd_update(rows: int, heads: int, head_dim: int, state: int, repeat: int) -> dict:
+    """ssd_state_update (Mamba-2 decode): the torch path against the reference, one row."""
     gen = torch.Generator().manual_seed(2)
     states = torch.randn(rows, heads, head_dim, state, generator=gen)
     x = torch.randn(rows, heads, head_dim, generator=gen)
@@ -118,6 +121,8 @@ def bench_ssd_update(rows: int, heads: int, head_dim: int, state: int, repeat: i
 
 
 def bench_mamba1(tokens: int, rows: int, channels: int, state: int, repeat: int) -> list[dict]:
+    """selective_scan and selective_state_update (Mamba-1): the torch path against the
+    reference, one row each."""
     gen = torch.Generator().manual_seed(3)
     u = torch.randn(tokens, channels, generator=gen)
     delta, z = torch.randn(tokens, channels, generator=gen), torch.randn(tokens, channels, generator=gen)
@@ -142,6 +147,7 @@ def bench_mamba1(tokens: int, rows: int, channels: int, state: int, repeat: int)
 
 
 def bench_norm(tokens: int, channels: int, repeat: int) -> dict:
+    """gated_rms_norm: the torch path against the reference, one row."""
     gen = torch.Generator().manual_seed(4)
     x, z = torch.randn(tokens, channels, generator=gen), torch.randn(tokens, channels, generator=gen)
     w = torch.randn(channels, generator=gen)
@@ -153,6 +159,8 @@ def bench_norm(tokens: int, channels: int, repeat: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    """Times every Mamba kernel case, prints the table, writes the JSON results and answers the
+    rows."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)

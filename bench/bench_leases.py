@@ -43,6 +43,7 @@ OTHER = 64  # requests of the other client's decode Steps
 
 
 def model() -> list:
+    """The pool's model: two small full-attention layers."""
     return [layers.full_attention(f"l{i}", block_size=16, num_kv_heads=2, head_size=8)
             for i in range(2)]
 
@@ -141,6 +142,8 @@ def through_grpc(n: int) -> dict:
 
 
 def main() -> int:
+    """Measures how long expiring a session's requests holds up other calls, and prints the
+    table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--chunk", type=int, default=EXPIRY_CHUNK)

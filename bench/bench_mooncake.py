@@ -87,6 +87,7 @@ def make_config(kind: str, args: argparse.Namespace) -> KVCacheConfig:
 # --- in-process sides -------------------------------------------------------------------------
 
 def core_side(kind: str, args: argparse.Namespace) -> ManagerSide:
+    """The core's KV cache manager for config ``kind``, events on, behind a ManagerSide."""
     config = make_config(kind, args)
     sched, hbs = resolve_block_sizes(config, True)
     mgr = KVCacheManager(config, max_model_len=args.max_model_len, scheduler_block_size=sched,
@@ -109,52 +110,70 @@ class PoolSide:
         self.tokens: dict[str, int] = {}
 
     def add(self, tr: TraceRequest) -> str:
+        """Adds the request to the pool; answers its id (the handle the other calls take)."""
         self.tokens[tr.rid] = self.pool.add_request(tr.rid, tr.tokens()).num_tokens
         self.computed_tokens[tr.rid] = 0
         return tr.rid
 
     def lookup(self, rid: str) -> tuple[None, int]:
+        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
+        for its allocate."""
         return None, self.pool.lookup(rid).hit_tokens
 
     def admit(self, rid: str, n: int, blocks: None, hit: int, has_running: bool) -> bool:
+        """First allocation of ``n`` tokens, using the pending hit (the whole sequence must
+        fit); False: no room."""
         return self.pool.allocate(rid, n, full_sequence_must_fit=True,
                                   include_tables=False).ok
 
     def after_admit(self, rid: str, n: int, hit: int) -> None:
+        """Records the hit and ``n`` tokens as computed (the pool advanced its own count
+        already)."""
         self.computed_tokens[rid] = hit + n
 
     def allocate(self, rid: str, n: int) -> bool:
+        """Room for ``n`` more tokens of a running request (no lookup); False: no room."""
         return self.pool.allocate(rid, n, use_lookup=False, include_tables=False).ok
 
     def after_allocate(self, rid: str, n: int) -> None:
+        """Records the ``n`` allocated tokens as computed."""
         self.computed_tokens[rid] += n
 
     def free(self, rid: str) -> None:
+        """Frees the request in the pool."""
         self.pool.free(rid)
 
     def preempt(self, rid: str) -> None:
+        """Preempts the request in the pool (blocks freed, request kept)."""
         self.pool.preempt(rid)
 
     def after_preempt(self, rid: str) -> None:
+        """Records the preemption: nothing computed."""
         self.computed_tokens[rid] = 0
 
     def append(self, rid: str, token: int) -> None:
+        """Appends one decoded token in the pool and records the new token count."""
         self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
 
     def new_step(self) -> None:
+        """Starts a scheduler step in the pool."""
         self.pool.new_step()
 
     def take_events(self) -> list[Any]:
+        """The KV events the pool produced since the last call."""
         return self.pool.take_events()
 
     def computed(self, rid: str) -> int:
+        """The request's computed tokens as recorded here."""
         return self.computed_tokens[rid]
 
     def num_tokens(self, rid: str) -> int:
+        """The request's tokens as the pool last answered."""
         return self.tokens[rid]
 
 
 def pool_side(kind: str, args: argparse.Namespace) -> PoolSide:
+    """A Pool for config ``kind`` (the gRPC servicer's facade), events on."""
     return PoolSide(Pool(make_config(kind, args), PoolOptions(
         max_model_len=args.max_model_len, hash_algo="sha256", enable_events=True)))
 
@@ -162,6 +181,7 @@ def pool_side(kind: str, args: argparse.Namespace) -> PoolSide:
 # --- the live server --------------------------------------------------------------------------
 
 def server_layers(kind: str, args: argparse.Namespace) -> list[Any]:
+    """The LayerSpecs of config ``kind`` for the live server (one head of size 1)."""
     out = [layers.full_attention("layer0_full", block_size=args.block_size, num_kv_heads=1,
                                  head_size=1)]
     if kind == "full_swa":
@@ -340,6 +360,8 @@ def run_server(kind: str, args: argparse.Namespace, reqs: list[TraceRequest],
 # --- vLLM through the oracle venv -------------------------------------------------------------
 
 def run_vllm(kind: str, args: argparse.Namespace) -> dict[str, Any] | str:
+    """vLLM's side of the replay, run by the oracle's interpreter; ``not installed`` when it is
+    missing."""
     py = Path(args.oracle_python)
     if not py.exists():
         return "not installed"
@@ -379,6 +401,8 @@ def finish(run: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Replays the trace on each side and config, prints the tables and writes the JSON
+    results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, required=True, help="a Mooncake trace (.jsonl)")
     p.add_argument("--max-requests", type=int, default=None,
@@ -499,6 +523,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def report(configs: list[str], sides: list[str], runs: dict[str, dict[str, Any]],
            vllm_status: dict[str, str]) -> dict[str, Any]:
+    """The summary per config: hit rates and times of each side, and whether they match vLLM's."""
     summary: dict[str, Any] = {}
     for kind in configs:
         core = runs.get(f"{kind}/core")

@@ -55,6 +55,7 @@ MAX_MODEL_LEN = 33000
 
 
 def model(kind: str) -> list:
+    """The fleet's model: full attention, plus sliding window for ``hybrid``."""
     full = [layers.full_attention("full", block_size=BS, num_kv_heads=8, head_size=128)]
     if kind == "full":
         return full
@@ -63,6 +64,7 @@ def model(kind: str) -> list:
 
 
 def tokens(rng: random.Random, n_blocks: int) -> list[int]:
+    """``n_blocks`` blocks of random tokens."""
     return [rng.randrange(32000) for _ in range(n_blocks * BS)]
 
 
@@ -105,6 +107,8 @@ class Fleet:
         pool.free(rid)
 
     def request(self, *, by_hashes: bool) -> bytes:
+        """The serialized PeekPrefixRequest of the prompt over every pool (by block hashes, or
+        by tokens)."""
         if by_hashes:
             req = pb.PeekPrefixRequest(pool_ids=self.pool_ids, block_hashes=self.hashes)
         else:
@@ -144,6 +148,8 @@ class Fleet:
 
 
 def bench_peek(args) -> tuple[list, dict]:
+    """PeekPrefix per fleet size and kind (by tokens and by hashes, index and per-pool loop):
+    rows and results."""
     rows, results = [], {}
     kinds = [("full", (1, 16, 256)), ("hybrid", (1, 16) if args.quick else (1, 16, 256))]
     for kind, sizes in kinds:
@@ -233,6 +239,7 @@ class StepLoad:
 
 
 def bench_step(args) -> tuple[list, dict]:
+    """Step cost with no observer, with explain off and on, interleaved: rows and results."""
     modes = ["no observer", "explain off", "explain on"]
     steps = args.steps
     loads = {m: StepLoad(m, steps) for m in modes}
@@ -256,6 +263,7 @@ def bench_step(args) -> tuple[list, dict]:
 
 
 def main() -> None:
+    """Runs both parts, prints the tables and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=100, help="PeekPrefix samples per row")
     parser.add_argument("--steps", type=int, default=200, help="Step samples per mode")

@@ -89,21 +89,25 @@ MAX_MODEL_LEN = 4096
 
 
 def model() -> list:
+    """The benchmark's model: full attention and a 1,024-token sliding window."""
     return [layers.full_attention("full", block_size=16, num_kv_heads=8, head_size=128),
             layers.sliding_window("swa", block_size=16, num_kv_heads=8, head_size=128,
                                   sliding_window=1024)]
 
 
 def pool_kwargs(n: int, steps: int) -> dict:
+    """RegisterPool options with room for ``n`` requests over ``steps`` decode steps."""
     per_request = 2 * ((PROMPT + steps + 64) // 16 + 2)  # both groups, with headroom
     return dict(num_blocks=max(2048, n * per_request + 64), max_model_len=MAX_MODEL_LEN)
 
 
 def prompt(i: int) -> list[int]:
+    """Request ``i``'s prompt (``PROMPT`` tokens, distinct per request)."""
     return [(i * 7919 + t) % 32000 for t in range(PROMPT)]
 
 
 def admit(client: CacheClient, pool_id: str, n: int) -> None:
+    """Adds, looks up and allocates ``n`` requests in batches of 64."""
     for start in range(0, n, 64):
         batch = StepBuilder(pool_id, begin_step=True)
         for i in range(start, min(n, start + 64)):
@@ -116,10 +120,13 @@ TABLES, NO_TABLES, DECODE = "tables", "no_tables", "decode"
 
 
 def request_ids(n: int) -> list[str]:
+    """The ids of the ``n`` admitted requests."""
     return [f"r{i}" for i in range(n)]
 
 
 def decode_batch(pool_id: str, n: int, step: int, mode: str) -> StepBuilder:
+    """One decode step of ``n`` requests: one decode op, or one allocate per request (with or
+    without tables, by ``mode``)."""
     batch = StepBuilder(pool_id, begin_step=True)
     token = [step % 32000]
     if mode == DECODE:
@@ -130,11 +137,13 @@ def decode_batch(pool_id: str, n: int, step: int, mode: str) -> StepBuilder:
 
 
 def all_ok(result) -> bool:
+    """Whether every op of the step found room."""
     return all(r.all_ok if isinstance(r, DecodeResult) else r.ok for r in result.results)
 
 
 def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
                   mode: str) -> list[int]:
+    """Unary decode Step latencies in ns over a fresh pool of ``n`` requests."""
     pool_id = f"bench-{mode}-{n}"
     client.register_pool(pool_id, model(), **pool_kwargs(n, steps + warmup))
     admit(client, pool_id, n)
@@ -161,6 +170,7 @@ def bench_service(client: CacheClient, n: int, steps: int, warmup: int, *,
 
 def bench_stream(client: CacheClient, n: int, steps: int, warmup: int, *,
                  mode: str) -> list[int]:
+    """StepStream decode step latencies in ns over a fresh pool of ``n`` requests."""
     pool_id = f"bench-stream-{mode}-{n}"
     client.register_pool(pool_id, model(), **pool_kwargs(n, steps + warmup))
     admit(client, pool_id, n)
@@ -180,6 +190,7 @@ def bench_stream(client: CacheClient, n: int, steps: int, warmup: int, *,
 
 
 def bench_core(n: int, steps: int, warmup: int, *, decode: bool = False) -> list[int]:
+    """The same decode steps on an in-process Pool (no gRPC): latencies in ns."""
     pool = build_pool(convert.description_from_proto(
         register_request("core", model(), **pool_kwargs(n, steps + warmup))))
     for i in range(n):
@@ -256,6 +267,7 @@ class DecodeSteps:
         return request.SerializeToString(), response.SerializeToString()
 
     def run(self, steps: int) -> list[int]:
+        """``steps`` decode steps; answers their latencies in ns."""
         samples = []
         for _ in range(steps):
             t0 = time.perf_counter_ns()
@@ -275,6 +287,7 @@ class DecodeSteps:
         return samples
 
     def close(self) -> None:
+        """Closes the stream and deletes the pool."""
         if self._stream is not None:
             self._stream.close()
         self.client.delete_pool(self.pool_id)
@@ -314,6 +327,7 @@ async def _serve_echo() -> None:
 
 
 def start_echo_server() -> ServerProcess:
+    """This script as an echo server process (the floor of a gRPC round trip)."""
     return start_process([sys.executable, str(Path(__file__).resolve()), "--echo-server"])
 
 
@@ -347,6 +361,7 @@ class EchoCalls:
                 self._responses.put(response)
 
     def run(self, steps: int) -> list[int]:
+        """``steps`` echo calls; answers their latencies in ns."""
         samples = []
         for _ in range(steps):
             t0 = time.perf_counter_ns()
@@ -360,6 +375,7 @@ class EchoCalls:
         return samples
 
     def close(self) -> None:
+        """Ends the stream and closes the channel."""
         if self._call is not None:
             self._requests.put(self._END)
             self._call.cancel()
@@ -495,6 +511,8 @@ def start_baseline(tree: Path, core: str | None = None) -> ServerProcess:
 
 
 def main() -> int:
+    """Runs the decode cases and the echo floor, interleaved in rounds; prints the tables and
+    writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="measured steps per case")
     parser.add_argument("--warmup", type=int, default=20)

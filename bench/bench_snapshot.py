@@ -47,10 +47,10 @@ from bench_durability import build_state, filesystem_of  # noqa: E402
 from cache_service.client import CacheClient, StepBuilder  # noqa: E402
 from cache_service.durability import DataDir, open_data_dir  # noqa: E402
 from cache_service.fairness import keep_heap_frozen  # noqa: E402
-from cache_service.server import _new_state, _replay  # noqa: E402
+from cache_service.server import new_state  # noqa: E402
 from cache_service.settings import parse_settings  # noqa: E402
 from cache_service.snapshot import delete_before, write_snapshot  # noqa: E402
-from cache_service.state import ServiceState, WalRecord  # noqa: E402
+from cache_service.state import ServiceState, WalRecord, replay_record  # noqa: E402
 from kvcache_common.launch import start_cache_service  # noqa: E402
 
 
@@ -160,10 +160,12 @@ async def serve_window(data_dir: DataDir, state: ServiceState, snapshot: Any, *,
 
 
 def bench_pauses(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Step latency while each kind of snapshot runs (the compaction process first, then the
+    others as long as it took), with their durations and memory."""
     settings = parse_settings(["--event-buffer", "10000"])
     t0 = time.perf_counter()
-    data_dir, state = open_data_dir(directory, new_state=lambda i: _new_state(settings, i),
-                                    apply=_replay, fsync="batch", snapshot_every=10**9)
+    data_dir, state = open_data_dir(directory, new_state=lambda i: new_state(settings, i),
+                                    apply=replay_record, fsync="batch", snapshot_every=10**9)
     state.durability = data_dir
     opened = time.perf_counter() - t0
     rss_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -222,6 +224,8 @@ def bench_restart(directory: Path) -> dict[str, Any]:
 
 
 def main() -> int:
+    """Builds the state, measures the pauses and the restarts, prints the table and writes the
+    JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=1_000_000)
     parser.add_argument("--requests", type=int, default=10_000, help="live requests")

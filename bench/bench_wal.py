@@ -56,12 +56,15 @@ class OurLog:
         self.log = WriteAheadLog(directory, 1, fsync=policy)
 
     def append(self, payload: bytes) -> None:
+        """Appends one record (durable as the fsync policy says)."""
         self.log.append(payload)
 
     def close(self) -> None:
+        """Closes the log."""
         self.log.close()
 
     def read_all(self) -> int:
+        """Scans the log from disk; answers how many records it holds."""
         return len(scan(self.directory, repair=False).records)
 
 
@@ -76,15 +79,18 @@ class SqliteLog:
         self.next = 1
 
     def append(self, payload: bytes) -> None:
+        """Inserts one record in its own transaction (durable as the synchronous mode says)."""
         self.db.execute("BEGIN")
         self.db.execute("INSERT INTO log VALUES (?, ?)", (self.next, payload))
         self.db.execute("COMMIT")
         self.next += 1
 
     def close(self) -> None:
+        """Closes the database."""
         self.db.close()
 
     def read_all(self) -> int:
+        """Reads every record back in order; answers how many there are."""
         with sqlite3.connect(self.path) as db:
             return len(db.execute("SELECT idx, payload FROM log ORDER BY idx").fetchall())
 
@@ -93,6 +99,8 @@ ENGINES = (("ours", OurLog), ("sqlite-wal", SqliteLog))
 
 
 def bench(root: Path, records: list[bytes], rounds: int) -> dict:
+    """Append latencies of our log and SQLite per fsync policy, interleaved in rounds, and the
+    time to read each back."""
     out: dict[str, dict] = {}
     per_round = max(1, len(records) // rounds)
     for policy in POLICIES:
@@ -118,6 +126,7 @@ def bench(root: Path, records: list[bytes], rounds: int) -> dict:
 
 
 def main() -> int:
+    """Writes the same records to each engine, prints the table and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=600, help="records per engine "
                         "and policy")

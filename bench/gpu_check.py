@@ -136,6 +136,7 @@ def run_tests(device: str, dry_run: bool, timeout: int) -> dict:
 
 
 def check_copy(device: torch.device, dry_run: bool) -> dict:
+    """Device-to-device copy bandwidth (the memory roofline) and whether the copy is exact."""
     numel = (1 << 16) if dry_run else (1 << 30)  # 2 GiB of bf16 per buffer
     src = torch.randn(numel, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
@@ -149,6 +150,8 @@ def check_copy(device: torch.device, dry_run: bool) -> dict:
 
 
 def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, copy_gbps: float | None) -> list[dict]:
+    """Paged decode attention: the Triton kernel against the reference, and its bandwidth
+    against the copy's."""
     from kernels import paged_attention
     from kernels._dispatch import load_triton_module
 
@@ -213,6 +216,7 @@ def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, c
 
 
 def check_prefill(device: torch.device, dry_run: bool) -> list[dict]:
+    """Paged prefill attention: the Triton kernel against the reference, timed."""
     from kernels import paged_attention
 
     batch, length, q_heads, kv_heads, head_size, block_size = (
@@ -310,6 +314,7 @@ def sweep_tiles(device: torch.device, dry_run: bool) -> list[dict]:
 
 
 def run_mamba(device: str, dry_run: bool) -> list[dict]:
+    """The Mamba kernel checks of gpu_check_mamba, as rows of this table."""
     import gpu_check_mamba
 
     rows = gpu_check_mamba.run(device, dry_run)
@@ -343,6 +348,8 @@ def _guard(name: str, fn: Callable[[], list[dict] | dict], device: str) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the GPU checks in order (tests, copy, attention, sweep, Mamba), prints the table;
+    answers 1 when a check failed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, quick test subset (any machine)")

@@ -63,6 +63,7 @@ def timed_impl(device: torch.device) -> str:
 
 
 def check_state_update(device: torch.device, dry_run: bool) -> dict:
+    """ssd_state_update on the device: the Triton kernel against the reference, timed."""
     from kernels import ssd_state_update
 
     rows, heads, head_dim, state, groups = (4, 4, 16, 16, 2) if dry_run else (256, 128, 64, 128, 8)
@@ -103,6 +104,7 @@ def _ssd_flops(num_chunks: int, heads: int, q: int, head_dim: int, state: int) -
 
 
 def check_ssd_prefill(device: torch.device, dry_run: bool) -> dict:
+    """ssd_scan on the device: the Triton kernel against the reference, timed."""
     from kernels import ssd_scan
 
     seqs, length, heads, head_dim, state, groups, q = (
@@ -150,6 +152,7 @@ def run(device: str, dry_run: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Prints the Mamba checks' rows as JSON lines."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true")

@@ -220,10 +220,14 @@ def measure(core: str = "pure") -> dict[str, int]:
 
 
 def load_budgets() -> dict[str, dict[str, int]]:
+    """The committed instruction budgets, by build key then op kind (empty without the file)."""
     return json.loads(BUDGETS.read_text()) if BUDGETS.exists() else {}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Counts instructions per op kind against this build's budgets; ``--check``: answers 1
+    when a kind is over by more than the tolerance; ``--update``: writes the counts as the
+    budgets."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true",

@@ -52,6 +52,8 @@ class TraceRequest:
     first_admission: bool = True
 
     def tokens(self) -> list[int]:
+        """The prompt's tokens: each hash id stands for a block of distinct tokens, cut at
+        ``input_length``."""
         out: list[int] = []
         for h in self.hash_ids:
             base = h * TRACE_BLOCK
@@ -84,6 +86,7 @@ def load_trace(path: Path, max_requests: int | None = None) -> list[TraceRequest
 
 
 def max_model_len(reqs: list[TraceRequest], block_size: int) -> int:
+    """The longest request (input and output) rounded up to whole blocks."""
     longest = max(r.input_length + r.output_length for r in reqs)
     return -(-longest // block_size) * block_size
 
@@ -102,52 +105,66 @@ class ManagerSide:
         self._append = append
 
     def add(self, tr: TraceRequest) -> Any:
+        """The manager's request object of the trace request (made by ``make_request``)."""
         return self.make_request(tr)
 
     def lookup(self, req: Any) -> tuple[Any, int]:
+        """The manager's cached prefix of ``req``: (its blocks, hit tokens)."""
         blocks, hit, _ = self.mgr.get_computed_blocks(req)
         return blocks, hit
 
     def admit(self, req: Any, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        """First allocation of ``n`` tokens on top of the hit (the whole sequence must fit);
+        False: no room."""
         return self.mgr.allocate_slots(req, n, num_new_computed_tokens=hit,
                                        new_computed_blocks=blocks, full_sequence_must_fit=True,
                                        has_scheduled_reqs=has_running) is not None
 
     def after_admit(self, req: Any, n: int, hit: int) -> None:
+        """Marks the admitted request running with the hit and ``n`` tokens computed."""
         req.status = self.running_status
         req.num_computed_tokens = hit + n
 
     def allocate(self, req: Any, n: int) -> bool:
+        """Room for ``n`` more tokens of a running request; False: no room."""
         return self.mgr.allocate_slots(req, n) is not None
 
     def after_allocate(self, req: Any, n: int) -> None:
+        """Counts the ``n`` allocated tokens as computed."""
         req.num_computed_tokens += n
 
     def free(self, req: Any) -> None:
+        """Frees the request's blocks (the manager also frees a preempted one this way)."""
         self.mgr.free(req)
 
     preempt = free
 
     def after_preempt(self, req: Any) -> None:
+        """Marks the request preempted: nothing computed, one more preemption."""
         req.status = self.preempted_status
         req.num_computed_tokens = 0
         req.num_preemptions += 1
 
     def append(self, req: Any, token: int) -> None:
+        """Appends one decoded token (with the ``append`` given)."""
         self._append(req, token)
 
     def new_step(self) -> None:
+        """Tells the manager a scheduler step starts."""
         self.mgr.new_step_starts()
 
     def take_events(self) -> list[Any]:
+        """The KV events the manager produced since the last call."""
         return list(self.mgr.take_events())
 
     @staticmethod
     def computed(req: Any) -> int:
+        """The request's computed tokens."""
         return int(req.num_computed_tokens)
 
     @staticmethod
     def num_tokens(req: Any) -> int:
+        """The request's tokens (prompt and decoded)."""
         return int(req.num_tokens)
 
 
@@ -317,6 +334,7 @@ def _vllm_side(args: argparse.Namespace, reqs: list[TraceRequest]) -> ManagerSid
 
 
 def main(argv: list[str] | None = None) -> int:
+    """vLLM's side of the replay (run by the oracle's interpreter): prints its result as JSON."""
     p = argparse.ArgumentParser(description="vLLM side of bench/bench_mooncake.py "
                                             "(run with the vLLM oracle venv's python)")
     p.add_argument("--vllm", action="store_true", required=True)

@@ -220,6 +220,8 @@ async def profile(n: int, steps: int, warmup: int) -> tuple[dict[str, list[int]]
 
 
 def main() -> int:
+    """Times the sections of the server's path of one decode Step in process (CPU time), prints
+    the table and writes the JSON results."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=300)

@@ -25,18 +25,17 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from cache_service.core.errors import KVCacheError
+from cache_service.errors import DataDirError, KVCacheError
 from cache_service.snapshot import (
-    SnapshotCorruption,
     read_snapshot,
     resolve,
     snapshot_name,
     write_snapshot,
 )
-from cache_service.wal import WalCorruption, _read_segment, list_segments
+from cache_service.wal import _read_segment, list_segments
 
 
-class CompactionError(Exception):
+class CompactionError(DataDirError):
     """The closed log does not hold exactly the records the snapshot needs."""
 
 
@@ -92,6 +91,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The compaction process's entry point: writes ``snapshot-<through>`` from snapshot
+    ``--base`` and the records after it (dying with the server that started it); answers 1
+    on a failure it names."""
     parser = argparse.ArgumentParser(prog="python -m cache_service.compact",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("directory", type=Path)
@@ -108,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.disable()  # loading and replaying make no garbage worth collecting; it only costs
     try:
         compact(args.directory, args.base, args.through, args.tag, args.replay)
-    except (CompactionError, WalCorruption, SnapshotCorruption, OSError, ValueError) as exc:
+    except (DataDirError, OSError, ValueError) as exc:  # e.g. CompactionError, WalCorruption
         print(f"compaction: {exc}", file=sys.stderr)
         return 1
     return 0

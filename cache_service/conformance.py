@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_service.client import CacheClient, CacheError, layers, ops
+from cache_service.client import CacheClient, CacheError, ops
 from cache_service.replay import load_config, make_pool, read_expected, replay, same_result
+from cache_service.specs_proto import layer_spec_to_proto
 
 SAMPLES = Path(__file__).resolve().parent / "replay_samples"
 PROG = "python -m cache_service.conformance"
@@ -42,9 +43,12 @@ class ServerReplayer:
         self.auto_step = True  # until the trace's first "step", every allocate begins one
 
     def step(self, op, *, begin_step: bool = False):
+        """Sends ``op`` as a one-op Step on the pool; answers its typed result."""
         return self.client.step(self.pool, [op], begin_step=begin_step).results[0]
 
     def apply(self, op: Any) -> dict[str, Any]:
+        """One trace operation as RPCs; answers its outcome rendered as the replay tool renders
+        it (an ``error`` key for a refused one)."""
         if not isinstance(op, dict):
             return {"op": None, "error": "not an object"}
         out: dict[str, Any] = {"op": op.get("op")}
@@ -115,7 +119,7 @@ class ServerReplayer:
 def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
     """A replay config as a RegisterPool call: one layer per group, same num_blocks."""
     core_config, options = load_config(config)
-    layer_specs = [layers.from_spec(f"layer{i}", g.spec)
+    layer_specs = [layer_spec_to_proto(f"layer{i}", g.spec)
                    for i, g in enumerate(core_config.groups)]
     client.register_pool(
         pool_id, layer_specs, num_blocks=core_config.num_blocks,
@@ -175,6 +179,9 @@ def bundled() -> list[tuple[str, Path, Path, Path]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Replays each trace against the server at ``--target`` and compares the answers with the
+    replay tool's (or the expected file's); answers 0 when every trace conforms, 1 when one
+    differs, 2 when the inputs or the server fail."""
     p = argparse.ArgumentParser(prog=PROG,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="HOST:PORT of the server")

@@ -1,154 +1,50 @@
-"""Protocol messages <-> allocator core objects: the ONE mapping place.
+"""Protocol messages <-> allocator core objects, for the server.
 
-Everything that turns a ``kvcache.v1`` message into core arguments (and back) lives here:
-pool descriptions, Step ops (:func:`ops_from_proto`) and their outcomes
-(:func:`step_response`), stats and events. Field-level checks live here only where the
-core cannot name the field in protocol terms (``layers[2].kind``) or the rule is the
-protocol's own; the rules of a batch are the pool's (``Pool.apply_batch``). Errors are
-core errors whose ``field`` is the protocol path.
+Everything the server turns from a ``kvcache.v1`` message into core arguments (and back)
+lives here: pool descriptions, Step ops (:func:`ops_from_proto`) and their outcomes
+(:func:`step_response`), stats and events. Layer specs, which the clients map too, are
+:mod:`cache_service.specs_proto`'s (used here, never mapped twice). Field-level checks
+live here only where the core cannot name the field in protocol terms
+(``layers[2].kind``) or the rule is the protocol's own; the rules of a batch are the
+pool's (``Pool.apply_batch``). Errors are core errors whose ``field`` is the protocol
+path.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-from cache_service.client._builders import layers
 from cache_service.core import events as ev
-from cache_service.core import grouping, ops
-from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
+from cache_service.core import grouping, operations
 from cache_service.core.hashing import DeclaredRecipe, external_block_hash
 from cache_service.core.kv_cache_manager import BlockCopy
 from cache_service.core.pool import DecodeOutcome, PoolOptions
 from cache_service.core.residency import GroupResidency
 from cache_service.core.specs import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheSpec,
-    MambaCacheMode,
     MambaSpec,
-    SlidingWindowSpec,
     layer_spec,
 )
+from cache_service.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.registry import PoolDescription, PoolEntry
+from cache_service.specs_proto import layer_spec_from_proto, layer_spec_to_proto, non_negative
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES, MISS_REASONS
-
-_ATTENTION_CLASSES: dict[int, type] = {
-    pb.LAYER_KIND_FULL_ATTENTION: FullAttentionSpec,
-    pb.LAYER_KIND_SLIDING_WINDOW: SlidingWindowSpec,
-    pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec,
-    pb.LAYER_KIND_CROSS_ATTENTION: CrossAttentionSpec,
-}
-# Bounds that keep arithmetic sane and memory bounded for hostile input.
-MAX_COUNT = 1 << 40
-#: The largest page one layer may have (1 TiB per block); every byte count of a pool
-#: (summed pages, memory budgets) then stays far inside the int64 fields of PoolConfig.
-MAX_PAGE_BYTES = 1 << 40
-
-
-def _non_negative(value: int, field: str, *, positive: bool = False,
-                  limit: int = MAX_COUNT) -> int:
-    if value < (1 if positive else 0) or value > limit:
-        what = "positive" if positive else "non-negative"
-        raise InvalidArgument(f"must be {what} and at most {limit}, got {value}", field=field)
-    return value
-
 
 # ---------------------------------------------------------------------------------------
 # RegisterPool
 # ---------------------------------------------------------------------------------------
 
-def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
-    """The core spec of one ``LayerSpec`` (errors name ``path.<field>``)."""
-    kind = layer.kind
-    _non_negative(layer.block_size, f"{path}.block_size", positive=True)
-    _non_negative(layer.page_size_padded, f"{path}.page_size_padded")
-    if kind != pb.LAYER_KIND_SLIDING_WINDOW and layer.sliding_window:
-        raise InvalidArgument("only sliding_window layers take a window",
-                              field=f"{path}.sliding_window")
-    if kind != pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION and layer.attention_chunk_size:
-        raise InvalidArgument("only chunked_local_attention layers take a chunk size",
-                              field=f"{path}.attention_chunk_size")
-    padded = layer.page_size_padded or None
-    try:
-        if kind == pb.LAYER_KIND_MAMBA:
-            if not layer.mamba_states:
-                raise InvalidArgument("a mamba layer needs at least one state tensor",
-                                      field="mamba_states")
-            shapes = []
-            for j, state in enumerate(layer.mamba_states):
-                if not state.shape:
-                    raise InvalidArgument("empty shape", field=f"mamba_states[{j}].shape")
-                elements = 1
-                for k, dim in enumerate(state.shape):
-                    _non_negative(dim, f"mamba_states[{j}].shape[{k}]", positive=True,
-                                  limit=1 << 31)
-                    # Checked as the product grows: a long shape must not cost big-int
-                    # arithmetic before it is rejected.
-                    elements *= dim
-                    if elements > MAX_PAGE_BYTES:
-                        raise InvalidArgument(
-                            f"the state has more than {MAX_PAGE_BYTES} elements",
-                            field=f"mamba_states[{j}].shape")
-                shapes.append(tuple(state.shape))
-            if layer.mamba_cache_mode and not MAMBA_CACHE_MODES.name(layer.mamba_cache_mode):
-                raise InvalidArgument(f"unknown mamba_cache_mode {layer.mamba_cache_mode}",
-                                      field="mamba_cache_mode")
-            return _bounded_page(MambaSpec(
-                block_size=layer.block_size, shapes=tuple(shapes),
-                dtypes=tuple(s.dtype for s in layer.mamba_states), page_size_padded=padded,
-                mamba_type=layer.mamba_type or "mamba2",
-                # A name of the proto enum (checked above); MambaSpec checks it is one it knows.
-                mamba_cache_mode=cast(MambaCacheMode,
-                                      MAMBA_CACHE_MODES.name(layer.mamba_cache_mode) or "none")),
-                "mamba_states")
-        cls = _ATTENTION_CLASSES.get(kind)
-        if cls is None:
-            raise InvalidArgument(f"kind must be one of {sorted(LAYER_KINDS.names())}, got {kind}",
-                                  field="kind")
-        if layer.mamba_states:
-            raise InvalidArgument("only mamba layers take state tensors", field="mamba_states")
-        _non_negative(layer.num_kv_heads, "num_kv_heads", positive=True, limit=1 << 20)
-        _non_negative(layer.head_size, "head_size", positive=True, limit=1 << 20)
-        _non_negative(layer.head_size_v, "head_size_v", limit=1 << 20)
-        kwargs: dict[str, Any] = dict(
-            block_size=layer.block_size, num_kv_heads=layer.num_kv_heads,
-            head_size=layer.head_size, dtype=layer.dtype or "bfloat16",
-            head_size_v=layer.head_size_v or None, page_size_padded=padded)
-        if kind == pb.LAYER_KIND_SLIDING_WINDOW:
-            kwargs["sliding_window"] = _non_negative(layer.sliding_window, "sliding_window",
-                                                     positive=True)
-        elif kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
-            kwargs["attention_chunk_size"] = _non_negative(
-                layer.attention_chunk_size, "attention_chunk_size", positive=True)
-        return _bounded_page(cls(**kwargs), "block_size")
-    except KVCacheError as exc:
-        if exc.field.startswith(path):
-            raise
-        raise qualify(exc, path) from None
-
-
-def _bounded_page(spec: KVCacheSpec, field: str) -> KVCacheSpec:
-    """``spec`` if its page fits :data:`MAX_PAGE_BYTES`; else INVALID_ARGUMENT naming
-    ``field`` (the factor of the page product that is not bounded on its own)."""
-    if spec.page_size_bytes > MAX_PAGE_BYTES:
-        raise InvalidArgument(f"the page of this layer is {spec.page_size_bytes} bytes, more "
-                              f"than the limit of {MAX_PAGE_BYTES}", field=field)
-    return spec
-
-
 def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     """Core pool options and the ``hybrid`` flag from ``PoolOptions`` (the service-only
     ``skip_capacity_check`` is read by :func:`description_from_proto`)."""
     p = "options"
-    _non_negative(opts.max_model_len, f"{p}.max_model_len", positive=True, limit=1 << 31)
+    non_negative(opts.max_model_len, f"{p}.max_model_len", positive=True, limit=1 << 31)
     for name in ("scheduler_block_size", "hash_block_size", "max_in_flight_tokens"):
-        _non_negative(getattr(opts, name), f"{p}.{name}", limit=1 << 31)
-    _non_negative(opts.vocab_size, f"{p}.vocab_size", limit=1 << 40)
-    _non_negative(opts.session_block_quota, f"{p}.session_block_quota", limit=1 << 40)
+        non_negative(getattr(opts, name), f"{p}.{name}", limit=1 << 31)
+    non_negative(opts.vocab_size, f"{p}.vocab_size", limit=1 << 40)
+    non_negative(opts.session_block_quota, f"{p}.session_block_quota", limit=1 << 40)
     if not 0.0 <= opts.watermark < 1.0:  # also rejects NaN
         raise InvalidArgument(f"must be in [0, 1), got {opts.watermark}",
                               field=f"{p}.watermark")
@@ -158,7 +54,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
     # pool's groups and scheduler block size is checked when the pool is built.
     retention = None
     if opts.HasField("prefix_cache_retention_interval"):
-        retention = _non_negative(opts.prefix_cache_retention_interval,
+        retention = non_negative(opts.prefix_cache_retention_interval,
                                   f"{p}.prefix_cache_retention_interval", limit=1 << 31)
     core = PoolOptions(
         max_model_len=opts.max_model_len,
@@ -205,13 +101,13 @@ def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
     options, hybrid = options_from_proto(req.options)
     skip = req.options.skip_capacity_check
     if budget == "num_blocks":
-        _non_negative(req.num_blocks, "num_blocks", limit=1 << 31)
+        non_negative(req.num_blocks, "num_blocks", limit=1 << 31)
         if req.num_blocks < 2:
             raise InvalidArgument("must be >= 2 (block 0 is the null block)",
                                   field="num_blocks")
         return PoolDescription(layers, options, num_blocks=req.num_blocks, hybrid=hybrid,
                                skip_capacity_check=skip)
-    _non_negative(req.available_memory_bytes, "available_memory_bytes", positive=True,
+    non_negative(req.available_memory_bytes, "available_memory_bytes", positive=True,
                   limit=1 << 60)
     return PoolDescription(layers, options, available_memory_bytes=req.available_memory_bytes,
                            hybrid=hybrid, skip_capacity_check=skip)
@@ -257,7 +153,7 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
         layer_page_size_bytes=max((g.page_size_bytes for g in groups), default=0),
         scheduler_block_size=pool.scheduler_block_size, hash_block_size=pool.hash_block_size,
         options=options,
-        layers=[layers.from_spec(name, spec) for name, spec in desc.layers],
+        layers=[layer_spec_to_proto(name, spec) for name, spec in desc.layers],
         hash_recipe=pb.HashRecipe(hash_algo=HASH_ALGOS.value(recipe.hash_algo),
                                   none_hash_seed=recipe.none_hash_seed,
                                   none_hash=recipe.none_hash,
@@ -364,7 +260,7 @@ _OP_KINDS = ", ".join(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields[i].name
                       for i in range(len(pb.Op.DESCRIPTOR.oneofs_by_name["op"].fields)))
 
 
-def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
+def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op:
     """The core op of one ``Op`` message. Checks only the protocol's own rules (an op
     kind is set; client block hashes need the cross-language recipe): every other rule
     is the pool's, applied by ``Pool.apply_batch``. Errors name fields relative to the op."""
@@ -373,18 +269,18 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
         m = op.decode
         # Each read of a repeated string field builds new str objects, whose hashes every
         # dict lookup would compute again: convert once.
-        return ops.Decode(list(m.request_ids), list(m.token_ids), m.placeholders)
+        return operations.Decode(list(m.request_ids), list(m.token_ids), m.placeholders)
     if kind == "allocate":
         m = op.allocate
-        return ops.Allocate(m.request_id, m.num_new_tokens, m.num_lookahead_tokens,
+        return operations.Allocate(m.request_id, m.num_new_tokens, m.num_lookahead_tokens,
                             m.full_sequence_must_fit, not m.skip_lookup,
                             m.delay_cache_blocks, not m.skip_block_table, m.append_token_ids,
                             0, m.num_placeholder_tokens)
     if kind == "fill_placeholders":
         m = op.fill_placeholders
-        return ops.FillPlaceholders(list(m.request_ids), list(m.token_ids))
+        return operations.FillPlaceholders(list(m.request_ids), list(m.token_ids))
     if kind == "append_tokens":
-        return ops.AppendTokens(op.append_tokens.request_id, op.append_tokens.token_ids)
+        return operations.AppendTokens(op.append_tokens.request_id, op.append_tokens.token_ids)
     if kind == "add_request":
         m = op.add_request
         hashes = None
@@ -400,21 +296,21 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> ops.Op:
                 declared = declared_recipe_from_proto(m.hash_recipe)
             except KVCacheError as exc:
                 raise qualify(exc, "add_request.hash_recipe") from None
-        return ops.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
+        return operations.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
                               account)
     if kind == "lookup":
-        return ops.Lookup(op.lookup.request_id, op.lookup.explain)
+        return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
-        return ops.Free(op.free.request_id)
+        return operations.Free(op.free.request_id)
     if kind == "preempt":
-        return ops.Preempt(op.preempt.request_id)
+        return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":
-        return ops.NewStep()
+        return operations.NewStep()
     raise InvalidArgument(f"an op must set one of {_OP_KINDS}", field="")
 
 
-def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[ops.Op]:
+def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[operations.Op]:
     """The core ops of a Step (errors name ``ops[i]...``). Requests it adds count against
     the quota of its session (or of the session-less account "")."""
     out = []
@@ -478,7 +374,7 @@ class BlockTableCache:
         self._entries.pop(request_id, None)
 
 
-def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
+def step_response(step_ops: Sequence[operations.Op], outcomes: Sequence[Any],
                   table_cache: BlockTableCache, num_free_blocks: int) -> pb.StepResponse:
     """The StepResponse of an applied batch: ``results[i]`` answers ``step_ops[i]``."""
     # Results are filled in place (add() + field writes): building submessages with
@@ -486,9 +382,9 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
     response = pb.StepResponse(num_free_blocks=num_free_blocks)
     add_result = response.results.add
     for op, r in zip(step_ops, outcomes):
-        if isinstance(op, ops.Decode):
+        if isinstance(op, operations.Decode):
             write_decode(add_result().decode, r)
-        elif isinstance(op, ops.Allocate):
+        elif isinstance(op, operations.Allocate):
             out = add_result().allocate
             out.num_computed_tokens = r.num_computed_tokens
             if r.ok:
@@ -503,12 +399,12 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                     write_copies(out, r.block_copies)
             if op.include_table:
                 table_cache.write(out, op.request_id, r.block_ids)
-        elif isinstance(op, (ops.AppendTokens, ops.AddRequest)):
-            out = add_result().append_tokens if isinstance(op, ops.AppendTokens) \
+        elif isinstance(op, (operations.AppendTokens, operations.AddRequest)):
+            out = add_result().append_tokens if isinstance(op, operations.AppendTokens) \
                 else add_result().add_request
             out.num_tokens = r.num_tokens
             out.num_block_hashes = r.num_block_hashes
-        elif isinstance(op, ops.Lookup):
+        elif isinstance(op, operations.Lookup):
             out = add_result().lookup
             out.hit_tokens = r.hit_tokens
             out.shared_prefix_boundary = r.shared_prefix_boundary
@@ -517,12 +413,12 @@ def step_response(step_ops: Sequence[ops.Op], outcomes: Sequence[Any],
                 tables.add().block_ids.extend(ids)
             if r.groups is not None:
                 write_residency(out.groups, r.groups)
-        elif isinstance(op, ops.Free):
+        elif isinstance(op, operations.Free):
             add_result().free.num_free_blocks = r
             table_cache.forget(op.request_id)
-        elif isinstance(op, ops.Preempt):
+        elif isinstance(op, operations.Preempt):
             add_result().preempt.num_free_blocks = r
-        elif isinstance(op, ops.FillPlaceholders):
+        elif isinstance(op, operations.FillPlaceholders):
             add_result().fill_placeholders.num_filled = r
         else:
             add_result().new_step.SetInParent()

@@ -39,7 +39,13 @@ from typing import Any, Generic, TypeVar
 import structlog
 from google.protobuf.message import Message
 
-from cache_service.core.errors import KVCacheError
+from cache_service.errors import (
+    DataDirError,
+    DataDirFull,
+    DataDirUnwritable,
+    KVCacheError,
+    Unavailable,
+)
 from cache_service.snapshot import (
     SnapshotCorruption,
     SnapshotMissing,
@@ -50,7 +56,6 @@ from cache_service.snapshot import (
     snapshot_name,
     write_snapshot,
 )
-from cache_service.status import ResourceExhausted, Unavailable
 from cache_service.wal import (
     FsyncPolicy,
     ScanResult,
@@ -64,19 +69,6 @@ S = TypeVar("S")
 
 _log = structlog.get_logger("cache_service.durability")
 
-
-class DataDirError(Exception):
-    """The data directory cannot be used (locked by another server, not a directory)."""
-
-
-class DataDirFull(ResourceExhausted):
-    """An append found no space in the data directory: the call was not applied (its
-    partial record was cut off again) and may be retried once space is freed."""
-
-
-class DataDirUnwritable(Unavailable):
-    """The data directory refused a write for another reason than space (I/O error,
-    read-only remount, a log broken by an earlier failure)."""
 
 #: errno values that mean "no space" (a full file system, a quota).
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -130,7 +122,7 @@ class DataDir(Generic[S]):
         is exactly the one after the previous record: the moment to start a snapshot
         (through the previous record) when one is due. Raises :class:`DataDirFull` or
         :class:`DataDirUnwritable` with nothing logged (the caller then changes nothing);
-        after :meth:`seal`, :class:`~cache_service.status.Unavailable` (retry elsewhere)."""
+        after :meth:`seal`, :class:`~cache_service.errors.Unavailable` (retry elsewhere)."""
         if self.sealed:
             raise Unavailable(f"the log in {self.directory} is sealed (this replica is "
                               "handing its pools over); retry on another replica")

@@ -18,16 +18,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Generic, TypeVar
 
+from cache_service.errors import SequenceOutOfRange
+
 E = TypeVar("E")
-
-
-class SequenceOutOfRange(Exception):
-    """``from_sequence`` is older than the replay buffer or beyond the next sequence."""
-
-    def __init__(self, message: str, *, oldest: int, next_sequence: int) -> None:
-        super().__init__(message)
-        self.oldest = oldest
-        self.next_sequence = next_sequence
 
 
 class EventFeed(Generic[E]):
@@ -69,6 +62,8 @@ class EventFeed(Generic[E]):
 
     @property
     def closed(self) -> bool:
+        """Whether the feed was closed (its pool deleted, or the server stopping): every
+        subscription has ended."""
         return self._closed
 
     def publish(self, events: list[E]) -> None:

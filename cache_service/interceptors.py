@@ -28,7 +28,9 @@ import structlog
 
 from cache_service import calls
 from cache_service.calls import REQUEST_ID_KEY
+from cache_service.errors import Draining, Internal, Unauthenticated, UndecodableMessage
 from cache_service.metrics import RpcMetrics
+from cache_service.status import to_status
 from cache_service.tenants import ANONYMOUS, Tenant, TenantTable
 
 OPEN_SERVICES = frozenset({
@@ -169,9 +171,7 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
         self._metrics.undecodable(service, method)
         _log.warning("undecodable_message", bytes=bad.size, error=bad.error,
                      rpc=f"{service}/{method}")
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request is not a valid {service}/{method} message "
-                            f"({bad.error})", trailing_metadata=calls.request_id_metadata())
+        await _abort(context, UndecodableMessage(f"{service}/{method}", bad.error))
 
     def _open(self, handler: grpc.RpcMethodHandler, service: str,
               method: str) -> grpc.RpcMethodHandler:
@@ -215,140 +215,156 @@ class CallInterceptor(grpc.aio.ServerInterceptor):
 
     def _wrap(self, handler: grpc.RpcMethodHandler, service: str, method: str,
               request_id: str, tenant: Tenant | None) -> grpc.RpcMethodHandler:
-        metrics = self._metrics
-        interceptor = self
-
-        async def deny(context: grpc.aio.ServicerContext) -> None:
-            trailers = calls.request_id_metadata()
-            if interceptor.draining:
-                # A negative pushback: the client's gRPC retry policy does not retry on
-                # this instance (it is leaving); the client moves on to another one.
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "server is shutting down; retry on another instance",
-                                    trailing_metadata=(*trailers,
-                                                       ("grpc-retry-pushback-ms", "-1")))
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or invalid bearer token (metadata 'authorization: "
-                                "Bearer <token>')", trailing_metadata=trailers)
-
-        async def undecodable(context: grpc.aio.ServicerContext, bad: Undecodable) -> None:
-            await interceptor._undecodable(context, service, method, bad)
-
-        async def internal(context: grpc.aio.ServicerContext) -> None:
-            # A bug, not the client's fault; the traceback goes to the log, the client
-            # gets INTERNAL with the request id to quote.
-            _log.exception("rpc_internal_error")
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; quote the "
-                                f"request id {request_id}",
-                                trailing_metadata=calls.request_id_metadata())
-
-        started, _, received, sent = metrics.of(kind_of(handler), service, method)
-
-        async def counted(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-            """A request stream that counts each message (a long-lived StepStream would
-            otherwise show up in the metrics only when it ends) and raises at the first
-            undecodable one (:func:`_checked` and the count in one generator: each layer
-            costs every message a resumption)."""
-            async for request in requests:
-                received.inc()
-                if type(request) is Undecodable:
-                    raise _UndecodableInStream(request)
-                yield request
-
-        def enter(context: grpc.aio.ServicerContext) -> float:
-            interceptor.in_flight += 1
-            started.inc()
-            calls.request_id.set(request_id)
-            calls.tenant.set(tenant or ANONYMOUS)
-            structlog.contextvars.bind_contextvars(
-                request_id=request_id, rpc=f"{service}/{method}",
-                tenant=tenant.name if tenant is not None else None)
-            context.set_trailing_metadata(((REQUEST_ID_KEY, request_id),))
-            now = time.perf_counter()
-            if interceptor.draining:
-                interceptor.last_call = time.monotonic()
-            return now
-
-        def leave(kind: str, context: grpc.aio.ServicerContext, start: float,
-                  code: str) -> None:
-            interceptor.in_flight -= 1
-            elapsed = time.perf_counter() - start
-            metrics.observe(kind, service, method, code, elapsed)
-            if code != "OK":
-                _log.info("rpc_failed", code=code, details=context.details() or "",
-                          seconds=round(elapsed, 6))
-            else:
-                _log.debug("rpc", code=code, seconds=round(elapsed, 6))
-
-        async def admit(request: Any, context: grpc.aio.ServicerContext,
-                        streaming: bool) -> Any:
-            """The request (stream) to hand on, after the checks that need no handler."""
-            if tenant is None or interceptor.draining:
-                await deny(context)
-            if streaming:
-                return counted(request)
-            received.inc()
-            if type(request) is Undecodable:
-                await undecodable(context, request)
-            return request
-
-        def guard_unary(kind: str, inner, streaming: bool):
-            """Wrap a handler that returns one response (unary or client-streaming)."""
-            async def call(request_or_iterator, context):
-                start = enter(context)
-                code = None
-                try:
-                    request = await admit(request_or_iterator, context, streaming)
-                    response = await inner(request, context)
-                    sent.inc()
-                    return response
-                except _UndecodableInStream as exc:
-                    await undecodable(context, exc.bad)
-                except grpc.aio.AbortError:
-                    raise
-                except asyncio.CancelledError:
-                    code = "CANCELLED"
-                    raise
-                except Exception:
-                    await internal(context)
-                finally:
-                    leave(kind, context, start, code or _code_name(context, "OK"))
-            return call
-
-        def guard_stream(kind: str, inner, streaming: bool):
-            """Wrap a handler that yields responses (server- or bidi-streaming)."""
-            async def call(request_or_iterator, context):
-                start = enter(context)
-                code = None
-                try:
-                    request = await admit(request_or_iterator, context, streaming)
-                    async for response in inner(request, context):
-                        sent.inc()
-                        yield response
-                except _UndecodableInStream as exc:
-                    await undecodable(context, exc.bad)
-                except grpc.aio.AbortError:
-                    raise
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = "CANCELLED"
-                    raise
-                except Exception:
-                    await internal(context)
-                finally:
-                    leave(kind, context, start, code or _code_name(context, "OK"))
-            return call
-
+        call = _Call(self, kind_of(handler), service, method, request_id, tenant)
         codec = dict(request_deserializer=_unparsed if tenant is None
                      else _lenient(handler.request_deserializer),
                      response_serializer=handler.response_serializer)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                guard_unary("unary", handler.unary_unary, False), **codec)
+                functools.partial(call.unary, handler.unary_unary, False), **codec)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                guard_stream("server_stream", handler.unary_stream, False), **codec)
+                functools.partial(call.stream, handler.unary_stream, False), **codec)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                guard_stream("bidi_stream", handler.stream_stream, True), **codec)
+                functools.partial(call.stream, handler.stream_stream, True), **codec)
         return grpc.stream_unary_rpc_method_handler(
-            guard_unary("client_stream", handler.stream_unary, True), **codec)
+            functools.partial(call.unary, handler.stream_unary, True), **codec)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Ends the call with the status :func:`~cache_service.status.to_status` maps ``exc``
+    to (raises), as the servicer's errors end theirs."""
+    await context.abort_with_status(to_status(exc))
+
+
+class _Call:
+    """One authenticated call through the interceptor: its checks before the handler
+    (tenant, draining, bad bytes), its metrics and log line after, and the wrappers of a
+    handler that answers once (:meth:`unary`) or streams (:meth:`stream`)."""
+
+    __slots__ = ("interceptor", "kind", "service", "method", "request_id", "tenant",
+                 "started", "received", "sent")
+
+    def __init__(self, interceptor: CallInterceptor, kind: str, service: str, method: str,
+                 request_id: str, tenant: Tenant | None) -> None:
+        self.interceptor = interceptor
+        self.kind = kind
+        self.service = service
+        self.method = method
+        self.request_id = request_id
+        self.tenant = tenant  # None: no known token
+        self.started, _, self.received, self.sent = interceptor._metrics.of(
+            kind, service, method)
+
+    async def unary(self, inner: Any, streaming: bool, request_or_iterator: Any,
+                    context: grpc.aio.ServicerContext) -> Any:
+        """A handler that returns one response (unary or client-streaming)."""
+        async with _Guard(self, context):
+            request = await self._admit(request_or_iterator, context, streaming)
+            response = await inner(request, context)
+            self.sent.inc()
+            return response
+
+    async def stream(self, inner: Any, streaming: bool, request_or_iterator: Any,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        """A handler that yields responses (server- or bidi-streaming)."""
+        async with _Guard(self, context):
+            request = await self._admit(request_or_iterator, context, streaming)
+            async for response in inner(request, context):
+                self.sent.inc()
+                yield response
+
+    def _enter(self, context: grpc.aio.ServicerContext) -> float:
+        interceptor = self.interceptor
+        interceptor.in_flight += 1
+        self.started.inc()
+        calls.request_id.set(self.request_id)
+        tenant = self.tenant
+        calls.tenant.set(tenant or ANONYMOUS)
+        structlog.contextvars.bind_contextvars(
+            request_id=self.request_id, rpc=f"{self.service}/{self.method}",
+            tenant=tenant.name if tenant is not None else None)
+        context.set_trailing_metadata(((REQUEST_ID_KEY, self.request_id),))
+        now = time.perf_counter()
+        if interceptor.draining:
+            interceptor.last_call = time.monotonic()
+        return now
+
+    def _leave(self, context: grpc.aio.ServicerContext, start: float, code: str) -> None:
+        self.interceptor.in_flight -= 1
+        elapsed = time.perf_counter() - start
+        self.interceptor._metrics.observe(self.kind, self.service, self.method, code, elapsed)
+        if code != "OK":
+            _log.info("rpc_failed", code=code, details=context.details() or "",
+                      seconds=round(elapsed, 6))
+        else:
+            _log.debug("rpc", code=code, seconds=round(elapsed, 6))
+
+    async def _admit(self, request: Any, context: grpc.aio.ServicerContext,
+                     streaming: bool) -> Any:
+        """The request (stream) to hand on, after the checks that need no handler."""
+        if self.interceptor.draining:
+            await _abort(context, Draining())
+        if self.tenant is None:
+            await _abort(context, Unauthenticated())
+        if streaming:
+            return self._counted(request)
+        self.received.inc()
+        if type(request) is Undecodable:
+            await self._undecodable(context, request)
+        return request
+
+    async def _counted(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """A request stream that counts each message (a long-lived StepStream would
+        otherwise show up in the metrics only when it ends) and raises at the first
+        undecodable one (:func:`_checked` and the count in one generator: each layer
+        costs every message a resumption)."""
+        received = self.received
+        async for request in requests:
+            received.inc()
+            if type(request) is Undecodable:
+                raise _UndecodableInStream(request)
+            yield request
+
+    async def _undecodable(self, context: grpc.aio.ServicerContext, bad: Undecodable) -> None:
+        await self.interceptor._undecodable(context, self.service, self.method, bad)
+
+    async def _internal(self, context: grpc.aio.ServicerContext) -> None:
+        # A bug, not the client's fault; the traceback goes to the log, the client gets
+        # INTERNAL with the request id to quote.
+        _log.exception("rpc_internal_error")
+        await _abort(context, Internal(self.request_id))
+
+
+class _Guard:
+    """The span of one call inside the interceptor: counted in flight and timed from
+    entry; on the way out, an error becomes its status (bad bytes in a stream:
+    INVALID_ARGUMENT; anything unexpected: INTERNAL, logged) and the call is measured and
+    logged with its final code. An abort raised by the handler passes unchanged."""
+
+    __slots__ = ("call", "context", "start")
+
+    def __init__(self, call: _Call, context: grpc.aio.ServicerContext) -> None:
+        self.call = call
+        self.context = context
+        self.start = 0.0
+
+    async def __aenter__(self) -> None:
+        self.start = self.call._enter(self.context)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: object) -> None:
+        code = None
+        try:
+            if exc is None or isinstance(exc, grpc.aio.AbortError):
+                return
+            if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+                code = "CANCELLED"
+            elif isinstance(exc, _UndecodableInStream):
+                await self.call._undecodable(self.context, exc.bad)
+            elif isinstance(exc, Exception):
+                await self.call._internal(self.context)
+        finally:
+            self.call._leave(self.context, self.start,
+                             code or _code_name(self.context, "OK"))

@@ -17,8 +17,8 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from cache_service.errors import ResourceExhausted, Unavailable
 from cache_service.state import ServiceState, WalRecord
-from cache_service.status import ResourceExhausted, Unavailable
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 
 _log = structlog.get_logger("cache_service.leases")
@@ -39,6 +39,7 @@ class LeaseKeeper:
         self._deadlines: dict[str, float] = {}
 
     def start(self, session_id: str) -> None:
+        """Starts (or restarts) the session's lease: its deadline is now + TTL."""
         self._deadlines[session_id] = self._clock() + self.ttl
 
     def renew(self, session_id: str) -> None:
@@ -52,6 +53,7 @@ class LeaseKeeper:
         return max(0.0, deadline - self._clock()) if deadline is not None else 0.0
 
     def end(self, session_id: str) -> None:
+        """Forgets the session's lease (closed or expired); unknown ids: nothing."""
         self._deadlines.pop(session_id, None)
 
     def take_expired(self) -> list[str]:

@@ -97,9 +97,12 @@ class PoolCollector:
         self._stats_of = stats_of
 
     def describe(self) -> list:
+        """Nothing up front: the series are known only at scrape time (an empty describe keeps
+        the registry from calling collect() at registration)."""
         return []  # unknown label values up front; avoid a collect() at registration
 
     def collect(self) -> Iterable:
+        """Every pool's gauges and counters, read now."""
         gauges = {
             "usage": GaugeMetricFamily("kvcache_pool_usage_ratio",
                                        "Fraction of usable blocks in use.", labels=["pool"]),
@@ -195,9 +198,12 @@ class SessionCollector:
         self._counters_of = counters_of
 
     def describe(self) -> list:
+        """Nothing up front: the series are known only at scrape time (an empty describe keeps
+        the registry from calling collect() at registration)."""
         return []
 
     def collect(self) -> Iterable:
+        """The session counters, read now."""
         counters = self._counters_of()
         for attr, name, doc in self._SERIES:
             fam = CounterMetricFamily(name, doc)
@@ -214,9 +220,13 @@ class DurabilityCollector:
         self._state = state
 
     def describe(self) -> list:
+        """Nothing up front: the series are known only at scrape time (an empty describe keeps
+        the registry from calling collect() at registration)."""
         return []
 
     def collect(self) -> Iterable:
+        """Failed log writes, the last logged index and background snapshots by result, read
+        now (zeros without a data dir)."""
         durability = self._state.durability
         errors = CounterMetricFamily("kvcache_wal_errors", "Write-ahead log appends and "
                                      "syncs that failed (disk full, I/O error); each failed "
@@ -245,9 +255,13 @@ class ClusterCollector:
         self._node = node
 
     def describe(self) -> list:
+        """Nothing up front: the series are known only at scrape time (an empty describe keeps
+        the registry from calling collect() at registration)."""
         return []
 
     def collect(self) -> Iterable:
+        """Whether the etcd lease is certainly alive, and the members and owned pools as this
+        replica sees them, read now."""
         node = self._node
         valid = GaugeMetricFamily("kvcache_cluster_etcd_lease_valid", "1 while this "
                                   "replica's etcd lease is certainly alive, else 0 (etcd "

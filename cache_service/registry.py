@@ -16,17 +16,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from cache_service.core.errors import (
+from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
+from cache_service.core.pool import Pool, PoolOptions
+from cache_service.core.prefix_index import PrefixIndex, keyspace_of
+from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
+from cache_service.errors import (
     AlreadyExists,
     InvalidArgument,
     KVCacheError,
     NotFound,
     ResourceExhausted,
 )
-from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
-from cache_service.core.pool import Pool, PoolOptions
-from cache_service.core.prefix_index import PrefixIndex, keyspace_of
-from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.event_feed import EventFeed
 from cache_service.tenants import TENANT_RE, tenant_of
 
@@ -73,6 +73,7 @@ class PoolEntry:
 
     @property
     def config(self) -> KVCacheConfig:
+        """The pool's KV cache configuration."""
         return self.pool.config
 
     def flush_events(self) -> None:

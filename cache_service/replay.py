@@ -19,8 +19,7 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
-from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,
@@ -41,6 +40,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from cache_service.errors import InvalidArgument, KVCacheError
 
 _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
                "mamba_cache_mode"}
@@ -140,6 +140,7 @@ def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:
 
 
 def make_pool(data: Any) -> Pool:
+    """The Pool a config file describes; ConfigFileError naming the field the core refuses."""
     config, options = load_config(data)
     try:
         return Pool(config, options)
@@ -303,6 +304,8 @@ def replay(pool: Pool, lines: Iterable[str], out: TextIO) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """kvcache-replay's entry point: replays the trace on stdin, one JSON result per operation
+    on stdout; answers 2 for a bad config, 1 with ``--strict`` when an operation failed."""
     parser = argparse.ArgumentParser(
         prog="kvcache-replay",
         description="Replay a JSON-lines KV-cache operation trace (stdin) against the "

@@ -25,21 +25,20 @@ import structlog
 from cache_service.core._variant import build_info as core_build_info
 from cache_service.durability import (
     DataDir,
-    DataDirError,
     new_instance_id,
     open_data_dir,
     read_data_dir,
 )
+from cache_service.errors import DataDirError
 from cache_service.fairness import keep_heap_frozen
 from cache_service.interceptors import CallInterceptor
+from cache_service.leases import LeaseKeeper
 from cache_service.metrics import ClusterCollector, DurabilityCollector, new_registry
 from cache_service.registry import PoolRegistry
 from cache_service.servicer import CacheServicer
 from cache_service.settings import Settings, parse_settings
-from cache_service.snapshot import SnapshotCorruption
-from cache_service.state import ServiceState, WalRecord
+from cache_service.state import ServiceState, WalRecord, replay_record
 from cache_service.tenants import TenantsFileError
-from cache_service.wal import WalCorruption
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.cli import exit_with_error, setting_name
@@ -76,8 +75,10 @@ def grpc_options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
-               ) -> ServiceState:
+def new_state(settings: Settings, instance_id: str, *, cluster: bool = True) -> ServiceState:
+    """An empty service state with this run's limits; in cluster mode (unless ``cluster``
+    is False: a read-only look at another replica's directory) its registry fences pool
+    lookups by ownership."""
     registry_class = PoolRegistry
     if settings.etcd_endpoints and cluster:  # pool lookups check ownership (fencing)
         from cache_service.cluster.registry import ClusterRegistry
@@ -89,24 +90,6 @@ def _new_state(settings: Settings, instance_id: str, *, cluster: bool = True
                         max_tokens_per_step=settings.max_tokens_per_step)
 
 
-def _replay(state: ServiceState, payload: bytes) -> None:
-    """Applies one logged record (recovery, the compaction process). It was accepted when
-    it was live, under that run's limits, which need not be the ones the state holds now
-    (a restart with other --max-ops-per-step / --max-tokens-per-step / --max-total-blocks,
-    a snapshot taken before them): the limits are lifted while it is applied, so that
-    replay never drops an acknowledged record."""
-    registry = state.registry
-    limits = state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks
-    state.max_ops_per_step = state.max_tokens_per_step = registry.max_total_blocks = _NO_LIMIT
-    try:
-        state.apply(WalRecord.FromString(payload))
-    finally:
-        state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
-
-
-_NO_LIMIT = 1 << 62
-
-
 def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
     """The service state: empty and in memory without ``--data-dir`` (says so in one log
     line), else recovered from the directory, which then logs every accepted record."""
@@ -116,10 +99,10 @@ def open_state(settings: Settings) -> tuple[ServiceState, DataDir | None]:
                          "live in memory only and a restart loses them (pools come back "
                          "with new incarnations)")
         # Every start is a new instance: its pools get new incarnations.
-        return _new_state(settings, new_instance_id()), None
+        return new_state(settings, new_instance_id()), None
     data_dir, state = open_data_dir(
-        directory, new_state=lambda instance_id: _new_state(settings, instance_id),
-        apply=_replay, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
+        directory, new_state=lambda instance_id: new_state(settings, instance_id),
+        apply=replay_record, fsync=settings.fsync, fsync_interval=settings.fsync_interval_ms / 1000,
         snapshot_every=settings.snapshot_every)
     # Settings are not state: this run's flags win over the ones the snapshot was taken with.
     state.lease_ttl_seconds = settings.lease_ttl_seconds
@@ -156,7 +139,7 @@ def read_peer_state(settings: Settings, directory: Path, pool_id: str) -> bytes:
             before_drop[:] = [state.export_pool(pool_id)]
         state.apply(record)
 
-    state = read_data_dir(directory, new_state=lambda instance_id: _new_state(
+    state = read_data_dir(directory, new_state=lambda instance_id: new_state(
         settings, instance_id, cluster=False), apply=apply)
     if pool_id not in state.registry and before_drop:
         return before_drop[0]
@@ -189,26 +172,24 @@ async def serve(settings: Settings) -> int:
         creds = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
     try:
         state, data_dir = open_state(settings)
-    except (DataDirError, WalCorruption, SnapshotCorruption) as exc:
+    except DataDirError as exc:  # the directory, its log or its snapshot
         # A start error like any other: one line on stderr naming the setting, exit 2.
         where = "shared_data_root" if settings.shared_data_root is not None else "data_dir"
         return exit_with_error(PROG, f"{setting_name(settings, where)}: {exc}", 2)
     registry = state.registry
+    leases = LeaseKeeper(state.lease_ttl_seconds)
     node = None
     if settings.etcd_endpoints:  # cluster mode: the registry checks pool ownership
         from cache_service.cluster.node import ClusterNode
-        node = ClusterNode(settings, state)
+        node = ClusterNode(settings, state, leases=leases, read_peer=read_peer_state)
     prom_registry, rpc_metrics = new_registry(registry.stats, lambda: state.counters)
     prom_registry.register(DurabilityCollector(state))
     if node is not None:
         prom_registry.register(ClusterCollector(node))
     interceptor = CallInterceptor(rpc_metrics, tenants,
                                   unauthenticated=settings.unauthenticated_tenant())
-    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens)
-    servicer.step_observer = rpc_metrics.observe_step
-    if node is not None:
-        node.leases = servicer.leases  # adopted sessions get leases here
-        node.read_peer = read_peer_state
+    servicer = CacheServicer(state, max_peek_tokens=settings.max_peek_tokens, leases=leases,
+                             cluster=node, step_observer=rpc_metrics.observe_step)
     try:
         listener = await start_server(
             service_name=SERVICE_NAME,
@@ -230,8 +211,7 @@ async def serve(settings: Settings) -> int:
             return exit_with_error(PROG, f"{setting_name(settings, 'etcd_endpoints')}: "
                                    f"cannot join the cluster, etcd at "
                                    f"{settings.etcd_endpoints} is unreachable ({exc})", 2)
-        servicer.cluster = node
-        await listener.mark_serving()
+        await listener.mark_serving()  # the servicer acts as a member from here on
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
     core = core_build_info()  # which allocator core runs: pure Python or mypyc-compiled

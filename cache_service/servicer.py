@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -24,17 +24,19 @@ from google.protobuf.message import Message
 
 from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
-from cache_service.core.errors import (
+from cache_service.core.pool import Pool
+from cache_service.core.prefix_index import KeySpace
+from cache_service.core.residency import ExtraKeys, Residency
+from cache_service.core.slices import run_to_end
+from cache_service.errors import (
+    Draining,
     FailedPrecondition,
     InvalidArgument,
     KVCacheError,
     NotFound,
+    ResourceExhausted,
     qualify,
 )
-from cache_service.core.pool import Pool, run_to_end
-from cache_service.core.prefix_index import KeySpace
-from cache_service.core.residency import ExtraKeys, Residency
-from cache_service.event_feed import SequenceOutOfRange
 from cache_service.fairness import (
     PEEK_SLICE_BLOCKS,
     SLICE_REQUESTS,
@@ -44,11 +46,14 @@ from cache_service.fairness import (
 from cache_service.leases import LeaseKeeper, LeaseReaper
 from cache_service.registry import PoolEntry, check_pool_id
 from cache_service.state import ServiceState, WalRecord
-from cache_service.status import ResourceExhausted, Unavailable, to_status
+from cache_service.status import to_status
 from cache_service.tenants import ANONYMOUS, Namespace, Tenant
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # imported by the server only in cluster mode (etcd client)
+    from cache_service.cluster.node import ClusterNode
 
 _log = structlog.get_logger("cache_service.servicer")
 
@@ -109,19 +114,21 @@ def _tenant_context(tenant: Tenant) -> wal_pb2.TenantContext:
 class CacheServicer(pb_grpc.CacheServiceServicer):
     """The gRPC handlers. ``draining`` (set on SIGTERM) turns new stream messages away."""
 
-    def __init__(self, state: ServiceState, *, max_peek_tokens: int = 1 << 22) -> None:
+    def __init__(self, state: ServiceState, *, max_peek_tokens: int = 1 << 22,
+                 leases: LeaseKeeper | None = None, cluster: ClusterNode | None = None,
+                 step_observer: Callable[[str, float], None] | None = None) -> None:
+        """``leases``: the server's lease keeper (shared with the cluster node; a new one
+        if None). ``cluster``: the node in cluster mode (see :attr:`cluster`).
+        ``step_observer`` is called with (internal pool id, seconds) after each applied
+        Step (the server's RpcMetrics.observe_step)."""
         self.state = state
         self.registry = state.registry
         self.max_peek_tokens = max_peek_tokens
         self.gate = PoolGate()
         self.draining = False
-        #: Cluster mode (cache_service.cluster.node.ClusterNode): places pools, deletes
-        #: their etcd keys, fans PeekPrefix out. None when standalone.
-        self.cluster: Any = None
-        #: Called with (internal pool id, seconds) after each applied Step (the server
-        #: sets it to RpcMetrics.observe_step).
-        self.step_observer: Callable[[str, float], None] | None = None
-        self.leases = LeaseKeeper(state.lease_ttl_seconds)
+        self._node = cluster
+        self.step_observer = step_observer
+        self.leases = leases if leases is not None else LeaseKeeper(state.lease_ttl_seconds)
         for sid, session in state.sessions.items():  # recovered sessions: fresh leases
             if not session.expiring:
                 self.leases.start(sid)
@@ -131,6 +138,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         self._peek_fragments: dict[str, tuple[Residency, str, bytes]] = {}
         # (tenant prefix, admin, pool ids) -> (registry version, its _PeekPlan)
         self._peek_plans: dict[tuple[str, bool, tuple[str, ...]], tuple[int, _PeekPlan]] = {}
+
+    @property
+    def cluster(self) -> ClusterNode | None:
+        """Cluster mode, once the node has joined: places pools, deletes their etcd keys,
+        fans PeekPrefix out. None when standalone, and before the join (the port is
+        open while the node connects; its registry checks nothing yet either)."""
+        node = self._node
+        return node if node is not None and node.joined else None
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -160,14 +175,14 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 except KVCacheError:
                     self.state.wal_errors += 1  # kvcache_wal_errors_total
                     raise
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
         return response
 
     async def _unary(self, context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
 
     def step(self, request: pb.StepRequest) -> pb.StepResponse:
@@ -272,8 +287,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
         # and the client may resend its last message on a new stream (same sequence).
         async for request in request_iterator:
             if self.draining:
-                await _abort(context, Unavailable(
-                    "server is draining; reconnect to another instance"))
+                await _abort(context, Draining())
             yield await self._step(context, request)
 
     # -- sessions ----------------------------------------------------------------------
@@ -322,7 +336,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if not (tenant.admin or session.tenant == tenant.name):
                 continue
             by_pool: dict[str, list[str]] = {}
-            for pool_id, request_id in session.requests:
+            for pool_id, request_id in self.state.ownership.requests_of(sid):
                 by_pool.setdefault(pool_id, []).append(request_id)
             info = answer.sessions.add(
                 session_id_prefix=sid[:8], client_name=session.client_name,
@@ -348,7 +362,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 # credentials, within this call's deadline); the rest answered here.
                 return await self.cluster.peek_prefix(request, ns, context, self._peek_here)
             return await self._peek_here(ns, request)
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)
             raise  # not reached: _abort raises the status
 
@@ -496,7 +510,7 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 num_computed_tokens=info.num_computed_tokens, num_tokens=info.num_tokens,
                 num_block_hashes=info.num_block_hashes, status=info.status,
                 num_preemptions=info.num_preemptions,
-                num_placeholder_tokens=info.num_placeholders)
+                num_placeholder_tokens=info.num_placeholder_tokens)
         return await self._unary(context, run)
 
     async def GetPoolStats(self, request: pb.GetPoolStatsRequest,
@@ -543,5 +557,5 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             async for batch in subscription:
                 yield pb.SubscribeEventsResponse(
                     events=[convert.event_to_proto(seq, e, incarnation) for seq, e in batch])
-        except (KVCacheError, SequenceOutOfRange) as exc:
+        except KVCacheError as exc:
             await _abort(context, exc)

@@ -56,7 +56,8 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="largest gRPC "
                                    "message accepted or sent")
     max_ops_per_step: int = Field(65536, ge=1, description="most ops in one Step (each "
-                                  "request of a decode op counts as one)")
+                                  "request of a decode or fill_placeholders op counts as "
+                                  "one)")
     max_tokens_per_step: int = Field(1 << 20, ge=1, description="most token ids in one Step "
                                      "(summed over its ops)")
     max_peek_tokens: int = Field(1 << 22, ge=1, description="most token ids (or block "
@@ -114,12 +115,21 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="log level; 'debug' logs every call")
 
+    # Pydantic runs these in definition order; the first rule broken is the one reported.
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        return self
+
+    @model_validator(mode="after")
+    def _one_auth_mode(self) -> Settings:
         if self.auth_token is not None and self.auth_tokens_file is not None:
             raise ValueError("--auth-token and --auth-tokens-file exclude each other")
+        return self
+
+    @model_validator(mode="after")
+    def _shared_data_root_rules(self) -> Settings:
         if self.shared_data_root is not None:
             if not (self.etcd_endpoints and self.member_id):
                 raise ValueError("--shared-data-root needs --etcd-endpoints and --member-id")

@@ -42,6 +42,7 @@ import structlog
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import Message
 
+from cache_service.errors import DataDirError
 from cache_service.wal import WriteAheadLog, _fsync_dir
 
 MAGIC = b"KVCSNAP\n"
@@ -53,7 +54,7 @@ _PREFIX, _SUFFIX = "snapshot-", ".snap"
 _log = structlog.get_logger("cache_service.snapshot")
 
 
-class SnapshotCorruption(Exception):
+class SnapshotCorruption(DataDirError):
     """A snapshot file does not read back as written, or the log needs one that is not
     there (names the file)."""
 
@@ -75,6 +76,7 @@ class SnapshotMissing(SnapshotCorruption):
 
 
 def snapshot_name(last_index: int) -> str:
+    """``snapshot-<last_index, 20 digits>.snap``: names sort in index order."""
     return f"{_PREFIX}{last_index:020d}{_SUFFIX}"
 
 
@@ -262,6 +264,8 @@ class Snapshotter:
         self._done.set()
 
     def due(self) -> bool:
+        """Whether a snapshot should start now: none running, ``every`` records logged since
+        the last one, and past the retry point of a failed one."""
         return not self.running and self.wal.last_index >= max(
             self.last_index + self.every, self._retry_at)
 

@@ -2,12 +2,13 @@
 
 :class:`ServiceState` owns the pool registry (pools, their requests, their event feeds),
 the serialized block tables, the session table (each session's last sequence number and
-stored last answer, and the requests it owns) and the lease counters. Every change to any
-of it goes through ``apply(record)`` with a ``kvcache.internal.v1.WalRecord``: the
-servicer turns each mutating call into a record (``apply_call(kind, request)``: the same
-path, building the record only when the durability keeps records), the lease reaper turns
-each expiry into records, and recovery replays records. Reads (GetPool, stats, PeekPrefix,
-GetRequest) read the state directly.
+stored last answer), which session owns which request (:class:`Ownership`) and the lease
+counters. Every change to any of it goes through ``apply(record)`` with a
+``kvcache.internal.v1.WalRecord``: the servicer turns each mutating call into a record
+(``apply_call(kind, request)``: the same path, building the record only when the
+durability keeps records), the lease reaper turns each expiry into records, and recovery
+replays records (:func:`replay_record`). Reads (GetPool, stats, PeekPrefix, GetRequest)
+read the state directly.
 
 ``apply`` is deterministic: no clock, no randomness, no I/O inside (session ids are
 chosen by the caller and carried in the record; lease timers live outside, in
@@ -28,25 +29,26 @@ from __future__ import annotations
 import copy
 import pickle
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
-from itertools import islice
+from dataclasses import dataclass
 from types import GeneratorType
 from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
 from cache_service import convert
-from cache_service.core.errors import (
+from cache_service.core.operations import Free, op_cost, op_requests, op_tokens
+from cache_service.core.slices import run_to_end
+from cache_service.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     KVCacheError,
     NotFound,
+    ResourceExhausted,
 )
-from cache_service.core.ops import Free
+from cache_service.ownership import Ownership
 from cache_service.registry import PoolEntry, PoolRegistry, budget_field, check_pool_id
 from cache_service.snapshot import dumps_state
-from cache_service.status import ResourceExhausted
 from cache_service.tenants import tenant_of
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -59,7 +61,7 @@ _Prepared = _Commit | Generator[None, None, _Commit]
 
 
 class DurabilityHook(Protocol):
-    """What the state needs of a durability hook (see :class:`Durability`)."""
+    """What the state needs of a durability hook (see :class:`NoDurability`)."""
 
     needs_sync: bool
     keeps_records: bool
@@ -69,7 +71,7 @@ class DurabilityHook(Protocol):
     async def sync(self) -> None: ...
 
 
-class Durability:
+class NoDurability:
     """Where accepted records go before they change the state. This default keeps
     nothing (the service is in-memory). ``append`` runs after validation and before the
     mutation; if it raises, nothing changes and the caller gets the error. ``sync`` is
@@ -90,9 +92,9 @@ class Durability:
 
 @dataclass
 class Session:
-    """One client session. ``requests``: (pool id, request id) of every request it added
-    and that is still registered, oldest first. ``expiring``: its lease ran out and its
-    requests are being freed; calls naming it are refused."""
+    """One client session (the requests it owns: :attr:`ServiceState.ownership`).
+    ``expiring``: its lease ran out and its requests are being freed; calls naming it are
+    refused."""
 
     session_id: str
     client_name: str = ""
@@ -100,7 +102,6 @@ class Session:
     last_sequence: int = 0
     last_request: Message | None = None
     last_response: Message | None = None
-    requests: dict[tuple[str, str], None] = field(default_factory=dict)
     expiring: bool = False
 
 
@@ -126,15 +127,13 @@ class ServiceState:
         self.max_ops_per_step = max_ops_per_step
         self.max_tokens_per_step = max_tokens_per_step
         self._slice_cost: int | None = None  # of the record being applied
-        self.durability: DurabilityHook = durability or Durability()
+        self.durability: DurabilityHook = durability or NoDurability()
         self.sessions: dict[str, Session] = {}
         self._tenant = wal_pb2.TenantContext()  # of the record being applied
         self.counters = SessionCounters()
         #: Log appends and syncs that failed with an OSError (disk full, I/O error).
         self.wal_errors = 0
-        # pool id -> request id -> owning session id (requests added without a session
-        # are not listed: nothing expires them)
-        self._owners: dict[str, dict[str, str]] = {}
+        self.ownership = Ownership()
         self._tables: dict[str, convert.BlockTableCache] = {}  # by pool id
         self._handlers: dict[str, Callable[[Any], _Prepared]] = {
             "step": self._prepare_step,
@@ -155,8 +154,14 @@ class ServiceState:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        if "_owners" in state:  # a snapshot written before Ownership: sessions listed theirs
+            state.pop("_owners")
+            state["ownership"] = ownership = Ownership()
+            for sid, session in state["sessions"].items():
+                for pool_id, rid in vars(session).pop("requests", {}):
+                    ownership.add(pool_id, rid, sid)
         self.__dict__.update(state)
-        self.durability = Durability()
+        self.durability = NoDurability()
 
     # -- the entry point -------------------------------------------------------------------
 
@@ -165,12 +170,7 @@ class ServiceState:
         call's response message (``ExpireSessionResult`` for an expiry). Raises a core
         error naming the field, with nothing changed and nothing logged, if the record
         is rejected."""
-        steps = self.apply_in_slices(record)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.apply_in_slices(record))
 
     def apply_in_slices(self, record: WalRecord, slice_cost: int | None = None
                         ) -> Generator[None, None, Message]:
@@ -190,12 +190,7 @@ class ServiceState:
                    tenant: wal_pb2.TenantContext | None = None) -> Message:
         """:meth:`apply` of the record ``WalRecord(<kind>=request, tenant=tenant)``, built
         only when the durability keeps records (no copy of the request in memory)."""
-        steps = self.apply_call_in_slices(kind, request, tenant)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return run_to_end(self.apply_call_in_slices(kind, request, tenant))
 
     def apply_call_in_slices(self, kind: str, request: Message,
                              tenant: wal_pb2.TenantContext | None = None,
@@ -285,22 +280,13 @@ class ServiceState:
     def pools_of_call(self, kind: str, request: Message) -> list[str]:
         """:meth:`pools_of` of ``WalRecord(<kind>=request)``."""
         if kind in ("close_session", "expire_session"):
-            session = self.sessions.get(request.session_id)
-            return sorted({pool for pool, _ in session.requests}) if session else []
+            return self.ownership.pools_of(request.session_id)
         pool_id = getattr(request, "pool_id", None)
         return [pool_id] if pool_id else []
 
     def expiring_sessions(self) -> list[str]:
         """Sessions whose expiry has begun but not finished (e.g. found on recovery)."""
         return [sid for sid, s in self.sessions.items() if s.expiring]
-
-    def session_requests(self, session_id: str) -> list[tuple[str, str]]:
-        """(pool id, request id) of the requests the session owns, oldest first."""
-        return list(self.sessions[session_id].requests)
-
-    def owner_of(self, pool_id: str, request_id: str) -> str | None:
-        """The session owning a request, or None (no session, or unknown)."""
-        return self._owners.get(pool_id, {}).get(request_id)
 
     # -- pools and steps ----------------------------------------------------------------------
 
@@ -315,18 +301,8 @@ class ServiceState:
 
     @staticmethod
     def _step_cost(step_ops: list) -> int:
-        """Request-ops of a batch: one per op, per request of a decode op, and per 16
-        prompt tokens of an add (hashing them is the cost)."""
-        cost = 0
-        for op in step_ops:
-            kind = op.KIND
-            if kind in ("decode", "fill_placeholders"):
-                cost += len(op.request_ids)
-            elif kind == "add_request":
-                cost += 1 + len(op.token_ids) // 16
-            else:
-                cost += 1
-        return cost
+        """The work of a batch in slice units (:func:`ops.op_cost`)."""
+        return sum([op_cost(op.KIND, op) for op in step_ops])
 
     def _prepare_step_in_slices(self, request: pb.StepRequest, entry: PoolEntry,
                                 step_ops: list, slice_cost: int
@@ -354,8 +330,9 @@ class ServiceState:
         return commit
 
     def _check_step_cost(self, request: pb.StepRequest) -> None:
-        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: ops (each request of
-        a decode op counts as one) and token ids (summed over all ops)."""
+        """RESOURCE_EXHAUSTED for a Step beyond the per-call limits: request-ops (each
+        request a decode or fill op names counts as one: :func:`ops.op_requests`) and token
+        ids (summed over all ops: :func:`ops.op_tokens`)."""
         if len(request.ops) > self.max_ops_per_step:  # before counting a huge list
             raise ResourceExhausted(f"{len(request.ops)} ops exceed the limit of "
                                     f"{self.max_ops_per_step} per Step", field="ops")
@@ -363,21 +340,12 @@ class ServiceState:
         tokens = 0
         for op in request.ops:
             kind = op.WhichOneof("op")
-            if kind == "decode":
-                n = len(op.decode.request_ids)
-                ops += n
-                tokens += len(op.decode.token_ids)
-            elif kind == "fill_placeholders":
-                ops += len(op.fill_placeholders.request_ids)
-                tokens += len(op.fill_placeholders.token_ids)
-            else:
+            if kind is None:  # no op set: one op (the conversion rejects it)
                 ops += 1
-                if kind == "add_request":
-                    tokens += len(op.add_request.token_ids)
-                elif kind == "append_tokens":
-                    tokens += len(op.append_tokens.token_ids)
-                elif kind == "allocate":
-                    tokens += len(op.allocate.append_token_ids)
+                continue
+            body = getattr(op, kind)
+            ops += op_requests(kind, body)
+            tokens += op_tokens(kind, body)
         if ops > self.max_ops_per_step:
             raise ResourceExhausted(f"{ops} ops (a decode op counts one per request) exceed "
                                     f"the limit of {self.max_ops_per_step} per Step",
@@ -390,19 +358,14 @@ class ServiceState:
         """Request ownership after a batch: adds join the calling session, frees leave
         whichever session owned them. Decode and allocate ops (the hot path) cost a type
         check each."""
-        owners = self._owners.get(pool_id)
+        ownership = self.ownership
         for op in step_ops:
             kind = op.KIND
             if kind == "add_request":
                 if session_id:
-                    if owners is None:
-                        owners = self._owners[pool_id] = {}
-                    owners[op.request_id] = session_id
-                    self.sessions[session_id].requests[(pool_id, op.request_id)] = None
-            elif kind == "free" and owners:
-                sid = owners.pop(op.request_id, None)
-                if sid is not None:
-                    self.sessions[sid].requests.pop((pool_id, op.request_id), None)
+                    ownership.add(pool_id, op.request_id, session_id)
+            elif kind == "free":
+                ownership.release(pool_id, op.request_id)
 
     def _prepare_register(self, request: pb.RegisterPoolRequest
                           ) -> Callable[[], pb.RegisterPoolResponse]:
@@ -430,8 +393,7 @@ class ServiceState:
         def commit() -> pb.DeletePoolResponse:
             dropped = self.registry.delete(request.pool_id)
             self._tables.pop(request.pool_id, None)
-            for rid, sid in self._owners.pop(request.pool_id, {}).items():
-                self.sessions[sid].requests.pop((request.pool_id, rid), None)
+            self.ownership.drop_pool(request.pool_id)
             return pb.DeletePoolResponse(num_requests_dropped=dropped)
         return commit
 
@@ -473,15 +435,11 @@ class ServiceState:
         entry = self.registry.entry(pool_id) if pool_id in self.registry else None
         if entry is None:
             raise NotFound(f"unknown pool {pool_id!r}", field="pool_id")
-        owners = self._owners.get(pool_id, {})
+        owners = self.ownership.owners_in(pool_id)  # in add order: each session's order here
         sids = set(owners.values())
         sids.update(sid for sid, s in self.sessions.items()
                     if getattr(s.last_request, "pool_id", None) == pool_id)
-        sessions = []
-        for sid in sorted(sids):
-            session = copy.copy(self.sessions[sid])
-            session.requests = {key: None for key in session.requests if key[0] == pool_id}
-            sessions.append(session)
+        sessions = [copy.copy(self.sessions[sid]) for sid in sorted(sids)]
         return dumps_state({"entry": entry, "tables": self._tables.get(pool_id),
                             "owners": owners, "sessions": sessions})
 
@@ -505,14 +463,14 @@ class ServiceState:
             self.registry.adopt(entry)
             if data["tables"] is not None:
                 self._tables[entry.pool_id] = data["tables"]
-            if data["owners"]:
-                self._owners[entry.pool_id] = dict(data["owners"])
             for adopted in sessions:
+                # Records written before Ownership listed each session's requests in the
+                # pool too: the same facts as "owners", in the same order.
+                vars(adopted).pop("requests", None)
                 # A session already here came from the same dead replica (through another
                 # of its pools) and may have moved on since: its sequence state is newer.
-                session = self.sessions.setdefault(adopted.session_id, adopted)
-                if session is not adopted:
-                    session.requests.update(adopted.requests)
+                self.sessions.setdefault(adopted.session_id, adopted)
+            self.ownership.adopt(entry.pool_id, data["owners"].items())
             return wal_pb2.AdoptPoolResult(session_ids=[s.session_id for s in sessions])
         return commit
 
@@ -545,7 +503,7 @@ class ServiceState:
         session = self.live_session(request.session_id, tenant=self._tenant.name)
 
         def commit() -> pb.CloseSessionResponse:
-            freed = self._free_owned(session, len(session.requests))
+            freed = self._free_owned(session, self.ownership.count(session.session_id))
             del self.sessions[session.session_id]
             self.counters.closed += 1
             return pb.CloseSessionResponse(num_requests_freed=freed)
@@ -565,7 +523,7 @@ class ServiceState:
                 self.counters.expired += 1
             freed = self._free_owned(session, request.max_requests)
             self.counters.requests_expired += freed
-            left = len(session.requests)
+            left = self.ownership.count(session.session_id)
             if not left:
                 del self.sessions[session.session_id]
             return wal_pb2.ExpireSessionResult(num_requests_freed=freed,
@@ -576,7 +534,7 @@ class ServiceState:
         """Frees up to ``limit`` of the session's requests, oldest first, each exactly as
         a FreeOp would (one batch per pool; events flushed). Ownership is exact (adds
         and frees are tracked, deleted pools drop theirs), so every batch is valid."""
-        chosen = list(islice(session.requests, limit))
+        chosen = self.ownership.oldest(session.session_id, limit)
         by_pool: dict[str, list[str]] = {}
         for pool_id, rid in chosen:
             by_pool.setdefault(pool_id, []).append(rid)
@@ -584,16 +542,30 @@ class ServiceState:
             entry: PoolEntry = self.registry.entry(pool_id)  # a commit: no check may fail
             entry.pool.apply_batch([Free(rid) for rid in rids])
             entry.flush_events()
-            owners = self._owners[pool_id]
             tables = self._tables.get(pool_id)
             for rid in rids:
-                del owners[rid]
-                del session.requests[(pool_id, rid)]
+                self.ownership.release(pool_id, rid)
                 if tables is not None:
                     tables.forget(rid)
         return len(chosen)
 
 
+def replay_record(state: ServiceState, payload: bytes) -> None:
+    """Applies one logged record (recovery, the compaction process). It was accepted when
+    it was live, under that run's limits, which need not be the ones the state holds now
+    (a restart with other --max-ops-per-step / --max-tokens-per-step / --max-total-blocks,
+    a snapshot taken before them): the limits are lifted while it is applied, so that
+    replay never drops an acknowledged record."""
+    registry = state.registry
+    limits = state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks
+    state.max_ops_per_step = state.max_tokens_per_step = registry.max_total_blocks = _NO_LIMIT
+    try:
+        state.apply(WalRecord.FromString(payload))
+    finally:
+        state.max_ops_per_step, state.max_tokens_per_step, registry.max_total_blocks = limits
+
+
+_NO_LIMIT = 1 << 62
 _NO_TENANT = wal_pb2.TenantContext()  # records the server makes itself (expiries)
 
 # Records whose request carries session_id + sequence (deduplicated per session): the calls

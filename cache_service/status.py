@@ -1,9 +1,11 @@
 """The one place where errors become gRPC statuses.
 
-Core errors (:mod:`cache_service.core.errors`) carry a ``field``; the servicer adds the
-path of the message they came from (``ops[3].allocate.``), and :func:`to_status` turns
-them into a status with a message that names the field plus a ``google.rpc.BadRequest``
-detail (grpcio-status rich error model) that machines can read.
+Errors (:mod:`cache_service.errors`, which extends :mod:`cache_service.core.errors`)
+carry a ``field``; the servicer adds the path of the message they came from
+(``ops[3].allocate.``), and :func:`to_status` turns them into a status with a message
+that names the field plus a ``google.rpc.BadRequest`` detail (grpcio-status rich error
+model) that machines can read. The interceptor's own refusals (draining, no token, bad
+bytes, a bug) are errors of the same tree and go through the same function.
 """
 
 from __future__ import annotations
@@ -16,33 +18,27 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from cache_service import calls
-from cache_service.core import errors as core
-from cache_service.event_feed import SequenceOutOfRange
+from cache_service import errors as e
 
-# Most specific first: ConfigError is an InvalidArgument, UnknownRequest a NotFound...
+#: The one mapping, most specific first (UnknownRequest is a NotFound, DataDirFull a
+#: ResourceExhausted, PoolMoved an Unavailable, ...): the first class ``exc`` is an
+#: instance of names its code. Anything else is a bug: INTERNAL.
 _CODES: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
-    (core.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (core.NotFound, grpc.StatusCode.NOT_FOUND),
-    (core.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (core.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (SequenceOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
-    (core.KVCacheError, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (e.NotFound, grpc.StatusCode.NOT_FOUND),
+    (e.AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (e.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (e.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (e.Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (e.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (e.SequenceOutOfRange, grpc.StatusCode.OUT_OF_RANGE),
+    (e.Internal, grpc.StatusCode.INTERNAL),
+    (e.KVCacheError, grpc.StatusCode.INVALID_ARGUMENT),
 )
-
-
-ResourceExhausted = core.ResourceExhausted  # the service's limits are raised as this too
-
-
-class Unavailable(core.KVCacheError):
-    """Retry later or elsewhere, e.g. the server is draining (-> UNAVAILABLE)."""
 
 
 def status_code_of(exc: Exception) -> grpc.StatusCode:
     """The status code an error maps to (INTERNAL for anything unexpected)."""
-    if isinstance(exc, ResourceExhausted):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, Unavailable):
-        return grpc.StatusCode.UNAVAILABLE
     for cls, code in _CODES:
         if isinstance(exc, cls):
             return code

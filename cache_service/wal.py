@@ -51,10 +51,11 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from cache_service.errors import DataDirError
 
 FsyncPolicy = Literal["always", "batch", "never"]
 
@@ -68,7 +69,7 @@ MAX_RECORD_BYTES = 1 << 30  # a longer length field can only be garbage
 _PREFIX, _SUFFIX = "wal-", ".log"
 
 
-class WalCorruption(Exception):
+class WalCorruption(DataDirError):
     """The log cannot be read back as written. ``path`` and ``offset`` locate the bad
     bytes; the service must not start on it."""
 
@@ -82,6 +83,7 @@ class WalCorruption(Exception):
 
 
 def segment_name(first_index: int) -> str:
+    """``wal-<first_index, 20 digits>.log``: names sort in index order."""
     return f"{_PREFIX}{first_index:020d}{_SUFFIX}"
 
 
@@ -344,6 +346,7 @@ class WriteAheadLog:
 
     @property
     def last_index(self) -> int:
+        """The index of the last record in the log: one before the next append's."""
         return self.next_index - 1
 
     @property
@@ -486,6 +489,8 @@ class WriteAheadLog:
                         return  # broken: appends now refuse, and say why
 
     def close(self) -> None:
+        """Finishes a rotation in progress, stops the sync thread, syncs what was appended
+        (unless ``fsync`` is never or the log is broken) and closes the file."""
         self.finish_rotation()
         self._closed.set()
         if self._thread is not None:
@@ -496,8 +501,3 @@ class WriteAheadLog:
                     self._fdatasync()
             finally:
                 os.close(self._fd)
-
-
-def iter_payloads(result: ScanResult) -> Iterator[bytes]:
-    """The payloads of a scan, in index order."""
-    return (payload for _, payload in result.records)

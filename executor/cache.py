@@ -29,7 +29,7 @@ from cache_service.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from executor.batch import GroupLayout
+from executor.forward_meta import GroupLayout
 from executor.model import layer_name
 from executor.model_config import ModelConfig
 
@@ -164,5 +164,7 @@ class CacheTensors:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of cache memory: ``num_slots * num_blocks * page_size_bytes`` (the slots
+        are byte tensors)."""
         return sum(s.numel() for s in self.slots)
 

@@ -21,12 +21,12 @@ from cache_service.client import (
     PoolStats,
     StepResult,
     StepStream,
-    layers,
 )
 from cache_service.core.specs import KVCacheSpec
-from executor.batch import GroupLayout
+from cache_service.specs_proto import layer_spec_to_proto
 from executor.cache import CacheGroup
 from executor.errors import CacheUnavailable, PoolLost
+from executor.forward_meta import GroupLayout
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.backoff import Backoff
 
@@ -53,16 +53,16 @@ class PoolPlan:
     vocab_size: int = 0
 
     def layer_protos(self) -> list[pb.LayerSpec]:
-        return [layers.from_spec(n, s) for n, s in self.specs.items()]
+        """The LayerSpec message of each layer, in the plan's order."""
+        return [layer_spec_to_proto(n, s) for n, s in self.specs.items()]
 
 
 def group_layouts(info: PoolInfo) -> list[GroupLayout]:
     """The executor's view of the pool's groups (kind, block size, Mamba mode)."""
     out = []
-    for g in info.raw.groups:
-        if g.kind == pb.LAYER_KIND_MAMBA:
-            mode = "align" if g.mamba_cache_mode == pb.MAMBA_CACHE_MODE_ALIGN else "none"
-            out.append(GroupLayout("mamba", g.block_size, mode))
+    for g in info.groups:
+        if g.kind == "mamba":
+            out.append(GroupLayout("mamba", g.block_size, g.mamba_cache_mode))
         else:
             out.append(GroupLayout("attention", g.block_size))
     return out
@@ -106,6 +106,8 @@ class CacheLink:
         self.in_doubt_retry_s = in_doubt_retry_s
 
     def close(self) -> None:
+        """Drops the stream and closes the client (ending its session: the service frees this
+        executor's requests)."""
         self._drop_stream()
         self.client.close()
 
@@ -138,7 +140,19 @@ class CacheLink:
         the SAME Step (same session sequence number) until the service answers or
         ``deadline`` passes. The engine would re-plan after a failure, and a different
         Step under the number of one the service already applied is refused, or, resent
-        under the next number, applied on top of it."""
+        under the next number, applied on top of it.
+
+        The one place a Step is resent at two nested levels, on purpose: inside
+        :meth:`_send`, the client resends the step itself (the stream after a lost stream
+        or a missed step deadline, at most ``max_retries`` times, counted in
+        :attr:`stream_retries`; a unary Step until its ``timeout_s``): fast, for a dropped
+        connection or a hung replica. This loop resends it again once those are spent, for
+        as long as a restarting service takes (``in_doubt_retry_s``, past the client's
+        bounds), and after the in-doubt codes the client gives up on at once (UNKNOWN,
+        INTERNAL; CANCELLED on a stream). Both resend the same stamp (the session keeps an in-doubt
+        number for the next call), so the service applies the Step once whichever resend
+        it answers.
+        """
         attempt = 0
         while True:
             try:
@@ -168,6 +182,9 @@ class CacheLink:
         return self.info
 
     def step(self, ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        """One engine Step: resent while its outcome is in doubt (up to ``in_doubt_retry_s``),
+        timed; raises PoolLost (the service forgot the pool or our session) or
+        CacheUnavailable."""
         start = time.perf_counter()
         try:
             return self._send_until_settled(ops, begin_step, start + self.in_doubt_retry_s)
@@ -186,4 +203,5 @@ class CacheLink:
             self.intervals.append((start, end))
 
     def stats(self) -> PoolStats:
+        """The pool's usage and counters."""
         return self.client.stats(self.plan.pool_id)

@@ -41,6 +41,7 @@ def generate_request(prompt: Sequence[int], max_tokens: int, *, request_id: str 
                      temperature: float = 0.0, seed: int = 0, top_k: int = 0, top_p: float = 0.0,
                      stop_token_ids: Sequence[int] = (),
                      cache_salt: str = "") -> epb.GenerateRequest:
+    """A GenerateRequest (``temperature`` 0: greedy; ``top_k`` 0 and ``top_p`` 0: no cut)."""
     return epb.GenerateRequest(
         request_id=request_id, prompt_token_ids=list(prompt), max_tokens=max_tokens,
         stop_token_ids=list(stop_token_ids), cache_salt=cache_salt,
@@ -72,10 +73,12 @@ class ExecutorClient:
         self.close()
 
     def close(self) -> None:
+        """Closes the channel."""
         self.channel.close()
 
     def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 120.0,
                  **kwargs: Unpack[GenerateOptions]) -> Generation:
+        """Runs one request to the end; answers its tokens, finish reason and stats."""
         gen = Generation("")
         request = generate_request(prompt, max_tokens, **kwargs)
         for msg in self.stub.Generate(request, timeout=timeout):
@@ -83,9 +86,12 @@ class ExecutorClient:
         return gen
 
     def info(self) -> epb.GetInfoResponse:
+        """The executor's model, pool and readiness."""
         return self.stub.GetInfo(epb.GetInfoRequest(), timeout=10)
 
     def execute(self, request: epb.ExecuteRequest, timeout: float = 60.0) -> epb.ExecuteResponse:
+        """One raw forward pass over the caller's sequences (and, if asked, their next-token
+        logits)."""
         return self.stub.Execute(request, timeout=timeout)
 
 
@@ -97,10 +103,12 @@ class AsyncExecutorClient:
         self.stub = epb_grpc.ExecutorServiceStub(self.channel)
 
     async def close(self) -> None:
+        """Closes the channel."""
         await self.channel.close()
 
     async def generate(self, prompt: Sequence[int], max_tokens: int, *, timeout: float = 300.0,
                        **kwargs: Unpack[GenerateOptions]) -> Generation:
+        """Runs one request to the end; answers its tokens, finish reason and stats."""
         gen = Generation("")
         call = self.stub.Generate(generate_request(prompt, max_tokens, **kwargs), timeout=timeout)
         async for msg in call:

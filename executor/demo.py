@@ -48,25 +48,31 @@ class RunSummary:
 
     @property
     def prompt_tokens(self) -> int:
+        """Prompt tokens over every request."""
         return sum(g.prompt_tokens for g in self.generations)
 
     @property
     def cached_tokens(self) -> int:
+        """Prompt tokens the cache served (not computed) over every request."""
         return sum(g.cached_tokens for g in self.generations)
 
     @property
     def output_tokens(self) -> int:
+        """Generated tokens over every request."""
         return sum(len(g.token_ids) for g in self.generations)
 
     def ttft(self, q: float) -> float:
+        """The ``q`` quantile of the time to first token, in seconds (0 without requests)."""
         values = sorted(g.time_to_first_token_s for g in self.generations)
         return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
     @property
     def tokens_per_s(self) -> float:
+        """Generated tokens per second of the run's wall time."""
         return self.output_tokens / max(self.wall_s, 1e-9)
 
     def as_dict(self) -> dict[str, float | int | str]:
+        """The run's numbers as one JSON-ready row."""
         return {"label": self.label, "requests": len(self.generations),
                 "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
                 "computed_prompt_tokens": self.prompt_tokens - self.cached_tokens,
@@ -94,6 +100,8 @@ def make_workload(n: int, *, prefix_len: int, suffix_len: int, num_prefixes: int
 async def run_workload(target: str, prompts: Sequence[Sequence[int]], *, max_tokens: int,
                        concurrency: int, label: str,
                        progress: Progress | None = None) -> RunSummary:
+    """Sends ``prompts`` to the executor at ``target``, ``concurrency`` at a time; answers the
+    run's summary."""
     client = AsyncExecutorClient(target)
     sem = asyncio.Semaphore(concurrency)
     task_id = progress.add_task(label, total=len(prompts)) if progress is not None else None
@@ -126,6 +134,7 @@ def model_line(name: str, *, local: bool) -> str:
 
 def print_summary(runs: list[RunSummary], identical: bool | None, console: Console,
                   model: str = "") -> None:
+    """Prints the runs side by side (and whether their tokens were identical)."""
     from rich.table import Table
 
     table = Table(title="shared-prefix workload")
@@ -192,6 +201,7 @@ def _error(message: str, code: int) -> int:
 
 
 def target_model(target: str) -> str:
+    """The model name of the executor at ``target``."""
     from executor.client import ExecutorClient
 
     with ExecutorClient(target) as client:
@@ -199,6 +209,7 @@ def target_model(target: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The kvcache-demo parser."""
     p = OneLineParser(prog="kvcache-demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS), help="model preset")
@@ -219,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """kvcache-demo's entry point: runs the workload with and without prefix caching and
+    compares; answers the exit code."""
     args = build_parser().parse_args(argv)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

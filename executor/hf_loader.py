@@ -112,6 +112,8 @@ def _max_len(c: _Keys, max_model_len: int | None) -> int:
 
 
 def bamba_config(c: _Keys, max_model_len: int | None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Bamba config (Mamba-2 and attention layers); raises on
+    a key whose value this model cannot honour."""
     n = c["num_hidden_layers"]
     attn = set(c.get("attn_layer_indices") or [])
     c.require("hidden_act", ("silu",), "silu only")
@@ -145,6 +147,8 @@ def bamba_config(c: _Keys, max_model_len: int | None) -> ModelConfig:
 
 
 def gemma3_config(c: _Keys, max_model_len: int | None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face Gemma 3 text config (sliding and full attention
+    layers); raises on a key whose value this model cannot honour."""
     n = c["num_hidden_layers"]
     types = list(c["layer_types"])
     if len(types) != n:

@@ -1,9 +1,10 @@
 """Decoder building blocks: norms, RoPE, gated MLP, paged attention, Mamba-2 and Mamba-1 mixers.
 
-Every mixer reads and writes its cache only through the ``kernels`` API, with the metadata of
-``executor.batch`` (packed tokens, block tables, slot mapping, state indices). Prompts, chunked
-prefill and decode go through the same calls; pure-decode batches use the single-step Mamba
-kernels. Parameter names follow Hugging Face's where that costs nothing (loaders map the rest).
+Every mixer reads and writes its cache only through the ``kernels`` API, with the metadata
+of ``executor.forward_meta`` (packed tokens, block tables, slot mapping, state indices).
+Prompts, chunked prefill and decode go through the same calls; pure-decode batches use the
+single-step Mamba kernels. Parameter names follow Hugging Face's where that costs nothing
+(loaders map the rest).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kernels
-from executor.batch import AttentionMeta, MambaMeta
+from executor.forward_meta import AttentionMeta, MambaMeta
 from executor.model_config import ModelConfig
 
 
@@ -28,6 +29,7 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` normalised over its last dim in fp32, weighted, in ``x``'s dtype."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.float()
@@ -64,6 +66,7 @@ class GatedMLP(nn.Module):
         self.activation = cfg.mlp_activation
 
     def forward(self, x: Tensor) -> Tensor:
+        """down(act(gate(x)) * up(x))."""
         g = self.gate_proj(x)
         g = F.silu(g) if self.activation == "silu" else F.gelu(g, approximate="tanh")
         return self.down_proj(g * self.up_proj(x))
@@ -99,6 +102,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, query_start_loc: Tensor, meta: AttentionMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """Attention of the packed tokens ``x`` [T, hidden] over their cached KV (written first
+        at the slots ``meta`` names); returns [T, hidden]."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -146,6 +151,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: Tensor, query_start_loc: Tensor, is_decode: bool, meta: MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """The Mamba-2 mixer over the packed tokens ``x`` [T, hidden]: reads and updates the
+        conv and SSM states at the slots ``meta`` names; returns [T, hidden]."""
         cfg = self.cfg
         h, p, g, n = cfg.mamba2_heads, cfg.mamba2_head_dim, cfg.mamba2_groups, cfg.mamba2_d_state
         d_ssm = cfg.mamba2_d_ssm
@@ -206,6 +213,8 @@ class Mamba1Mixer(nn.Module):
 
     def forward(self, x: Tensor, query_start_loc: Tensor, is_decode: bool, meta: MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """The Mamba-1 mixer over the packed tokens ``x`` [T, hidden]: reads and updates the
+        conv and SSM states at the slots ``meta`` names; returns [T, hidden]."""
         cfg = self.cfg
         n, r = cfg.mamba1_d_state, cfg.mamba1_dt_rank
         conv_states, ssm_states = cache

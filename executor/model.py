@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from executor.batch import AttentionMeta, ForwardMeta, MambaMeta
+from executor.forward_meta import AttentionMeta, ForwardMeta, MambaMeta
 from executor.layers import Attention, GatedMLP, Mamba1Mixer, Mamba2Mixer, RMSNorm
 from executor.model_config import ModelConfig
 
@@ -55,6 +55,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, meta: ForwardMeta, group_meta: AttentionMeta | MambaMeta,
                 cache: tuple[Tensor, Tensor]) -> Tensor:
+        """One layer (norm, mixer, norm, MLP, residuals) over the packed hidden states ``h``."""
         x = self.input_layernorm(h)
         if isinstance(self.mixer, Attention):
             x = self.mixer(x, meta.positions, meta.query_start_loc, group_meta, cache)
@@ -86,6 +87,7 @@ class HybridModel(nn.Module):
 
     @property
     def layer_names(self) -> list[str]:
+        """The name of every layer, in order, as the cache pool knows them."""
         cfg = self.config
         return [layer_name(i, cfg.layer_kind(i)) for i in range(cfg.num_layers)]
 

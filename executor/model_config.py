@@ -69,14 +69,17 @@ class ModelConfig:
 
     @property
     def num_layers(self) -> int:
+        """One layer per character of ``pattern``."""
         return len(self.pattern)
 
     @property
     def mamba2_d_ssm(self) -> int:
+        """The Mamba-2 inner width: heads x head dim."""
         return self.mamba2_heads * self.mamba2_head_dim
 
     @property
     def mamba2_conv_dim(self) -> int:
+        """The Mamba-2 conv channels: x, then B and C of every group."""
         return self.mamba2_d_ssm + 2 * self.mamba2_groups * self.mamba2_d_state
 
     @property
@@ -87,9 +90,13 @@ class ModelConfig:
         return int(self.head_dim * self.rope_fraction)
 
     def layer_kind(self, i: int) -> str:
+        """The kind of layer ``i`` (from its ``pattern`` character)."""
         return LAYER_KINDS[self.pattern[i]]
 
     def validate(self) -> ModelConfig:
+        """Answers ``self`` when every field is in range; raises ValueError naming the first
+        field that is not."""
+
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"ModelConfig.{name}: {why}")
 
@@ -123,12 +130,15 @@ class ModelConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as JSON-ready values (:meth:`from_dict` reads it back)."""
         d = asdict(self)
         d["mamba2_dt_limit"] = list(self.mamba2_dt_limit)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """The config of :meth:`to_dict`'s output, validated; raises ValueError on unknown
+        fields."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -139,6 +149,7 @@ class ModelConfig:
         return cls(**d).validate()
 
     def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes``, validated."""
         return replace(self, **changes).validate()
 
 

@@ -39,6 +39,7 @@ DEFAULT_PRESET = "hybrid-fsm"
 
 
 def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``; ValueError naming the known ones otherwise."""
     try:
         return PRESETS[name]
     except KeyError:

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from executor.batch import GroupLayout, SeqChunk, build_forward_meta
 from executor.cache import CacheTensors
 from executor.errors import InvalidArgument
+from executor.forward_meta import GroupLayout, SeqChunk, build_forward_meta
 from executor.model import HybridModel
 
 
@@ -24,6 +24,7 @@ class ModelRunner:
 
     @property
     def layout(self) -> list[GroupLayout]:
+        """The cache's layout, one entry per pool group."""
         return self.cache.layout
 
     def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:

@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int = 0
 
     def validate(self) -> SamplingParams:
+        """Answers ``self``; raises InvalidArgument naming the first field out of range."""
         if not (self.temperature >= 0.0):
             raise InvalidArgument(f"must be >= 0, got {self.temperature}",
                                   field="sampling.temperature")
@@ -38,6 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Temperature 0: the argmax token, no randomness."""
         return self.temperature == 0.0
 
 

@@ -39,7 +39,6 @@ from prometheus_client.process_collector import ProcessCollector
 
 from cache_service.client import CacheError
 from cache_service.core.specs import MambaSpec
-from executor.batch import SeqChunk
 from executor.cache import CacheTensors, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, cache_groups
 from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, check_engine_config
@@ -50,6 +49,7 @@ from executor.errors import (
     NotReady,
     RequestFailed,
 )
+from executor.forward_meta import SeqChunk
 from executor.model import HybridModel
 from executor.model_config import ModelConfig
 from executor.presets import get_preset
@@ -151,6 +151,7 @@ def pool_plan(model: HybridModel, settings: ExecutorSettings) -> PoolPlan:
 
 
 def engine_config(settings: ExecutorSettings) -> EngineConfig:
+    """The engine's limits and modes from the executor's settings."""
     return EngineConfig(max_num_seqs=settings.max_num_seqs,
                         max_tokens_per_step=settings.max_tokens_per_step,
                         async_cache_step=settings.async_cache_step)
@@ -252,6 +253,8 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
     @_streams_errors
     async def Generate(self, request: epb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[epb.GenerateResponse]:
+        """Streams the tokens of one request as the engine samples them; aborts it when the
+        caller goes away."""
         self._require_ready()
         engine = self.ex.engine
         assert engine is not None
@@ -288,6 +291,7 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
     @_answers_errors
     async def Execute(self, request: epb.ExecuteRequest,
                       context: grpc.aio.ServicerContext) -> epb.ExecuteResponse:
+        """One raw forward pass with the caller's block tables (no engine, no cache service)."""
         self._require_ready()
         runner = self.ex.runner
         assert runner is not None
@@ -319,6 +323,7 @@ class ExecutorServicer(epb_grpc.ExecutorServiceServicer):
 
     async def GetInfo(self, request: epb.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> epb.GetInfoResponse:
+        """The model, its config, the pool and whether the executor is ready."""
         cfg = self.ex.model.config
         info = self.ex.link.info
         return epb.GetInfoResponse(
@@ -335,6 +340,7 @@ class EngineCollector:
         self.ex = ex
 
     def collect(self) -> Iterable[Any]:
+        """The engine's counters and gauges at scrape time."""
         engine = self.ex.engine
         ready = GaugeMetricFamily("kvcache_executor_ready",
                                   "1 once registered with the cache service")
@@ -365,8 +371,8 @@ class EngineCollector:
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
             c.add_metric([], float(value))
             yield c
-        for name, value in (("running_requests", len(engine.running)),
-                            ("waiting_requests", len(engine.waiting))):
+        for name, value in (("running_requests", len(engine.scheduler.running)),
+                            ("waiting_requests", len(engine.scheduler.waiting))):
             g = GaugeMetricFamily(f"kvcache_executor_{name}", name.replace("_", " "))
             g.add_metric([], float(value))
             yield g
@@ -428,7 +434,7 @@ async def serve(settings: ExecutorSettings, ex: Executor) -> int:
     async def engine_idle(grace_seconds: float) -> None:
         """Running and waiting requests finish, or the grace passes."""
         deadline = time.monotonic() + grace_seconds
-        while (ex.engine is not None and (ex.engine.running or ex.engine.waiting)
+        while (ex.engine is not None and ex.engine.scheduler.has_requests
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
 from kernels.mamba_state import start_states, store_states
-from kernels.validation import check_batch, check_state_indices, check_tensor
+from kernels.validation import check_packed_batch, check_state_indices, check_tensor
 
 ACTIVATIONS: tuple[str | None, ...] = (None, "silu")
 
@@ -56,7 +56,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: T
     check_tensor("x", x, (None, None))
     _check_conv_weights(x, weight, bias, conv_states)
     _check_activation(activation)
-    check_batch(query_start_loc, state_indices, has_initial_state, x.shape[0], conv_states.shape[0])
+    check_packed_batch(query_start_loc, state_indices, has_initial_state, x.shape[0], conv_states.shape[0])
     which = select_impl(impl, x, weight, bias, conv_states, query_start_loc, state_indices,
                         has_initial_state)
     args = (x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state)

@@ -22,7 +22,7 @@ from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
 from kernels.mamba_state import start_states, store_states
 from kernels.ssd import process_dt
-from kernels.validation import check_batch, check_state_indices, check_tensor
+from kernels.validation import check_packed_batch, check_state_indices, check_tensor
 
 # Tokens whose decays and inputs are materialised at once ([block, Dm, N] fp32 temporaries).
 _TOKEN_BLOCK = 64
@@ -56,7 +56,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
                    delta_softplus: bool = True, impl: str | None = None) -> Tensor:
     """Mamba-1 prefill: u/delta/z [T, Dm], A [Dm, N], B/C [T, G, N] -> [T, Dm]."""
     _check_selective(u, delta, A, B, C, ssm_states, D, z, delta_bias, ("u", "delta", "delta_bias"))
-    check_batch(query_start_loc, state_indices, has_initial_state, u.shape[0], ssm_states.shape[0])
+    check_packed_batch(query_start_loc, state_indices, has_initial_state, u.shape[0], ssm_states.shape[0])
     which = select_impl(impl, u, delta, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, z, delta_bias)
     args = (u, delta, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)

@@ -22,7 +22,7 @@ from torch import Tensor
 from kernels import reference
 from kernels._dispatch import load_triton_module, select_impl
 from kernels.mamba_state import start_states, store_states
-from kernels.validation import check_batch, check_state_indices, check_tensor
+from kernels.validation import check_packed_batch, check_state_indices, check_tensor
 
 DEFAULT_DT_LIMIT: tuple[float, float] = (0.0, float("inf"))
 
@@ -79,7 +79,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     _check_ssd(x, dt, A, B, C, ssm_states, D, dt_bias, tuple(dt_limit))
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
-    check_batch(query_start_loc, state_indices, has_initial_state, x.shape[0], ssm_states.shape[0])
+    check_packed_batch(query_start_loc, state_indices, has_initial_state, x.shape[0], ssm_states.shape[0])
     which = select_impl(impl, x, dt, A, B, C, ssm_states, query_start_loc, state_indices,
                         has_initial_state, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)

@@ -26,10 +26,12 @@ def pow2(n: int, least: int = 1) -> int:
 
 @triton.jit
 def softplus(v):
+    """log(1 + e^v), exact for large v (no overflow past 20, as torch)."""
     # log(1 + e^v); the large-v branch avoids overflow (torch's threshold is 20 too)
     return tl.where(v <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))), v)
 
 
 @triton.jit
 def silu(v):
+    """v * sigmoid(v)."""
     return v * tl.sigmoid(v)

@@ -103,6 +103,8 @@ def _conv1d_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, qsl_ptr, idx_ptr, init_ptr
 def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
                   query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor, *,
                   activation: str | None) -> Tensor:
+    """The Triton launch of :func:`kernels.conv1d.causal_conv1d` (prefill; the inputs are
+    checked there)."""
     x, weight = x.contiguous(), weight.contiguous()
     channels, width = weight.shape
     batch = state_indices.shape[0]
@@ -122,6 +124,8 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: T
 
 def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
                          state_indices: Tensor, *, activation: str | None) -> Tensor:
+    """The Triton launch of :func:`kernels.conv1d.causal_conv1d_update` (decode; the inputs are
+    checked there)."""
     x, weight = x.contiguous(), weight.contiguous()
     rows, channels = x.shape
     out = torch.empty_like(x)

@@ -35,6 +35,8 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, channels, group_size, e
 
 def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float, group_size: int | None,
                    norm_before_gate: bool) -> Tensor:
+    """The Triton launch of the gated RMS norm of :mod:`kernels.norm` (the inputs are checked
+    there)."""
     channels = x.shape[-1]
     size = channels if group_size is None else group_size
     flat = x.reshape(-1, channels).contiguous()

@@ -105,6 +105,8 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
                    query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor, *,
                    D: Tensor | None, z: Tensor | None, delta_bias: Tensor | None,
                    delta_softplus: bool) -> Tensor:
+    """The Triton launch of :func:`kernels.selective_scan.selective_scan` (Mamba-1 prefill; the
+    inputs are checked there)."""
     return _selective(u, delta, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state,
                       D, z, delta_bias, delta_softplus)
 
@@ -112,4 +114,6 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
 def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states: Tensor,
                            state_indices: Tensor, *, D: Tensor | None, z: Tensor | None,
                            dt_bias: Tensor | None, dt_softplus: bool) -> Tensor:
+    """The Triton launch of :func:`kernels.selective_scan.selective_state_update` (Mamba-1
+    decode; the inputs are checked there)."""
     return _selective(x, dt, A, B, C, ssm_states, None, state_indices, None, D, z, dt_bias, dt_softplus)

@@ -81,6 +81,8 @@ def _dt_limit_args(dt_limit: tuple[float, float]) -> tuple[float, float]:
 def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states: Tensor,
                      state_indices: Tensor, *, D: Tensor | None, dt_bias: Tensor | None,
                      dt_softplus: bool, dt_limit: tuple[float, float]) -> Tensor:
+    """The Triton launch of :func:`kernels.ssd.ssd_state_update` (Mamba-2 decode; the inputs
+    are checked there)."""
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     rows, heads, head_dim = x.shape
     groups, state_size = B.shape[1:]
@@ -240,6 +242,8 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
              query_start_loc: Tensor, state_indices: Tensor, has_initial_state: Tensor, *,
              D: Tensor | None, dt_bias: Tensor | None, dt_softplus: bool,
              dt_limit: tuple[float, float], chunk_size: int) -> Tensor:
+    """The Triton launch of :func:`kernels.ssd.ssd_scan` (Mamba-2 chunked prefill; the inputs
+    are checked there)."""
     x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     tokens, heads, head_dim = x.shape
     groups, state_size = B.shape[1:]

@@ -43,7 +43,7 @@ def check_state_indices(state_indices: object, rows: int, num_slots: int) -> Non
         raise ValueError("state_indices: a slot appears in two rows (padding rows use index < 0)")
 
 
-def check_batch(query_start_loc: object, state_indices: object, has_initial_state: object,
+def check_packed_batch(query_start_loc: object, state_indices: object, has_initial_state: object,
                 num_tokens: int, num_slots: int) -> int:
     """Check the packed-batch metadata and return the number of sequences B."""
     check_tensor("query_start_loc", query_start_loc, (None,), floating=False)

@@ -9,7 +9,9 @@ retry is driven by hand with the same rule:
   on a new one (``cache_service/client/_retry.py``);
 * the executor's resend of a Step whose outcome is in doubt: it spans the service's restart,
   longer than gRPC's 5 attempts allow (``executor/cache_link.py``);
-* the executor's registration while the service is down: unbounded (``executor/server.py``).
+* the executor's registration while the service is down: unbounded (``executor/server.py``);
+* a cluster replica's attempts to reach etcd again: joining, and following the cluster view
+  after a lost watch (``cache_service/cluster/etcd.py``).
 """
 
 from __future__ import annotations

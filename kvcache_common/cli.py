@@ -41,6 +41,7 @@ class OneLineParser(ArgumentParser):
     the whole usage first (8-18 lines that bury the line that matters)."""
 
     def error(self, message: str) -> NoReturn:
+        """Writes the one error line and exits with status 2."""
         sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
         sys.stderr.flush()
         raise SystemExit(2)

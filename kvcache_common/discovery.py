@@ -27,6 +27,7 @@ class HealthServicer(health.aio.HealthServicer):
 
     async def List(self, request: health_pb2.HealthListRequest,
                    context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        """The serving status of every service registered with this servicer."""
         return health_pb2.HealthListResponse(statuses={
             name: health_pb2.HealthCheckResponse(status=status)
             for name, status in self._server_status.items()})

@@ -45,6 +45,7 @@ class EnumNames(Generic[E]):
             raise KeyError(f"{name!r} is not one of {sorted(self._to_value)}") from None
 
     def names(self) -> list[str]:
+        """Every known name, in enum order."""
         return list(self._to_value)
 
 

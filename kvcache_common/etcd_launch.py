@@ -20,6 +20,7 @@ from pathlib import Path
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (another process may take it before it is used)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -42,10 +43,12 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
+        """The client endpoint, ``127.0.0.1:<port>``."""
         return f"127.0.0.1:{self.client_port}"
 
     @property
     def log_path(self) -> Path:
+        """Where etcd's log goes, next to its data dir."""
         return self.data_dir.with_suffix(".log")
 
     def start(self, timeout: float = 30.0) -> None:
@@ -67,6 +70,7 @@ class EtcdServer:
             time.sleep(0.05)
 
     def healthy(self) -> bool:
+        """Whether /health says true; raises RuntimeError when etcd exited."""
         if self.proc is None or self.proc.poll() is not None:
             raise RuntimeError(f"etcd exited; see {self.log_path}")
         try:

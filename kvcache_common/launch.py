@@ -84,11 +84,14 @@ class ServerProcess:
                 self._cond.wait(min(left, 0.2))
 
     def wait_ready(self, timeout: float = 30.0) -> Record:
+        """Waits for the ready log line (raises TimeoutError, or RuntimeError if the process
+        exited) and answers it."""
         record = self.wait_for(self._ready, timeout)
         self.ready_record = record
         return record
 
     def output(self) -> str:
+        """The last 200 lines the process wrote, for error messages."""
         with self._cond:
             return "\n".join(self.lines[-200:])
 
@@ -96,25 +99,30 @@ class ServerProcess:
 
     @property
     def port(self) -> int:
+        """The gRPC port the ready line announced."""
         assert self.ready_record is not None, "not ready yet"
         return int(self.ready_record["port"])
 
     @property
     def metrics_port(self) -> int:
+        """The metrics port the ready line announced (-1: none)."""
         assert self.ready_record is not None, "not ready yet"
         return int(self.ready_record.get("metrics_port", -1))
 
     @property
     def target(self) -> str:
+        """``127.0.0.1:<port>``, for a client."""
         return f"127.0.0.1:{self.port}"
 
     # -- stopping ------------------------------------------------------------------------
 
     @property
     def returncode(self) -> int | None:
+        """The exit status, or None while it runs."""
         return self.proc.poll()
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Sends ``sig`` unless the process has exited."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 

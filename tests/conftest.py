@@ -71,10 +71,11 @@ class Gate:
         self._listener.close()
 
     def _refuse(self, conn: socket.socket) -> None:
-        conn.close()
+        # Counted before the hang-up: a client that sees it fail finds it counted already.
         with self._cond:
             self.refused += 1
             self._cond.notify_all()
+        conn.close()
 
     def _accept(self) -> None:
         while True:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
+from cache_service.client._base import ClientBase, StepStreamBase
 from cache_service.client._builders import (
     StepBuilder,
     decode_request,
@@ -17,7 +17,6 @@ from cache_service.client._builders import (
     register_request,
     subscribe_request,
 )
-from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
 from cache_service.client._results import (
     DecodeResult,
@@ -33,65 +32,21 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
-from cache_service.client._retry import OnRetry, resend_delay
-from cache_service.client._routing import (
-    MAX_REDIRECTS,
-    CallRoute,
-    Deadline,
-    Moved,
-    Routes,
-    reroute,
-)
-from cache_service.client._session import (
-    Carrier,
-    SequencedCall,
-    SessionStamp,
-    keepalive_interval,
-)
+from cache_service.client._retry import NoAnswer, OnRetry
+from cache_service.client._routing import MAX_REDIRECTS, Deadline, Moved
+from cache_service.client._session import SessionStamp
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from kvcache_common.backoff import Backoff
 
 
-class AsyncCacheClient:
-    """grpc.aio client. ``target`` is ``host:port`` (cluster mode: several, comma-separated;
-    calls on a pool follow the replicas' redirects to its owner, with one session per
-    replica); ``token`` adds a bearer token;
-    ``tls=True`` (or ``root_certificates``) uses TLS. Use as ``async with``. With
-    ``session`` (the default) the first mutating call opens a session that a background
-    task keeps alive; mutating calls of one client take turns (one sequence number at a
-    time)."""
+class AsyncCacheClient(ClientBase):
+    """grpc.aio client (see :class:`ClientBase` for the arguments). Use as ``async
+    with``. With ``session`` (the default) the first mutating call opens a session that a
+    background task keeps alive; mutating calls of one client take turns (one sequence
+    number at a time)."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, default_timeout: float = 10.0,
-                 max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
-                 ssl_target_name_override: str | None = None, session: bool = True,
-                 client_name: str = "", attempt_timeout: float = 2.0) -> None:
-        self._backoff = Backoff(backoff_base, backoff_max)
-        options = channel_options(max_retries, self._backoff, ssl_target_name_override)
-        creds = channel_credentials(tls, root_certificates)
-        self._channels: list[grpc.aio.Channel] = []
+    _grpc = grpc.aio
 
-        def open_stub(address: str) -> pb_grpc.CacheServiceStub:
-            channel = (grpc.aio.secure_channel(address, creds, options=options) if creds
-                       else grpc.aio.insecure_channel(address, options=options))
-            self._channels.append(channel)
-            return pb_grpc.CacheServiceStub(channel)
-
-        #: Replicas and learned pool owners (cluster mode: several, comma-separated).
-        self._routes = Routes(target, open_stub)
-        self._stub = self._routes.stub(self._routes.seeds[0])
-        self._metadata = auth_metadata(token)
-        self.default_timeout = default_timeout
-        #: The first attempt's deadline of a call that is safe to resend (doubled on each
-        #: resend; see :class:`CallRoute`): a hung replica costs a call about this long.
-        self.attempt_timeout = attempt_timeout
-        self._retries = max_retries
-        self._use_session = session
-        self._client_name = client_name
-        #: One session per replica (sessions live in a replica's state), by address.
-        self._sessions: dict[str, SessionStamp] = {}
-        self._carrier = Carrier()  # sessions carried over a failover
+    def _init_transport(self) -> None:
         self._lock = asyncio.Lock()  # one mutating call at a time (sequence numbers)
         self._keepalives: dict[str, asyncio.Task] = {}
 
@@ -106,51 +61,34 @@ class AsyncCacheClient:
         and closes the channel."""
         for task in self._keepalives.values():
             task.cancel()
-        sessions = list(self._sessions.items()) + [
-            (address, session) for (address, _), session in self._carrier.adopted.items()]
-        self._sessions, self._carrier.adopted = {}, {}
-        for address, session in sessions:
+        for address, session in self._take_sessions():
             # unreachable or already expired: the lease frees them anyway
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
                     session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
 
-    @property
-    def session_id(self) -> str | None:
-        """The id of the session open on the first seed replica (None before the first
-        mutating call, or without sessions)."""
-        session = self._sessions.get(self._routes.address())
-        return session.session_id if session else None
+    async def wait_connected(self, timeout: float, address: str | None = None) -> None:
+        """Returns once the channel to ``address`` (default: the first seed) is connected;
+        raises :class:`CacheError` (DEADLINE_EXCEEDED) if it is not within ``timeout``."""
+        try:
+            await asyncio.wait_for(self._channel(address).channel_ready(), timeout)
+        except TimeoutError:
+            raise CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"not connected within {timeout} s") from None
 
     async def _call(self, method: str, request: Any, timeout: float | None,
                     pin: str | None = None, *, resend: bool = True) -> Any:
-        """``method`` on the pool's replica, following redirects and moving past a replica
-        that stays unavailable until the call's timeout (see :class:`CallRoute`); ``pin``:
-        on that replica only (a call stamped with its session), raising :class:`Moved`
-        when it must go elsewhere; ``resend``: safe to send again (a read, or stamped with
-        a session), so each attempt has its own deadline and a lost answer is resent."""
-        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
-                          timeout or self.default_timeout, self._backoff, pin,
-                          resend=resend and self._retries > 0,
-                          attempt_timeout=self.attempt_timeout)
+        """As the blocking client's ``_call`` (see :meth:`ClientBase._unary_delay`)."""
+        route = self._route(request, timeout, pin, resend)
         while True:
             address = route.address
             try:
                 return await getattr(self._routes.stub(address), method)(
                     request, timeout=route.timeout(), metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
-                error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
-            if error.code == grpc.StatusCode.UNAVAILABLE or (
-                    error.code == grpc.StatusCode.CANCELLED and route.resend):
-                # (CANCELLED: a server that stopped with the call in flight; this client
-                # never cancels a unary call itself)
-                delay = route.unavailable(address, error, trailers)
-            elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                delay = route.expired(address, error)
-            else:
-                raise error
+                delay = self._unary_delay(route, address, exc)
             await asyncio.sleep(delay)
 
     async def _ensure_session(self, address: str) -> SessionStamp | None:
@@ -158,13 +96,8 @@ class AsyncCacheClient:
         held)."""
         session = self._sessions.get(address)
         if session is None and self._use_session:
-            # A proposed id makes OpenSession safe to resend (see the blocking client).
-            resp = await self._call("OpenSession", pb.OpenSessionRequest(
-                client_name=self._client_name, session_id=secrets.token_hex(16)), None,
-                pin=address)
-            session = self._sessions[address] = SessionStamp(resp.session_id,
-                                                             resp.lease_ttl_seconds)
-            self._start_keepalive(session, address)
+            session = self._session_opened(address, await self._call(
+                "OpenSession", self._open_session_request(), None, pin=address))
         return session
 
     def _start_keepalive(self, session: SessionStamp, address: str, *,
@@ -178,9 +111,9 @@ class AsyncCacheClient:
         self._keepalives[key] = asyncio.create_task(self._keep_alive(session, address, now))
 
     async def _keep_alive(self, session: SessionStamp, address: str, now: bool) -> None:
-        interval = keepalive_interval(session.lease_ttl_seconds)
-        request = pb.KeepAliveRequest(session_id=session.session_id)
-        stub = self._routes.stub(address)
+        """The keep-alive task's loop: until it is cancelled (close) or the session is no
+        longer the client's there (expired, replaced)."""
+        interval, request, stub = self._keepalive_plan(session, address)
         wait = 0.0 if now else interval
         while self._carrier.alive(address, session, self._sessions):
             await asyncio.sleep(wait)
@@ -192,38 +125,25 @@ class AsyncCacheClient:
                     return  # expired: the next mutating call learns it and opens a new one
 
     async def _sequenced(self, send: Any, request: Any, timeout: float | None = None) -> Any:
-        """Sends a mutating request stamped with the session of the replica it goes to;
-        ``await send(request, address)`` does the transport retries with the same stamp and
-        raises :class:`Moved` when the request must go to another replica: it is restamped
-        there, after a backoff unless redirected, until ``timeout`` (default
-        ``default_timeout``) has passed (see :class:`CallRoute`)."""
-        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
-                          timeout or self.default_timeout, self._backoff)
-        call = SequencedCall(self._sessions, self._carrier, route.pool_id)
+        """As the blocking client's ``_sequenced``, with ``await send(request, address)``."""
+        route, call = self._sequenced_call(request, timeout)
         async with self._lock:
             while True:
                 address = route.address
                 session = None
                 try:
-                    session = call.carried_stamp(address)
-                    if session is None:
-                        session = await self._ensure_session(address)
+                    session = call.carried_stamp(address) or await self._ensure_session(address)
                     if session is not None:
                         session.stamp(request)
                     response = await send(request, address)
-                except Moved as moved:
-                    call.moved(address, session, moved)
-                    await asyncio.sleep(route.moved(moved))
+                except (Moved, CacheError) as exc:
+                    await asyncio.sleep(self._unsent_delay(route, call, address, session, exc))
                     continue
-                except CacheError as err:
-                    if call.failed(address, session, err):
-                        continue
-                    raise
-                for stamp in call.accepted(address, session) if session is not None else ():
-                    self._start_keepalive(stamp, address, now=stamp is not session)
+                self._accepted(call, address, session)
                 return response
 
     async def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
+        """A mutating unary call, stamped (and restamped per replica) with the session."""
         deadline = Deadline(timeout or self.default_timeout)
         return await self._sequenced(lambda r, a: self._call(
             method, r, deadline.left(), pin=a, resend=bool(r.session_id)), request, timeout)
@@ -232,21 +152,27 @@ class AsyncCacheClient:
                             timeout: float | None = None, **kwargs: Any) -> PoolInfo:
         """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
         resp = await self._mutate("RegisterPool",
-                                register_request(pool_id, layer_specs, **kwargs), timeout)
+                                  register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
     async def get_pool(self, pool_id: str, *, timeout: float | None = None) -> PoolInfo:
+        """The pool's configuration and groups (NOT_FOUND if it is not registered)."""
         resp = await self._call("GetPool", pb.GetPoolRequest(pool_id=pool_id), timeout)
         return pool_info_from(resp.config)
 
     async def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
+        """Every pool of the replica the call goes to (the first seed)."""
         resp = await self._call("ListPools", pb.ListPoolsRequest(), timeout)
         return [pool_info_from(c) for c in resp.pools]
 
+    async def list_sessions(self, *, timeout: float | None = None) -> pb.ListSessionsResponse:
+        """The sessions open on the replica the call goes to (the first seed), with the
+        requests each owns: the whole ListSessionsResponse."""
+        return await self._call("ListSessions", pb.ListSessionsRequest(), timeout)
+
     async def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
         """Drops the pool; answers the number of requests it still had."""
-        resp = await self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
-                                timeout)
+        resp = await self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id), timeout)
         return resp.num_requests_dropped
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
@@ -256,8 +182,7 @@ class AsyncCacheClient:
             pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
         return step_result(resp)
 
-    async def step_batch(self, batch: StepBuilder, *,
-                         timeout: float | None = None) -> StepResult:
+    async def step_batch(self, batch: StepBuilder, *, timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
         return step_result(await self._mutate("Step", batch.request, timeout))
 
@@ -266,9 +191,8 @@ class AsyncCacheClient:
         """Step with protocol messages (no conversion), for hot loops."""
         return await self._mutate("Step", request, timeout)
 
-    async def decode(self, pool_id: str, request_ids: Sequence[str],
-                     token_ids: Sequence[int], *, begin_step: bool = False,
-                     timeout: float | None = None) -> DecodeResult:
+    async def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
+                     begin_step: bool = False, timeout: float | None = None) -> DecodeResult:
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
         resp = await self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
@@ -286,7 +210,7 @@ class AsyncCacheClient:
                           lora_name: str | None = None,
                           timeout: float | None = None,
                           lora_path: str | None = None) -> dict[str, int]:
-        """Cached prefix length per pool (read-only)."""
+        """Cached prefix length in tokens per pool (read-only)."""
         resp = await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
@@ -296,44 +220,49 @@ class AsyncCacheClient:
                            lora_name: str | None = None, lora_path: str | None = None,
                            explain: bool = False,
                            timeout: float | None = None) -> pb.PeekPrefixResponse:
-        """The whole PeekPrefixResponse: per-pool hit, per-group reach, miss reasons."""
+        """:meth:`peek_prefix` with every pool's per-group reach (and, with ``explain``,
+        miss reasons): the whole PeekPrefixResponse."""
         return await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path, explain),
             timeout)
 
     async def prefix_snapshot(self, pool_id: str, *,
                               timeout: float | None = None) -> pb.GetPrefixSnapshotResponse:
-        """Cached block hashes per group and the event sequence they match."""
+        """The pool's cached block hashes per group and the event sequence they match:
+        resume :meth:`subscribe_events` at ``sequence + 1``."""
         return await self._call("GetPrefixSnapshot",
                                 pb.GetPrefixSnapshotRequest(pool_id=pool_id), timeout)
 
     async def get_request(self, pool_id: str, request_id: str, *,
                           timeout: float | None = None) -> RequestState:
-        r = await self._call("GetRequest", pb.GetRequestRequest(
+        """One request's tokens, block table and state (NOT_FOUND if unknown)."""
+        resp = await self._call("GetRequest", pb.GetRequestRequest(
             pool_id=pool_id, request_id=request_id), timeout)
-        return request_state_from(r)
+        return request_state_from(resp)
 
     async def stats(self, pool_id: str, *, timeout: float | None = None) -> PoolStats:
-        r = await self._call("GetPoolStats", pb.GetPoolStatsRequest(pool_id=pool_id),
-                             timeout)
-        return stats_from(r.stats)
+        """The pool's usage and prefix-cache counters."""
+        resp = await self._call("GetPoolStats", pb.GetPoolStatsRequest(pool_id=pool_id), timeout)
+        return stats_from(resp.stats)
 
     async def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        r = await self._mutate("ResetPrefixCache",
-                             pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
-        return r.reset
+        """Drops every cached block of the pool; False (nothing changed) while any
+        block is in use by a request."""
+        resp = await self._mutate("ResetPrefixCache",
+                                  pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
+        return resp.reset
 
     async def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
                                incarnation: int | None = None,
                                ) -> AsyncIterator[Event]:
-        """KV events of a pool (from ``from_sequence`` if given, else live only) until the
-        pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
-        FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
-        deadline; raises :class:`CacheError`."""
+        """An async iterator of the pool's KV events, as the blocking client's
+        :meth:`CacheClient.subscribe_events` (resumed at ``from_sequence`` of
+        ``incarnation``, else live only; no deadline; a redirect before the first event is
+        followed)."""
         req = subscribe_request(pool_id, from_sequence, incarnation)
         for _ in range(MAX_REDIRECTS + 1):
-            address = self._routes.address(pool_id)
-            call = self._routes.stub(address).SubscribeEvents(req, metadata=self._metadata)
+            call = self._routes.stub(self._routes.address(pool_id)).SubscribeEvents(
+                req, metadata=self._metadata)
             delivered = False
             try:
                 async for batch in call:
@@ -342,14 +271,12 @@ class AsyncCacheClient:
                         yield event_from(e)
                 return
             except grpc.aio.AioRpcError as exc:
-                if (delivered or exc.code() != grpc.StatusCode.UNAVAILABLE
-                        or not self._routes.follow(pool_id, exc.trailing_metadata())):
-                    raise CacheError.from_rpc(exc) from None
+                self._subscribe_failed(pool_id, exc, delivered)
             finally:
                 call.cancel()
 
 
-class AsyncStepStream:
+class AsyncStepStream(StepStreamBase):
     """One StepStream: each :meth:`step` sends one request and awaits its answer, within
     ``step_timeout``. When the deadline passes or the stream breaks (UNAVAILABLE), the
     stream is dropped, a new one opened and the same request resent under the same
@@ -361,11 +288,7 @@ class AsyncStepStream:
 
     def __init__(self, client: AsyncCacheClient, step_timeout: float,
                  on_retry: OnRetry | None = None) -> None:
-        self._client = client
-        self.step_timeout = step_timeout
-        self._on_retry = on_retry
-        self._call: Any = None
-        self._address = ""
+        super().__init__(client, step_timeout, on_retry)
 
     async def __aenter__(self) -> AsyncStepStream:
         return self
@@ -373,42 +296,48 @@ class AsyncStepStream:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def _open(self, address: str) -> None:
+        """Opens the stream to ``address``."""
+        self._call = self._client._routes.stub(address).StepStream(
+            metadata=self._client._metadata)
+        self._address = address
+
+    async def _attempt(self, request: pb.StepRequest) -> Any:
+        """Sends ``request`` on the open stream: its answer, or why none came (a status
+        that ended the stream, or a :class:`NoAnswer`)."""
+        call = self._call
+        try:
+            await asyncio.wait_for(call.write(request), self.step_timeout)
+            resp = await asyncio.wait_for(call.read(), self.step_timeout)
+            if resp is not grpc.aio.EOF:
+                return resp
+            # The server ended the stream (an invalid batch): its status.
+            code = await call.code()
+            if code == grpc.StatusCode.OK:
+                return NoAnswer.ENDED
+            return grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
+                                        await call.trailing_metadata(), await call.details())
+        except TimeoutError:
+            return NoAnswer.TIMED_OUT
+        except grpc.aio.AioRpcError as exc:
+            return exc
+        except asyncio.InvalidStateError:  # written after the call ended
+            return NoAnswer.ENDED
+
     async def _exchange(self, request: pb.StepRequest, address: str) -> pb.StepResponse:
         """One request and its answer from ``address``, with the deadline and the
         resends; raises :class:`Moved` when it must go to another replica."""
-        attempt = 0
+        resends = self._resends(request.pool_id)
         while True:
             if self._call is not None and self._address != address:
                 await self.close()
             if self._call is None:
-                self._call = self._client._routes.stub(address).StepStream(
-                    metadata=self._client._metadata)
-                self._address = address
-            call = self._call
-            raw = None
-            try:
-                await asyncio.wait_for(call.write(request), self.step_timeout)
-                resp = await asyncio.wait_for(call.read(), self.step_timeout)
-                if resp is not grpc.aio.EOF:
-                    return resp
-                raw = await self._failed(call)
-                err = CacheError.from_rpc(raw)
-            except TimeoutError:
-                err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"no StepStream answer within {self.step_timeout} s")
-            except grpc.aio.AioRpcError as exc:
-                raw, err = exc, CacheError.from_rpc(exc)
-            except asyncio.InvalidStateError:  # written after the call ended
-                err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
+                self._open(address)
+            outcome = await self._attempt(request)
+            if isinstance(outcome, pb.StepResponse):
+                return outcome
             await self.close()
-            if raw is not None and err.code == grpc.StatusCode.UNAVAILABLE:
-                moved = reroute(self._client._routes, request.pool_id, address,
-                                raw.trailing_metadata())
-                if moved is not None:
-                    raise Moved(err, moved)
-            await asyncio.sleep(resend_delay(err, attempt, self._client._retries,
-                                             self._client._backoff, self._on_retry))
-            attempt += 1
+            await asyncio.sleep(resends.after(outcome, address))
 
     async def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:
         """Step with protocol messages (stamped with the client's session here)."""
@@ -416,18 +345,11 @@ class AsyncStepStream:
 
     async def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
                    begin_step: bool = False) -> StepResult:
-        return step_result(await self.step_raw(pb.StepRequest(
-            pool_id=pool_id, begin_step=begin_step, ops=step_ops)))
-
-    @staticmethod
-    async def _failed(call: Any) -> Any:
-        # The server ended the stream (an invalid batch): surface its status.
-        code = await call.code()
-        details = await call.details()
-        trailing = await call.trailing_metadata()
-        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailing, details)
+        """One Step on the stream: its ops in order, all or nothing on invalid input."""
+        return step_result(await self.step_raw(self._request(pool_id, step_ops, begin_step)))
 
     async def close(self) -> None:
+        """Drops the open stream, if any (the next step opens a new one)."""
         call, self._call = self._call, None
         if call is None:
             return

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cache_service.core.specs import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from cache_service.specs_proto import layer_spec_to_proto
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES
+from kvcache_common.enums import HASH_ALGOS, MAMBA_CACHE_MODES
 
 
 class layers:  # noqa: N801 - a namespace of builders, used as layers.full_attention(...)
@@ -26,6 +20,9 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def full_attention(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                        dtype: str = "bfloat16", head_size_v: int = 0) -> pb.LayerSpec:
+        """A full-attention layer: every token's KV stays for the whole request.
+        ``head_size_v`` (0: as ``head_size``) for MLA-style layers with a different value
+        head size."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_FULL_ATTENTION,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype, head_size_v=head_size_v)
@@ -33,6 +30,8 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def sliding_window(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                        sliding_window: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A sliding-window attention layer: only the last ``sliding_window`` tokens' blocks
+        are needed, older ones are freed."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_SLIDING_WINDOW,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype, sliding_window=sliding_window)
@@ -40,6 +39,8 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     @staticmethod
     def chunked_local(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
                       attention_chunk_size: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A chunked local attention layer: a token sees only its own chunk of
+        ``attention_chunk_size`` tokens."""
         return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION,
                             block_size=block_size, num_kv_heads=num_kv_heads,
                             head_size=head_size, dtype=dtype,
@@ -49,35 +50,16 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
     def mamba(name: str, *, block_size: int, shapes: Sequence[Sequence[int]],
               dtypes: Sequence[str], mamba_cache_mode: str = "none",
               mamba_type: str = "mamba2") -> pb.LayerSpec:
+        """A Mamba layer: one state block per request (``shapes`` and ``dtypes`` one per state
+        tensor); ``mamba_cache_mode`` "align" keeps prefix-cacheable checkpoints at block
+        boundaries, "none" keeps none."""
         return pb.LayerSpec(
             name=name, kind=pb.LAYER_KIND_MAMBA, block_size=block_size,
             mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
             mamba_cache_mode=MAMBA_CACHE_MODES.value(mamba_cache_mode), mamba_type=mamba_type)
 
-    @staticmethod
-    def from_spec(name: str, spec: KVCacheSpec) -> pb.LayerSpec:
-        """The ``LayerSpec`` message of a core layer spec (defaults filled in): how the
-        executor, which sizes its cache with the core's spec arithmetic, describes its
-        layers, and how the service echoes registered layers back."""
-        out = pb.LayerSpec(name=name, kind=LAYER_KINDS.value(spec.kind),
-                           block_size=spec.block_size,
-                           page_size_padded=getattr(spec, "page_size_padded", None) or 0)
-        if isinstance(spec, MambaSpec):
-            out.mamba_states.extend(pb.MambaState(shape=list(s), dtype=d)
-                                    for s, d in zip(spec.shapes, spec.dtypes))
-            out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
-            out.mamba_type = spec.mamba_type
-            return out
-        assert isinstance(spec, AttentionSpec)
-        out.num_kv_heads = spec.num_kv_heads
-        out.head_size = spec.head_size
-        out.head_size_v = spec.head_size_v or 0
-        out.dtype = spec.dtype
-        if isinstance(spec, SlidingWindowSpec):
-            out.sliding_window = spec.sliding_window
-        if isinstance(spec, ChunkedLocalAttentionSpec):
-            out.attention_chunk_size = spec.attention_chunk_size
-        return out
+    #: The ``LayerSpec`` of a core layer spec (see :mod:`cache_service.specs_proto`).
+    from_spec = staticmethod(layer_spec_to_proto)
 
 
 class StepBuilder:
@@ -104,6 +86,8 @@ class StepBuilder:
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
             hash_recipe: pb.HashRecipe | None = None) -> StepBuilder:
+        """Appends an add op (a new request and its prompt; ``block_hashes`` when the client
+        hashed it itself); returns the builder, for chaining."""
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -120,6 +104,8 @@ class StepBuilder:
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
+        """Appends a lookup op (the request's cached prefix; ``explain``: why each group's hit
+        ends where it does)."""
         op = self._add().lookup
         op.request_id = request_id
         if explain:
@@ -131,6 +117,9 @@ class StepBuilder:
                  delay_cache_blocks: bool = False, block_table: bool = True,
                  append_token_ids: Sequence[int] = (),
                  num_placeholder_tokens: int = 0) -> StepBuilder:
+        """Appends an allocate op: room for ``num_new_tokens`` more computed tokens (and
+        ``num_lookahead_tokens`` speculative ones), using the lookup's hit unless
+        ``use_lookup`` is False; ``block_table=False`` answers no table."""
         m = self._add().allocate
         m.request_id = request_id
         m.num_new_tokens = num_new_tokens
@@ -151,20 +140,27 @@ class StepBuilder:
         return self
 
     def append(self, request_id: str, token_ids: Sequence[int]) -> StepBuilder:
+        """Appends an append op: decoded output tokens of the request (its block hashes grow;
+        no block is allocated)."""
         m = self._add().append_tokens
         m.request_id = request_id
         m.token_ids.extend(token_ids)
         return self
 
     def free(self, request_id: str) -> StepBuilder:
+        """Appends a free op: the request ends, its blocks go back (cached ones stay reusable)."""
         self._add().free.request_id = request_id
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:
+        """Appends a preempt op: the request's blocks are freed but the request stays (computed
+        tokens back to 0), to be looked up and allocated again."""
         self._add().preempt.request_id = request_id
         return self
 
     def new_step(self) -> StepBuilder:
+        """Appends a new-step op: a new scheduler step starts here (once a pool has seen one,
+        steps are explicit; before that, every allocate starts one)."""
         self._add().new_step.SetInParent()
         return self
 
@@ -314,6 +310,8 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
                   block_hashes: Sequence[bytes], cache_salt: str | None,
                   lora_name: str | None, lora_path: str | None,
                   explain: bool = False) -> pb.PeekPrefixRequest:
+    """The PeekPrefixRequest of :meth:`~AsyncCacheClient.peek_prefix` (None and "" are the
+    same: not set)."""
     return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
                                 block_hashes=block_hashes, cache_salt=cache_salt or "",
                                 lora_name=lora_name or "", lora_path=lora_path or "",
@@ -322,6 +320,7 @@ def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
 
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],
                    begin_step: bool) -> pb.StepRequest:
+    """A StepRequest of one decode op: one token for each of ``request_ids``."""
     return StepBuilder(pool_id, begin_step=begin_step).decode(request_ids, token_ids).request
 
 

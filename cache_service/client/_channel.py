@@ -24,11 +24,13 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata carrying ``token`` as a bearer token (none without one)."""
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def channel_credentials(tls: bool,
                         root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials when ``tls`` or ``root_certificates`` ask for them (None: plaintext)."""
     if not tls and root_certificates is None:
         return None
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)

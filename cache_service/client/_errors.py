@@ -30,6 +30,8 @@ class CacheError(Exception):
 
     @classmethod
     def from_rpc(cls, exc: grpc.RpcError) -> CacheError:
+        """The CacheError of a failed call: its code, message, and the first field its
+        BadRequest detail names."""
         field = ""
         try:
             status = rpc_status.from_call(exc)

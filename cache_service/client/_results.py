@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import LAYER_KINDS
+from kvcache_common.enums import LAYER_KINDS, MAMBA_CACHE_MODES
 
 R = TypeVar("R")
 
@@ -53,14 +53,18 @@ class LookupResult(_MessageView):
 
     @property
     def hit_tokens(self) -> int:
+        """Cached prefix length in tokens (0: no hit)."""
         return self._m.hit_tokens
 
     @property
     def block_ids(self) -> list[list[int]]:
+        """The hit's blocks per group, in order."""
         return tables_from(self._m.block_ids)
 
     @property
     def shared_prefix_boundary(self) -> int:
+        """Where a prefix shared with cached data, but not wholly cached, ends (Marconi
+        style; 0: none)."""
         return self._m.shared_prefix_boundary
 
     def __repr__(self) -> str:
@@ -78,6 +82,7 @@ class AllocateResult(_MessageView):
 
     @property
     def ok(self) -> bool:
+        """False: no room (nothing allocated); preempt someone and retry."""
         return self._m.ok
 
     @property
@@ -87,14 +92,17 @@ class AllocateResult(_MessageView):
 
     @property
     def block_ids(self) -> list[list[int]]:
+        """The request's whole block table per group (empty with ``block_table=False``)."""
         return tables_from(self._m.block_ids)
 
     @property
     def num_computed_tokens(self) -> int:
+        """The request's computed tokens after this op (the hit included)."""
         return self._m.num_computed_tokens
 
     @property
     def hit_tokens_used(self) -> int:
+        """Tokens of the lookup's hit this allocation took over (0 without a hit)."""
         return self._m.hit_tokens_used
 
     @property
@@ -118,6 +126,8 @@ class DecodeResult(_MessageView):
 
     @property
     def ok(self) -> list[bool]:
+        """``ok[i]``: ``request_ids[i]`` got its slot (False: no room; its token stays
+        appended)."""
         return list(self._m.ok)
 
     @property
@@ -132,6 +142,8 @@ class DecodeResult(_MessageView):
 
     @property
     def new_block_ids(self) -> dict[int, list[list[int]]]:
+        """Index of each request that got new blocks -> its new blocks per group (most decode
+        steps grow few requests)."""
         m = self._m
         grown = m.grown
         if not grown:
@@ -208,6 +220,8 @@ class GroupInfo:
     sliding_window: int
     attention_chunk_size: int
     page_size_bytes: int
+    #: Mamba groups: ``"none"`` or ``"align"`` (docs/semantics.md); ``""`` for the others.
+    mamba_cache_mode: str = ""
 
 
 @dataclass(frozen=True)
@@ -278,14 +292,17 @@ class Event:
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
+    """Block tables as plain lists, one per group."""
     return [list(t.block_ids) for t in tables]
 
 
 def copies_from(copies: Iterable[pb.BlockCopy]) -> list[BlockCopy]:
+    """The block copies of an answer, in the order to run them."""
     return [BlockCopy(c.group, c.src_block_id, c.dst_block_id) for c in copies]
 
 
 def op_result_from(r: pb.OpResult) -> OpResult:
+    """The typed result of one op's answer (by the op kind it answers)."""
     kind = r.WhichOneof("result")
     if kind == "allocate":
         return AllocateResult(r.allocate)
@@ -307,20 +324,30 @@ def op_result_from(r: pb.OpResult) -> OpResult:
 
 
 def step_result(resp: pb.StepResponse) -> StepResult:
+    """The typed results of a StepResponse, one per op in order, and the free block count."""
     return StepResult([op_result_from(r) for r in resp.results], resp.num_free_blocks)
 
 
+def _mamba_cache_mode(group: pb.KVCacheGroup) -> str:
+    if LAYER_KINDS.name(group.kind) != "mamba":
+        return ""
+    return MAMBA_CACHE_MODES.name(group.mamba_cache_mode) or "none"  # UNSPECIFIED = none
+
+
 def pool_info_from(cfg: pb.PoolConfig, created: bool = False) -> PoolInfo:
+    """A PoolInfo of a PoolConfig (``created``: RegisterPool made it just now)."""
     return PoolInfo(
         cfg.pool_id, cfg.num_blocks,
         [GroupInfo(g.index, list(g.layer_names), LAYER_KINDS.name(g.kind), g.block_size,
-                   g.sliding_window, g.attention_chunk_size, g.page_size_bytes)
+                   g.sliding_window, g.attention_chunk_size, g.page_size_bytes,
+                   _mamba_cache_mode(g))
          for g in cfg.groups],
         cfg.page_size_bytes, cfg.scheduler_block_size, cfg.hash_block_size, created, cfg,
         cfg.layer_page_size_bytes, cfg.incarnation)
 
 
 def stats_from(s: pb.PoolStats) -> PoolStats:
+    """PoolStats of the protocol message."""
     return PoolStats(s.num_blocks, s.num_free_blocks, s.num_cached_blocks, s.usage,
                      s.num_requests, s.prefix_cache_queries, s.prefix_cache_hits, s.evictions,
                      s.allocation_failures, s.preemptions,
@@ -328,6 +355,7 @@ def stats_from(s: pb.PoolStats) -> PoolStats:
 
 
 def event_from(e: pb.KVEvent) -> Event:
+    """The Event of one KVEvent, with its pool incarnation."""
     return dataclasses.replace(_event_from(e), incarnation=e.incarnation)
 
 
@@ -347,10 +375,12 @@ def _event_from(e: pb.KVEvent) -> Event:
 
 
 def request_state_from(r: pb.GetRequestResponse) -> RequestState:
+    """The RequestState of a GetRequest answer."""
     return RequestState(tables_from(r.block_ids), r.num_computed_tokens, r.num_tokens,
                         r.num_block_hashes, r.status, r.num_preemptions,
                         r.num_placeholder_tokens)
 
 
 def hits_from(resp: pb.PeekPrefixResponse) -> dict[str, int]:
+    """Pool id -> cached prefix length in tokens, for every pool asked."""
     return {h.pool_id: h.hit_tokens for h in resp.hits}

@@ -40,6 +40,7 @@ class Routes:
         return self.owners.get(pool_id) or self.seeds[self._seed]
 
     def stub(self, address: str) -> Any:
+        """The stub for ``address``, opened on first use (one channel per address)."""
         stub = self._stubs.get(address)
         if stub is None:
             stub = self._stubs[address] = self._open(address)
@@ -130,6 +131,8 @@ class CallRoute:
 
     @property
     def address(self) -> str:
+        """Where the next attempt goes: the pinned replica, else the pool's known owner or the
+        current seed."""
         return self.pin or self.routes.address(self.pool_id)
 
     def timeout(self) -> float:

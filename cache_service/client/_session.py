@@ -42,6 +42,7 @@ class SessionStamp:
         request.sequence = self.next_sequence
 
     def accepted(self) -> None:
+        """The call under the current number was answered: the next call takes the next number."""
         self.next_sequence += 1
         self.in_doubt = False
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -13,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from cache_service.client._base import ClientBase, StepStreamBase
 from cache_service.client._builders import (
     StepBuilder,
     decode_request,
@@ -20,7 +20,6 @@ from cache_service.client._builders import (
     register_request,
     subscribe_request,
 )
-from cache_service.client._channel import auth_metadata, channel_credentials, channel_options
 from cache_service.client._errors import CacheError
 from cache_service.client._results import (
     DecodeResult,
@@ -36,60 +35,20 @@ from cache_service.client._results import (
     stats_from,
     step_result,
 )
-from cache_service.client._retry import OnRetry, resend_delay
-from cache_service.client._routing import (
-    MAX_REDIRECTS,
-    CallRoute,
-    Deadline,
-    Moved,
-    Routes,
-    reroute,
-)
-from cache_service.client._session import (
-    Carrier,
-    SequencedCall,
-    SessionStamp,
-    keepalive_interval,
-)
+from cache_service.client._retry import NoAnswer, OnRetry
+from cache_service.client._routing import MAX_REDIRECTS, Deadline, Moved
+from cache_service.client._session import SessionStamp
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
-from kvcache_common.backoff import Backoff
 
 
-class CacheClient:
-    """The blocking twin of :class:`AsyncCacheClient` (same methods, no ``await``).
-    Thread-safe: mutating calls of one client take turns (one sequence number at a time)."""
+class CacheClient(ClientBase):
+    """The blocking twin of :class:`AsyncCacheClient` (same methods, no ``await``; see
+    :class:`ClientBase` for the arguments). Use as ``with``. Thread-safe: mutating calls
+    of one client take turns (one sequence number at a time)."""
 
-    def __init__(self, target: str, *, token: str | None = None, tls: bool = False,
-                 root_certificates: bytes | None = None, default_timeout: float = 10.0,
-                 max_retries: int = 4, backoff_base: float = 0.05, backoff_max: float = 1.0,
-                 ssl_target_name_override: str | None = None, session: bool = True,
-                 client_name: str = "", attempt_timeout: float = 2.0) -> None:
-        self._backoff = Backoff(backoff_base, backoff_max)
-        options = channel_options(max_retries, self._backoff, ssl_target_name_override)
-        creds = channel_credentials(tls, root_certificates)
-        self._channels: list[grpc.Channel] = []
+    _grpc = grpc
 
-        def open_stub(address: str) -> pb_grpc.CacheServiceStub:
-            channel = (grpc.secure_channel(address, creds, options=options) if creds
-                       else grpc.insecure_channel(address, options=options))
-            self._channels.append(channel)
-            return pb_grpc.CacheServiceStub(channel)
-
-        #: Replicas and learned pool owners (cluster mode: several, comma-separated).
-        self._routes = Routes(target, open_stub)
-        self._stub = self._routes.stub(self._routes.seeds[0])
-        self._metadata = auth_metadata(token)
-        self.default_timeout = default_timeout
-        #: The first attempt's deadline of a call that is safe to resend (doubled on each
-        #: resend; see :class:`CallRoute`): a hung replica costs a call about this long.
-        self.attempt_timeout = attempt_timeout
-        self._retries = max_retries
-        self._use_session = session
-        self._client_name = client_name
-        #: One session per replica (sessions live in a replica's state), by address.
-        self._sessions: dict[str, SessionStamp] = {}
-        self._carrier = Carrier()  # sessions carried over a failover
+    def _init_transport(self) -> None:
         self._lock = threading.RLock()  # one mutating call at a time (sequence numbers)
         self._keepalive_stop = threading.Event()
 
@@ -104,23 +63,22 @@ class CacheClient:
         and closes the channel."""
         self._keepalive_stop.set()
         with self._lock:
-            sessions = list(self._sessions.items()) + [
-                (address, session) for (address, _), session in self._carrier.adopted.items()]
-            self._sessions, self._carrier.adopted = {}, {}
-            for address, session in sessions:
+            for address, session in self._take_sessions():
                 # unreachable or already expired: the lease frees them anyway
                 with contextlib.suppress(grpc.RpcError):
                     self._routes.stub(address).CloseSession(pb.CloseSessionRequest(
                         session_id=session.session_id), timeout=2.0, metadata=self._metadata)
-        for channel in self._channels:
+        for channel in self._channels.values():
             channel.close()
 
-    @property
-    def session_id(self) -> str | None:
-        """The id of the session open on the first seed replica (None before the first
-        mutating call, or without sessions)."""
-        session = self._sessions.get(self._routes.address())
-        return session.session_id if session else None
+    def wait_connected(self, timeout: float, address: str | None = None) -> None:
+        """Returns once the channel to ``address`` (default: the first seed) is connected;
+        raises :class:`CacheError` (DEADLINE_EXCEEDED) if it is not within ``timeout``."""
+        try:
+            grpc.channel_ready_future(self._channel(address)).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"not connected within {timeout} s") from None
 
     def _call(self, method: str, request: Any, timeout: float | None,
               pin: str | None = None, *, resend: bool = True) -> Any:
@@ -129,26 +87,14 @@ class CacheClient:
         on that replica only (a call stamped with its session), raising :class:`Moved`
         when it must go elsewhere; ``resend``: safe to send again (a read, or stamped with
         a session), so each attempt has its own deadline and a lost answer is resent."""
-        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
-                          timeout or self.default_timeout, self._backoff, pin,
-                          resend=resend and self._retries > 0,
-                          attempt_timeout=self.attempt_timeout)
+        route = self._route(request, timeout, pin, resend)
         while True:
             address = route.address
             try:
                 return getattr(self._routes.stub(address), method)(
                     request, timeout=route.timeout(), metadata=self._metadata)
             except grpc.RpcError as exc:
-                error, trailers = CacheError.from_rpc(exc), exc.trailing_metadata()
-            if error.code == grpc.StatusCode.UNAVAILABLE or (
-                    error.code == grpc.StatusCode.CANCELLED and route.resend):
-                # (CANCELLED: a server that stopped with the call in flight; this client
-                # never cancels a unary call itself)
-                delay = route.unavailable(address, error, trailers)
-            elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                delay = route.expired(address, error)
-            else:
-                raise error
+                delay = self._unary_delay(route, address, exc)
             time.sleep(delay)
 
     def _ensure_session(self, address: str) -> SessionStamp | None:
@@ -156,14 +102,8 @@ class CacheClient:
         held)."""
         session = self._sessions.get(address)
         if session is None and self._use_session:
-            # A proposed id makes OpenSession safe to resend: a resend whose first answer
-            # was lost answers the same session (no second one, no lazily failed call).
-            resp = self._call("OpenSession", pb.OpenSessionRequest(
-                client_name=self._client_name, session_id=secrets.token_hex(16)), None,
-                pin=address)
-            session = self._sessions[address] = SessionStamp(resp.session_id,
-                                                             resp.lease_ttl_seconds)
-            self._start_keepalive(session, address)
+            session = self._session_opened(address, self._call(
+                "OpenSession", self._open_session_request(), None, pin=address))
         return session
 
     def _start_keepalive(self, session: SessionStamp, address: str, *,
@@ -173,9 +113,9 @@ class CacheClient:
                          name="kvcache-keepalive", daemon=True).start()
 
     def _keep_alive(self, session: SessionStamp, address: str, now: bool) -> None:
-        interval = keepalive_interval(session.lease_ttl_seconds)
-        request = pb.KeepAliveRequest(session_id=session.session_id)
-        stub = self._routes.stub(address)
+        """The keep-alive thread's loop: until the client closes or the session is no
+        longer its own there (expired, replaced)."""
+        interval, request, stub = self._keepalive_plan(session, address)
         wait = 0.0 if now else interval
         while (not self._keepalive_stop.wait(wait)
                and self._carrier.alive(address, session, self._sessions)):
@@ -194,59 +134,61 @@ class CacheClient:
         raises :class:`Moved` when the request must go to another replica: it is restamped
         there, after a backoff unless redirected, until ``timeout`` (default
         ``default_timeout``) has passed (see :class:`CallRoute`)."""
-        route = CallRoute(self._routes, getattr(request, "pool_id", ""),
-                          timeout or self.default_timeout, self._backoff)
-        call = SequencedCall(self._sessions, self._carrier, route.pool_id)
+        route, call = self._sequenced_call(request, timeout)
         with self._lock:
             while True:
                 address = route.address
                 session = None
                 try:
-                    session = call.carried_stamp(address)
-                    if session is None:
-                        session = self._ensure_session(address)
+                    session = call.carried_stamp(address) or self._ensure_session(address)
                     if session is not None:
                         session.stamp(request)
                     response = send(request, address)
-                except Moved as moved:
-                    call.moved(address, session, moved)
-                    time.sleep(route.moved(moved))
+                except (Moved, CacheError) as exc:
+                    time.sleep(self._unsent_delay(route, call, address, session, exc))
                     continue
-                except CacheError as err:
-                    if call.failed(address, session, err):
-                        continue
-                    raise
-                for stamp in call.accepted(address, session) if session is not None else ():
-                    self._start_keepalive(stamp, address, now=stamp is not session)
+                self._accepted(call, address, session)
                 return response
 
     def _mutate(self, method: str, request: Any, timeout: float | None) -> Any:
+        """A mutating unary call, stamped (and restamped per replica) with the session."""
         deadline = Deadline(timeout or self.default_timeout)
         return self._sequenced(lambda r, a: self._call(
             method, r, deadline.left(), pin=a, resend=bool(r.session_id)), request, timeout)
 
     def register_pool(self, pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                       timeout: float | None = None, **kwargs: Any) -> PoolInfo:
+        """Create (or re-open, if identical) a pool; kwargs as :func:`register_request`."""
         resp = self._mutate("RegisterPool",
-                          register_request(pool_id, layer_specs, **kwargs), timeout)
+                            register_request(pool_id, layer_specs, **kwargs), timeout)
         return pool_info_from(resp.config, resp.created)
 
     def get_pool(self, pool_id: str, *, timeout: float | None = None) -> PoolInfo:
-        return pool_info_from(self._call("GetPool", pb.GetPoolRequest(pool_id=pool_id),
-                                     timeout).config)
+        """The pool's configuration and groups (NOT_FOUND if it is not registered)."""
+        resp = self._call("GetPool", pb.GetPoolRequest(pool_id=pool_id), timeout)
+        return pool_info_from(resp.config)
 
     def list_pools(self, *, timeout: float | None = None) -> list[PoolInfo]:
-        return [pool_info_from(c) for c in
-                self._call("ListPools", pb.ListPoolsRequest(), timeout).pools]
+        """Every pool of the replica the call goes to (the first seed)."""
+        resp = self._call("ListPools", pb.ListPoolsRequest(), timeout)
+        return [pool_info_from(c) for c in resp.pools]
+
+    def list_sessions(self, *, timeout: float | None = None) -> pb.ListSessionsResponse:
+        """The sessions open on the replica the call goes to (the first seed), with the
+        requests each owns: the whole ListSessionsResponse."""
+        return self._call("ListSessions", pb.ListSessionsRequest(), timeout)
 
     def delete_pool(self, pool_id: str, *, timeout: float | None = None) -> int:
-        return self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id),
-                          timeout).num_requests_dropped
+        """Drops the pool; answers the number of requests it still had."""
+        resp = self._mutate("DeletePool", pb.DeletePoolRequest(pool_id=pool_id), timeout)
+        return resp.num_requests_dropped
 
     def step(self, pool_id: str, step_ops: Sequence[pb.Op], *, begin_step: bool = False,
              timeout: float | None = None) -> StepResult:
-        return step_result(self._mutate("Step", pb.StepRequest(
-            pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout))
+        """Apply a batch of ops in order (all or nothing on invalid input)."""
+        resp = self._mutate("Step", pb.StepRequest(
+            pool_id=pool_id, begin_step=begin_step, ops=step_ops), timeout)
+        return step_result(resp)
 
     def step_batch(self, batch: StepBuilder, *, timeout: float | None = None) -> StepResult:
         """Send a :class:`StepBuilder`'s batch."""
@@ -254,6 +196,7 @@ class CacheClient:
 
     def step_raw(self, request: pb.StepRequest, *,
                  timeout: float | None = None) -> pb.StepResponse:
+        """Step with protocol messages (no conversion), for hot loops."""
         return self._mutate("Step", request, timeout)
 
     def decode(self, pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int], *,
@@ -274,6 +217,7 @@ class CacheClient:
                     lora_name: str | None = None,
                     timeout: float | None = None,
                     lora_path: str | None = None) -> dict[str, int]:
+        """Cached prefix length in tokens per pool (read-only)."""
         resp = self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
         return hits_from(resp)
@@ -298,21 +242,30 @@ class CacheClient:
 
     def get_request(self, pool_id: str, request_id: str, *,
                     timeout: float | None = None) -> RequestState:
-        r = self._call("GetRequest", pb.GetRequestRequest(
+        """One request's tokens, block table and state (NOT_FOUND if unknown)."""
+        resp = self._call("GetRequest", pb.GetRequestRequest(
             pool_id=pool_id, request_id=request_id), timeout)
-        return request_state_from(r)
+        return request_state_from(resp)
 
     def stats(self, pool_id: str, *, timeout: float | None = None) -> PoolStats:
-        return stats_from(self._call("GetPoolStats",
-                                 pb.GetPoolStatsRequest(pool_id=pool_id), timeout).stats)
+        """The pool's usage and prefix-cache counters."""
+        resp = self._call("GetPoolStats", pb.GetPoolStatsRequest(pool_id=pool_id), timeout)
+        return stats_from(resp.stats)
 
     def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
-        return self._mutate("ResetPrefixCache",
-                          pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout).reset
+        """Drops every cached block of the pool; False (nothing changed) while any
+        block is in use by a request."""
+        resp = self._mutate("ResetPrefixCache",
+                            pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
+        return resp.reset
 
     def subscribe_events(self, pool_id: str, from_sequence: int | None = None,
                          incarnation: int | None = None,
                          ) -> Iterator[Event]:
+        """KV events of a pool (from ``from_sequence`` if given, else live only) until the
+        pool is deleted or the server stops. ``incarnation`` (when resuming): fail with
+        FAILED_PRECONDITION instead of resuming another incarnation's sequence. No
+        deadline; raises :class:`CacheError`."""
         req = subscribe_request(pool_id, from_sequence, incarnation)
         for _ in range(MAX_REDIRECTS + 1):
             address = self._routes.address(pool_id)
@@ -325,14 +278,12 @@ class CacheClient:
                         yield event_from(e)
                 return
             except grpc.RpcError as exc:
-                if (delivered or exc.code() != grpc.StatusCode.UNAVAILABLE
-                        or not self._routes.follow(pool_id, exc.trailing_metadata())):
-                    raise CacheError.from_rpc(exc) from None
+                self._subscribe_failed(pool_id, exc, delivered)
             finally:
                 call.cancel()
 
 
-class StepStream:
+class StepStream(StepStreamBase):
     """A blocking StepStream: :meth:`step` sends one request and waits for its answer.
 
     Every step has a deadline (``step_timeout``). When it passes, or the stream breaks
@@ -341,19 +292,18 @@ class StepStream:
     ``max_retries`` times; ``on_retry(reason, attempt)`` is called before each resend. An
     error status from the server (an invalid batch) ends the stream; the next step opens
     a new one. The stream goes to the replica of the step's pool: a redirect, or that
-    replica giving up, reopens it on another one (the request restamped for its session)."""
+    replica giving up, reopens it on another one (the request restamped for its session).
+
+    A blocking gRPC stream cannot be read with a deadline, so a reader thread per stream
+    puts the answers on a queue that a step waits on."""
 
     _END = object()
 
     def __init__(self, client: CacheClient, step_timeout: float,
                  on_retry: OnRetry | None = None) -> None:
-        self._client = client
-        self.step_timeout = step_timeout
-        self._on_retry = on_retry
+        super().__init__(client, step_timeout, on_retry)
         self._requests: queue.SimpleQueue | None = None
         self._responses: queue.SimpleQueue = queue.SimpleQueue()
-        self._call: Any = None
-        self._address = ""
 
     def __enter__(self) -> StepStream:
         return self
@@ -362,6 +312,7 @@ class StepStream:
         self.close()
 
     def _open(self, address: str) -> None:
+        """Opens the stream to ``address``, with its reader thread."""
         requests: queue.SimpleQueue = queue.SimpleQueue()
         responses: queue.SimpleQueue = queue.SimpleQueue()
         call = self._client._routes.stub(address).StepStream(
@@ -372,53 +323,37 @@ class StepStream:
             try:
                 for response in call:
                     responses.put(response)
-                responses.put(self._END)
+                responses.put(NoAnswer.ENDED)
             except grpc.RpcError as exc:
                 responses.put(exc)
 
         threading.Thread(target=read, name="kvcache-step-stream", daemon=True).start()
         self._requests, self._responses, self._call = requests, responses, call
 
-    def _drop(self) -> None:
-        if self._call is not None:
-            assert self._requests is not None
-            self._requests.put(self._END)
-            self._call.cancel()
-        self._requests = self._call = None
+    def _attempt(self, request: pb.StepRequest) -> Any:
+        """Sends ``request`` on the open stream: its answer, or why none came (a status
+        that ended the stream, or a :class:`NoAnswer`)."""
+        assert self._requests is not None
+        self._requests.put(request)
+        try:
+            return self._responses.get(timeout=self.step_timeout)
+        except queue.Empty:
+            return NoAnswer.TIMED_OUT
 
     def _exchange(self, request: pb.StepRequest, address: str) -> pb.StepResponse:
         """One request and its answer from ``address``, with the deadline and the
         resends; raises :class:`Moved` when it must go to another replica."""
-        attempt = 0
+        resends = self._resends(request.pool_id)
         while True:
             if self._call is not None and self._address != address:
-                self._drop()
+                self.close()
             if self._call is None:
                 self._open(address)
-            assert self._requests is not None
-            self._requests.put(request)
-            try:
-                item = self._responses.get(timeout=self.step_timeout)
-            except queue.Empty:
-                item = None
-            if isinstance(item, pb.StepResponse):
-                return item
-            self._drop()
-            if isinstance(item, grpc.RpcError):
-                err = CacheError.from_rpc(item)
-                if item.code() == grpc.StatusCode.UNAVAILABLE:
-                    moved = reroute(self._client._routes, request.pool_id, address,
-                                    item.trailing_metadata())
-                    if moved is not None:
-                        raise Moved(err, moved)
-            elif item is None:
-                err = CacheError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                 f"no StepStream answer within {self.step_timeout} s")
-            else:  # the server closed the stream without a status (shutting down)
-                err = CacheError(grpc.StatusCode.UNAVAILABLE, "StepStream ended")
-            time.sleep(resend_delay(err, attempt, self._client._retries,
-                                    self._client._backoff, self._on_retry))
-            attempt += 1
+            outcome = self._attempt(request)
+            if isinstance(outcome, pb.StepResponse):
+                return outcome
+            self.close()
+            time.sleep(resends.after(outcome, address))
 
     def step_raw(self, request: pb.StepRequest) -> pb.StepResponse:
         """Step with protocol messages (stamped with the client's session here)."""
@@ -426,8 +361,13 @@ class StepStream:
 
     def step(self, pool_id: str, step_ops: Sequence[pb.Op], *,
              begin_step: bool = False) -> StepResult:
-        return step_result(self.step_raw(pb.StepRequest(pool_id=pool_id, begin_step=begin_step,
-                                                        ops=step_ops)))
+        """One Step on the stream: its ops in order, all or nothing on invalid input."""
+        return step_result(self.step_raw(self._request(pool_id, step_ops, begin_step)))
 
     def close(self) -> None:
-        self._drop()
+        """Drops the open stream, if any (the next step opens a new one)."""
+        if self._call is not None:
+            assert self._requests is not None
+            self._requests.put(self._END)
+            self._call.cancel()
+        self._requests = self._call = None

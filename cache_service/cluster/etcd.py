@@ -10,6 +10,8 @@ import aetcd
 import grpc
 import structlog
 
+from kvcache_common.backoff import Backoff
+
 #: What a lost or restarting etcd raises through aetcd.
 ETCD_ERRORS: tuple[type[BaseException], ...] = (
     aetcd.exceptions.ClientError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError)
@@ -41,6 +43,12 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     return out
 
 
+#: Between attempts to reach etcd again (joining, or following the cluster view after a
+#: lost watch): the tree's one backoff rule (:mod:`kvcache_common.backoff`), over the same
+#: 0.1 to 0.5 s span as the channel's own reconnect backoff below.
+RETRY_BACKOFF = Backoff(0.1, 0.5)
+
+
 class Etcd:
     """One ``aetcd.Client`` at a time; :meth:`reconnect` replaces it with one for the next
     endpoint. Every call gets ``timeout`` seconds."""
@@ -61,6 +69,7 @@ class Etcd:
 
     @property
     def endpoint(self) -> str:
+        """The endpoint the current client talks to, ``host:port``."""
         host, port = self.endpoints[self._index]
         return f"{host}:{port}"
 
@@ -80,5 +89,6 @@ class Etcd:
         _log.info("etcd_reconnect", endpoint=self.endpoint)
 
     async def close(self) -> None:
+        """Closes the current client (an unreachable etcd is not waited for past ``timeout``)."""
         with contextlib.suppress(*ETCD_ERRORS):
             await asyncio.wait_for(self.client.close(), self.timeout)

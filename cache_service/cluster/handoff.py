@@ -18,11 +18,13 @@ import hashlib
 import os
 from pathlib import Path
 
+from cache_service.errors import DataDirError
+
 MAGIC = b"KVHANDOFF1\n"
 DIRECTORY = "handoff"
 
 
-class HandoffError(Exception):
+class HandoffError(DataDirError):
     """A hand-over file is missing, truncated or damaged (names the file)."""
 
 

@@ -37,18 +37,23 @@ class KeyLayout:
 
     @property
     def root(self) -> bytes:
+        """The prefix of every key of this cluster, ``/kvcache/<cluster>/``."""
         return f"/kvcache/{self.cluster}/".encode()
 
     def member(self, member_id: str) -> bytes:
+        """The key of a live member (under its lease)."""
         return self.root + b"members/" + member_id.encode()
 
     def owner(self, pool_id: str) -> bytes:
+        """The key naming the pool's owner (under the owner's lease)."""
         return self.root + b"owners/" + pool_id.encode()
 
     def pool(self, pool_id: str) -> bytes:
+        """The key of the pool's registration (no lease: outlives its owners)."""
         return self.root + b"pools/" + pool_id.encode()
 
     def holder(self, pool_id: str) -> bytes:
+        """The key naming the replica that last held the pool's state (no lease)."""
         return self.root + b"holders/" + pool_id.encode()
 
     def parse(self, key: bytes) -> tuple[str, str] | None:
@@ -75,6 +80,8 @@ class Owner:
     @staticmethod
     def encode(member: str, address: str, *, source: str | None = None,
                handoff: str | None = None) -> bytes:
+        """The value of an ``owners/<pool>`` key (with ``source`` and ``handoff`` for a
+        hand-over)."""
         data = {"member": member, "address": address}
         if source is not None and handoff is not None:
             data.update({"from": source, "handoff": handoff})
@@ -82,6 +89,8 @@ class Owner:
 
     @classmethod
     def decode(cls, value: bytes, lease: int, token: int) -> Owner:
+        """The Owner of an ``owners/<pool>`` value, read with the key's ``lease`` and mod
+        revision (``token``)."""
         data = json.loads(value)
         source, handoff = data.get("from"), data.get("handoff")
         return cls(str(data["member"]), str(data["address"]), lease, token,

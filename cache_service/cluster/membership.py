@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
+from cache_service.cluster.etcd import ETCD_ERRORS, RETRY_BACKOFF, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout
 
 _log = structlog.get_logger("cache_service.cluster")
@@ -48,6 +48,7 @@ class Membership:
     async def join(self, deadline: float) -> None:
         """Grants a lease and puts the member key, retrying over the endpoints until
         ``deadline`` (monotonic); then keeps the lease alive in the background."""
+        attempt = 0
         while True:
             client = self.etcd.client
             try:
@@ -59,7 +60,8 @@ class Membership:
                                           f"{exc}") from None
                 _log.warning("etcd_unreachable", endpoint=self.etcd.endpoint, error=str(exc))
                 await self.etcd.reconnect(client)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(RETRY_BACKOFF.delay(attempt))
+                attempt += 1
         self._task = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
 
     async def _grant(self) -> None:

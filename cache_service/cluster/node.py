@@ -21,7 +21,7 @@ from cache_service.cluster.keys import KeyLayout
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
-from cache_service.core.errors import InvalidArgument, KVCacheError
+from cache_service.errors import InvalidArgument, KVCacheError
 from cache_service.leases import LeaseKeeper
 from cache_service.registry import build_pool, check_pool_id
 from cache_service.settings import Settings
@@ -40,11 +40,9 @@ LocalPeek = Callable[[Namespace, pb.PeekPrefixRequest], Awaitable[pb.PeekPrefixR
 FORWARDED_KEY = "x-kvcache-forwarded"
 
 
-def _no_reader(settings: Settings, directory: Path, pool_id: str) -> bytes:
-    raise RuntimeError("no reader of other replicas' data directories was set")
-
-
 def advertised_address(settings: Settings, port: int) -> str:
+    """The address other replicas and clients reach this one at: ``--advertise-address``, else
+    the host (the machine's name for a wildcard bind) and ``port``."""
     if settings.advertise_address:
         return settings.advertise_address
     host = settings.host
@@ -55,9 +53,13 @@ def advertised_address(settings: Settings, port: int) -> str:
 
 class ClusterNode:
     """Built on the server's state (whose registry is a :class:`ClusterRegistry`); joins
-    the cluster with :meth:`join` once the port is known, leaves with :meth:`leave`."""
+    the cluster with :meth:`join` once the port is known, leaves with :meth:`leave`.
+    ``leases``: the server's lease keeper (sessions a taken-over pool brings get leases).
+    ``read_peer`` reads one pool's state (``export_pool``) out of another replica's data
+    directory (shared data root)."""
 
-    def __init__(self, settings: Settings, state: ServiceState) -> None:
+    def __init__(self, settings: Settings, state: ServiceState, *, leases: LeaseKeeper,
+                 read_peer: Callable[[Settings, Path, str], bytes]) -> None:
         assert settings.etcd_endpoints
         assert isinstance(state.registry, ClusterRegistry), "build the state with cluster=True"
         self.settings = settings
@@ -68,11 +70,10 @@ class ClusterNode:
         self.membership: Membership | None = None
         self.placement: Placement | None = None
         self._peers: dict[str, tuple[grpc.aio.Channel, pb_grpc.CacheServiceStub]] = {}
-        #: The server's lease keeper (sessions a taken-over pool brings get leases).
-        self.leases: LeaseKeeper | None = None
-        #: Reads one pool's state (``export_pool``) out of another replica's data
-        #: directory (set by the server; shared data root).
-        self.read_peer: Callable[[Settings, Path, str], bytes] = _no_reader
+        self.leases = leases
+        self.read_peer = read_peer
+        #: Set once :meth:`join` succeeded (the servicer acts as a member from then on).
+        self.joined = False
 
     async def join(self, port: int, timeout: float = 30.0) -> None:
         """Registers this replica and acts on the cluster's current state; raises
@@ -90,6 +91,7 @@ class ClusterNode:
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
         await asyncio.wait_for(self.placement.start(), timeout)
+        self.joined = True
 
     async def _adopt(self, pool_id: str, holder: str) -> None:
         """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is
@@ -128,9 +130,8 @@ class ClusterNode:
                        error=f"{type(exc).__name__}: {exc}")
             return False
         assert isinstance(result, wal_pb2.AdoptPoolResult)  # what an adoption answers
-        if self.leases is not None:
-            for sid in result.session_ids:  # timers are not state: fresh leases here
-                self.leases.start(sid)
+        for sid in result.session_ids:  # timers are not state: fresh leases here
+            self.leases.start(sid)
         _log.warning("pool_adopted", pool_id=pool_id, holder=holder, via=via,
                      incarnation=self.registry.entry(pool_id).incarnation,
                      sessions=len(result.session_ids),

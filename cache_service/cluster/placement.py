@@ -44,11 +44,10 @@ from dataclasses import dataclass
 
 import structlog
 
-from cache_service.cluster.etcd import ETCD_ERRORS, Etcd, stray_cancel
+from cache_service.cluster.etcd import ETCD_ERRORS, RETRY_BACKOFF, Etcd, stray_cancel
 from cache_service.cluster.keys import KeyLayout, Owner, rendezvous_owner
 from cache_service.cluster.membership import Membership
-from cache_service.core.errors import NotFound
-from cache_service.status import Unavailable
+from cache_service.errors import NotFound, Unavailable
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.redirect import OWNER_ADDRESS_KEY, OWNER_MEMBER_KEY
 
@@ -113,6 +112,7 @@ class Placement:
 
     @property
     def me(self) -> str:
+        """This replica's member id."""
         return self.membership.member_id
 
     # -- fencing (hot path) -------------------------------------------------------------
@@ -144,6 +144,7 @@ class Placement:
         raise NotFound(f"unknown pool {pool_id!r}", field=field)
 
     def owner_of(self, pool_id: str) -> Owner | None:
+        """The pool's owner as last seen in etcd (None: no owner key)."""
         return self.owners.get(pool_id)
 
     # -- view ---------------------------------------------------------------------------
@@ -154,11 +155,13 @@ class Placement:
         await self.synced.wait()
 
     async def stop(self) -> None:
+        """Stops following etcd (the view stays as it was)."""
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _follow(self) -> None:
+        failures = 0  # attempts in a row that ended before a listing was acted on
         while True:
             events: asyncio.Queue = asyncio.Queue()
             client = self.etcd.client
@@ -166,6 +169,7 @@ class Placement:
                 revision = await self._load()
                 await self.reconcile()
                 self.synced.set()
+                failures = 0
                 watch = await client.watch_prefix(
                     self.keys.root, start_revision=revision + 1)
                 pump = asyncio.create_task(self._pump(watch, events))
@@ -197,7 +201,8 @@ class Placement:
                 _log.warning("etcd_watch_lost", endpoint=self.etcd.endpoint, error=str(exc))
                 await self.etcd.reconnect(client)
                 # A pause between attempts while etcd is away (a timer, not a sync).
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(RETRY_BACKOFF.delay(failures))
+                failures += 1
 
     @staticmethod
     async def _pump(watch, events: asyncio.Queue) -> None:

@@ -36,13 +36,17 @@ class ClusterRegistry(PoolRegistry):
             self.placement.check(pool_id, field)
 
     def fence(self, pool_id: str) -> None:
+        """Raises unless this replica may serve ``pool_id`` now (see :meth:`Placement.check`)."""
         self._check(pool_id)
 
     def get(self, pool_id: str, *, field: str = "pool_id") -> PoolEntry:
+        """The pool's entry, once this replica's ownership of it is checked."""
         self._check(pool_id, field)
         return super().get(pool_id, field=field)
 
     def delete(self, pool_id: str) -> int:
+        """Drops the pool without the ownership check (a commit) and forgets it in the
+        placement; answers the requests it still had."""
         with self.unfenced():  # a commit (see the module docstring)
             dropped = super().delete(pool_id)
         if self.placement is not None:
@@ -50,6 +54,7 @@ class ClusterRegistry(PoolRegistry):
         return dropped
 
     def has(self, pool_id: str) -> bool:
+        """Whether the pool is held here (no ownership check)."""
         return pool_id in self._pools
 
     @contextmanager

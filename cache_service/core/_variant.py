@@ -27,7 +27,7 @@ STAMP = COMPILED / "stamp.json"
 #: Never compiled: the switch itself, the build and the command line; and the op and spec
 #: dataclasses, whose ``ClassVar`` constants mypyc 2.4 turns into dataclass fields (off the
 #: hot path: they are built once per op or per pool).
-NOT_COMPILED = frozenset({"__init__", "__main__", "_variant", "build", "ops", "specs"})
+NOT_COMPILED = frozenset({"__init__", "__main__", "_variant", "build", "operations", "specs"})
 
 _info: dict[str, Any] = {"variant": "pure", "reason": "not activated"}
 

@@ -39,7 +39,8 @@ from cache_service.core.errors import (
     qualify,
 )
 from cache_service.core.hashing import HashRecipe, check_declared_recipe
-from cache_service.core.ops import (
+from cache_service.core.operations import (
+    TOKENS_PER_COST,
     AddRequest,
     Allocate,
     AppendTokens,
@@ -49,9 +50,11 @@ from cache_service.core.ops import (
     Lookup,
     NewStep,
     Preempt,
+    op_cost,
 )
 from cache_service.core.request import Request
 from cache_service.core.restore import RebuiltFromFields
+from cache_service.core.slices import run_to_end
 
 MAX_REQUEST_ID_LEN = 256  # keeps hostile ids from bloating every table and event
 
@@ -216,172 +219,189 @@ def check_fill_args(request_ids: Any, token_ids: Any, limit: int) -> tuple[list[
     return rids, tokens
 
 
+@dataclass(slots=True)
+class Simulated:
+    """What the checks know of one request as the batch goes: whether it exists (adds and
+    frees take effect), its tokens as appends arrive, whether it may have computed tokens,
+    its trailing placeholders, and its computed tokens (-1: unknown, after an allocate whose
+    outcome the checks cannot know)."""
+
+    exists: bool = False
+    num_tokens: int = 0  # placeholders included
+    may_have_computed: bool = False
+    num_placeholders: int = 0
+    num_computed: int = 0
+
+
 class BatchCheck:
     """Checks one batch against a pool's requests without changing anything.
 
     ``pending_hit(request_id)`` answers the hit tokens of the request's pending lookup if
     it is still fresh (no block change since), else None. ``check`` answers, per op, the
-    prepared arguments the pool applies (token lists, or a decode's request objects)."""
+    prepared arguments the pool applies (token lists, or a decode's request objects): one
+    method per kind of op (``_CHECKS``)."""
 
     def __init__(self, requests: Mapping[str, Request], limits: BatchLimits,
                  pending_hit: Callable[[str], int | None]) -> None:
         self.requests = requests
         self.limits = limits
         self.pending_hit = pending_hit
-        # request id -> [exists, num_tokens (placeholders included),
-        # may_have_computed_tokens, num_placeholders, num_computed_tokens (-1: unknown,
-        # after an allocate)] as the batch goes (the two flags are bools, hence ints)
-        self.state: dict[str, list[int]] = {}
+        self.state: dict[str, Simulated] = {}  # by request id, as the batch goes
         self.blocks_moved = False  # a block-changing op came earlier in the batch
         self.last = False  # the op being checked is the batch's last (nothing reads after)
 
-    def _state(self, rid: str) -> list[int]:
+    def check(self, op: Any) -> Any:
+        """One op; answers what the apply step needs (see :meth:`Pool.apply_batch`)."""
+        check = _CHECKS.get(type(op))
+        if check is None:
+            raise InvalidArgument(f"not an op: {op!r:.80}", field="")
+        return check(self, op)
+
+    def _state(self, rid: str) -> Simulated:
         st = self.state.get(rid)
         if st is None:
             req = self.requests.get(rid)
-            st = ([False, 0, False, 0, 0] if req is None
-                  else [True, len(req.all_token_ids) + req.num_placeholders,
-                        req.num_computed_tokens > 0, req.num_placeholders,
-                        req.num_computed_tokens])
+            st = (Simulated() if req is None
+                  else Simulated(True, len(req.all_token_ids) + req.num_placeholders,
+                                 req.num_computed_tokens > 0, req.num_placeholders,
+                                 req.num_computed_tokens))
             self.state[rid] = st
         return st
 
-    def _require(self, rid: object, name: str = "request_id") -> list[int]:
+    def _require(self, rid: object, name: str = "request_id") -> Simulated:
         if type(rid) is not str:
             check_request_id(rid, name)
         st = self._state(rid)  # type: ignore[arg-type]
-        if not st[0]:
+        if not st.exists:
             raise UnknownRequest(f"unknown request {rid!r:.80}", field=name)
         return st
 
-    def _append(self, st: list[int], rid: str, tokens: Any, name: str) -> list[int]:
-        checked = check_tokens(tokens, self.limits.token_limit, name)
-        if st[3]:
-            raise InvalidArgument(f"request {rid!r} ends in {st[3]} placeholder token(s); "
-                                  "fill them (fill_placeholders) before appending known "
-                                  "tokens", field=name)
-        st[1] += len(checked)
+    def _grow(self, st: Simulated, rid: str, n: int, name: str) -> None:
+        """``n`` more tokens, within ``max_model_len``."""
+        st.num_tokens += n
         limit = self.limits.max_model_len
-        if st[1] > limit:
-            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
-                                  f"max_model_len {limit}", field=name)
+        if st.num_tokens > limit:
+            raise InvalidArgument(f"request {rid!r} would grow to {st.num_tokens} tokens, "
+                                  f"beyond max_model_len {limit}", field=name)
+
+    def _append(self, st: Simulated, rid: str, tokens: Any, name: str) -> list[int]:
+        checked = check_tokens(tokens, self.limits.token_limit, name)
+        if st.num_placeholders:
+            raise _placeholders_behind(st, rid, name)
+        self._grow(st, rid, len(checked), name)
         return checked
 
-    def _add_placeholders(self, st: list[int], rid: str, n: int, name: str) -> None:
+    def _add_placeholders(self, st: Simulated, rid: str, n: int, name: str) -> None:
         """``n`` placeholders on a request in decode (see the module docstring)."""
-        if st[4] >= 0 and st[4] != st[1]:
+        if st.num_computed >= 0 and st.num_computed != st.num_tokens:
             raise InvalidArgument(
                 f"placeholder tokens are for a request in decode (every token computed); "
-                f"request {rid!r} has {st[4]} of {st[1]} tokens computed", field=name)
-        st[1] += n
-        st[3] += n
-        limit = self.limits.max_model_len
-        if st[1] > limit:
-            raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, beyond "
-                                  f"max_model_len {limit}", field=name)
+                f"request {rid!r} has {st.num_computed} of {st.num_tokens} tokens computed",
+                field=name)
+        st.num_placeholders += n
+        self._grow(st, rid, n, name)
 
     @staticmethod
-    def _no_unfilled_admission(st: list[int], rid: str) -> None:
-        if st[3] and not st[2]:
+    def _no_unfilled_admission(st: Simulated, rid: str) -> None:
+        if st.num_placeholders and not st.may_have_computed:
             raise InvalidArgument(
-                f"request {rid!r} has nothing computed and {st[3]} placeholder token(s) "
-                "unfilled; fill them (fill_placeholders) before its lookup or allocate",
-                field="request_id")
+                f"request {rid!r} has nothing computed and {st.num_placeholders} placeholder "
+                "token(s) unfilled; fill them (fill_placeholders) before its lookup or "
+                "allocate", field="request_id")
 
-    def check(self, op: Any) -> Any:
-        """One op; answers what the apply step needs (see :meth:`Pool.apply_batch`)."""
-        kind = type(op)
+    # -- one method per kind of op (_CHECKS) -------------------------------------------------
+    def _check_allocate(self, op: Allocate) -> list[int] | None:
+        """The tokens to append first (None: none). The hot path of generic decode steps:
+        kept lean."""
         limits = self.limits
-        if kind is Decode:
-            return self._check_decode(op)
-        if kind is Allocate:  # the hot path of generic decode steps: kept lean
-            rid = op.request_id
-            st = self.state.get(rid) if type(rid) is str else None
-            if st is None or not st[0]:
-                st = self._require(rid)
-            if st[3] and not st[2]:
-                self._no_unfilled_admission(st, rid)
-            tokens = op.append_token_ids
-            appended = self._append(st, rid, tokens, "append_token_ids") if tokens else None
-            if op.num_placeholder_tokens:
-                name = "num_placeholder_tokens"
-                self._add_placeholders(st, rid, check_int(op.num_placeholder_tokens, name,
-                                                          minimum=0,
-                                                          maximum=limits.max_model_len), name)
-            n = op.num_new_tokens
-            maximum = limits.max_model_len
-            if type(n) is not int or not 1 <= n <= limits.max_new_tokens:
-                if n == 0 and type(n) is int and self._adopts_hit(op):
-                    pass
-                else:
-                    raise InvalidArgument(
-                        "num_new_tokens must be an integer in [1, max_in_flight_tokens="
-                        f"{limits.max_new_tokens}] (0 only to adopt a fresh pending lookup "
-                        f"hit; split longer chunks), got {n!r}", field="num_new_tokens")
-            if op.num_lookahead_tokens:
-                check_int(op.num_lookahead_tokens, "num_lookahead_tokens", minimum=0,
-                          maximum=maximum)
-            if op.num_encoder_tokens:
-                check_int(op.num_encoder_tokens, "num_encoder_tokens", minimum=0)
-            for flag in ("full_sequence_must_fit", "use_lookup", "delay_cache_blocks",
-                         "include_table"):
-                if type(getattr(op, flag)) is not bool:
-                    raise InvalidArgument(f"{flag} must be true or false", field=flag)
-            st[2] = True
-            st[4] = -1
-            self.blocks_moved = True
-            return appended
-        if kind is FillPlaceholders:
-            return self._check_fill(op)
-        if kind is AppendTokens:
-            return self._append(self._require(op.request_id), op.request_id, op.token_ids,
-                                "token_ids")
-        if kind is AddRequest:
-            rid = check_request_id(op.request_id)
-            st = self._state(rid)
-            if st[0]:
-                raise DuplicateRequest(f"request {rid!r} already exists", field="request_id")
-            tokens = check_tokens(op.token_ids, limits.token_limit)
-            if len(tokens) > limits.max_model_len:
-                raise InvalidArgument(f"prompt of {len(tokens)} tokens is longer than "
-                                      f"max_model_len {limits.max_model_len}",
-                                      field="token_ids")
-            check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
-            if op.hash_recipe is not None:
-                try:
-                    check_declared_recipe(limits.recipe, op.hash_recipe)
-                except KVCacheError as exc:
-                    raise qualify(exc, "hash_recipe") from None
-            hashes = None
-            if op.block_hashes is not None:
-                if not limits.enable_caching:
-                    raise InvalidArgument("the pool has prefix caching off; send no block "
-                                          "hashes", field="block_hashes")
-                hashes = check_hashes(op.block_hashes, len(tokens), limits)
-            st[:] = [True, len(tokens), False, 0, 0]
-            return tokens, hashes
-        if kind is Lookup:
-            st = self._require(op.request_id)
-            if st[2]:
-                raise FailedPrecondition(
-                    f"lookup on request {op.request_id!r}, which has (or may have, after an "
-                    "allocate earlier in this batch) computed tokens; only requests with "
-                    "nothing computed can look up", field="request_id")
-            self._no_unfilled_admission(st, op.request_id)
-            return None
-        if kind is Preempt:
-            st = self._require(op.request_id)
-            st[2] = False
-            st[4] = 0
-            self.blocks_moved = True
-            return None
-        if kind is Free:
-            self._require(op.request_id)[:] = [False, 0, False, 0, 0]
-            self.blocks_moved = True
-            return None
-        if kind is NewStep:
-            return None
-        raise InvalidArgument(f"not an op: {op!r:.80}", field="")
+        rid = op.request_id
+        st = self.state.get(rid) if type(rid) is str else None
+        if st is None or not st.exists:
+            st = self._require(rid)
+        if st.num_placeholders and not st.may_have_computed:
+            self._no_unfilled_admission(st, rid)
+        tokens = op.append_token_ids
+        appended = self._append(st, rid, tokens, "append_token_ids") if tokens else None
+        if op.num_placeholder_tokens:
+            name = "num_placeholder_tokens"
+            self._add_placeholders(st, rid, check_int(op.num_placeholder_tokens, name,
+                                                      minimum=0,
+                                                      maximum=limits.max_model_len), name)
+        n = op.num_new_tokens
+        if (type(n) is not int or not 1 <= n <= limits.max_new_tokens) and not (
+                n == 0 and type(n) is int and self._adopts_hit(op)):
+            raise InvalidArgument(
+                "num_new_tokens must be an integer in [1, max_in_flight_tokens="
+                f"{limits.max_new_tokens}] (0 only to adopt a fresh pending lookup "
+                f"hit; split longer chunks), got {n!r}", field="num_new_tokens")
+        if op.num_lookahead_tokens:
+            check_int(op.num_lookahead_tokens, "num_lookahead_tokens", minimum=0,
+                      maximum=limits.max_model_len)
+        if op.num_encoder_tokens:
+            check_int(op.num_encoder_tokens, "num_encoder_tokens", minimum=0)
+        for flag in ("full_sequence_must_fit", "use_lookup", "delay_cache_blocks",
+                     "include_table"):
+            if type(getattr(op, flag)) is not bool:
+                raise InvalidArgument(f"{flag} must be true or false", field=flag)
+        st.may_have_computed = True
+        st.num_computed = -1
+        self.blocks_moved = True
+        return appended
+
+    def _check_append(self, op: AppendTokens) -> list[int]:
+        """The tokens to append."""
+        return self._append(self._require(op.request_id), op.request_id, op.token_ids,
+                            "token_ids")
+
+    def _check_add(self, op: AddRequest) -> tuple[list[int], list[bytes] | None]:
+        """The prompt, and the client's block hashes (None: the pool hashes)."""
+        limits = self.limits
+        rid = check_request_id(op.request_id)
+        st = self._state(rid)
+        if st.exists:
+            raise DuplicateRequest(f"request {rid!r} already exists", field="request_id")
+        tokens = check_tokens(op.token_ids, limits.token_limit)
+        if len(tokens) > limits.max_model_len:
+            raise InvalidArgument(f"prompt of {len(tokens)} tokens is longer than "
+                                  f"max_model_len {limits.max_model_len}",
+                                  field="token_ids")
+        check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
+        if op.hash_recipe is not None:
+            try:
+                check_declared_recipe(limits.recipe, op.hash_recipe)
+            except KVCacheError as exc:
+                raise qualify(exc, "hash_recipe") from None
+        hashes = None
+        if op.block_hashes is not None:
+            if not limits.enable_caching:
+                raise InvalidArgument("the pool has prefix caching off; send no block "
+                                      "hashes", field="block_hashes")
+            hashes = check_hashes(op.block_hashes, len(tokens), limits)
+        self.state[rid] = Simulated(True, len(tokens))
+        return tokens, hashes
+
+    def _check_lookup(self, op: Lookup) -> None:
+        st = self._require(op.request_id)
+        if st.may_have_computed:
+            raise FailedPrecondition(
+                f"lookup on request {op.request_id!r}, which has (or may have, after an "
+                "allocate earlier in this batch) computed tokens; only requests with "
+                "nothing computed can look up", field="request_id")
+        self._no_unfilled_admission(st, op.request_id)
+
+    def _check_preempt(self, op: Preempt) -> None:
+        st = self._require(op.request_id)
+        st.may_have_computed = False
+        st.num_computed = 0
+        self.blocks_moved = True
+
+    def _check_free(self, op: Free) -> None:
+        self._require(op.request_id)
+        self.state[op.request_id] = Simulated()
+        self.blocks_moved = True
+
+    def _check_new_step(self, op: NewStep) -> None:
+        return None
 
     def _adopts_hit(self, op: Allocate) -> bool:
         """Whether an allocate of 0 new tokens adopts a prefix hit known now (see the
@@ -397,21 +417,16 @@ class BatchCheck:
         rids, tokens = check_fill_args(op.request_ids, op.token_ids, self.limits.token_limit)
         for i, rid in enumerate(rids):
             st = self._require(rid, f"request_ids[{i}]")
-            if st[3] <= 0:
+            if st.num_placeholders <= 0:
                 raise InvalidArgument(f"request {rid!r} has no placeholder token left to "
                                       "fill", field=f"token_ids[{i}]")
-            st[3] -= 1
+            st.num_placeholders -= 1
         return tokens
 
     def _check_decode(self, op: Decode) -> list[Request] | None:
         """Per request, an allocate of 1 token with 1 appended. The pool's request
         objects when no earlier op of the batch touched them (the usual case), else None."""
-        checks = self.decode_checks(op, 1 << 62)
-        while True:
-            try:
-                next(checks)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
+        return run_to_end(self.decode_checks(op, 1 << 62))
 
     def decode_checks(self, op: Decode, slice_cost: int
                       ) -> Generator[None, None, list[Request] | None]:
@@ -454,8 +469,8 @@ class BatchCheck:
                     break
                 if simulate:
                     state.update(zip(part_ids, [
-                        [True, len(r.all_token_ids) + r.num_placeholders + 1, True,
-                         r.num_placeholders + placeholders, -1] for r in part]))
+                        Simulated(True, len(r.all_token_ids) + r.num_placeholders + 1, True,
+                                  r.num_placeholders + placeholders, -1) for r in part]))
                 reqs += part  # type: ignore[operator]
                 if lo + slice_cost < n:
                     yield
@@ -469,30 +484,46 @@ class BatchCheck:
             if st is None:
                 check_request_id(rid, name)
                 st = self._state(rid)
-            if not st[0]:
+            if not st.exists:
                 raise UnknownRequest(f"unknown request {rid!r}", field=name)
             if placeholders:
                 self._add_placeholders(st, rid, 1, name)
             else:
-                if st[3]:
-                    raise InvalidArgument(
-                        f"request {rid!r} ends in {st[3]} placeholder token(s); fill them "
-                        "(fill_placeholders) before appending known tokens",
-                        field=f"token_ids[{i}]")
-                st[1] += 1
-                if st[1] > limit:
-                    raise InvalidArgument(f"request {rid!r} would grow to {st[1]} tokens, "
-                                          f"beyond max_model_len {limit}",
-                                          field=f"token_ids[{i}]")
-            st[2] = True
-            st[4] = -1
+                if st.num_placeholders:
+                    raise _placeholders_behind(st, rid, f"token_ids[{i}]")
+                self._grow(st, rid, 1, f"token_ids[{i}]")
+            st.may_have_computed = True
+            st.num_computed = -1
         return None
+
+
+def _placeholders_behind(st: Simulated, rid: str, name: str) -> InvalidArgument:
+    """The error for known tokens appended behind placeholders (they go before them only:
+    see the module docstring)."""
+    return InvalidArgument(f"request {rid!r} ends in {st.num_placeholders} placeholder "
+                           "token(s); fill them (fill_placeholders) before appending known "
+                           "tokens", field=name)
+
+
+#: The check of each kind of op.
+_CHECKS: dict[type, Callable[[BatchCheck, Any], Any]] = {
+    Allocate: BatchCheck._check_allocate,
+    Decode: BatchCheck._check_decode,
+    AppendTokens: BatchCheck._check_append,
+    FillPlaceholders: BatchCheck._check_fill,
+    AddRequest: BatchCheck._check_add,
+    Lookup: BatchCheck._check_lookup,
+    Free: BatchCheck._check_free,
+    Preempt: BatchCheck._check_preempt,
+    NewStep: BatchCheck._check_new_step,
+}
 
 
 def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
                           slice_cost: int) -> Generator[None, None, list[Any]]:
-    """:func:`check_batch` yielding after about ``slice_cost`` request-ops (inside a big
-    decode op too); same answer and errors."""
+    """:func:`check_batch` yielding after about ``slice_cost`` units of work
+    (:func:`ops.op_cost`; inside a big decode op and a long prompt too); same answer and
+    errors."""
     out = []
     spent = 0
     last = len(ops) - 1
@@ -516,15 +547,11 @@ def check_batch_in_slices(check: BatchCheck, ops: Sequence[Any],
             out.append(check.check(op))
         except KVCacheError as exc:
             raise _qualify(exc, i, op) from None
-        spent += 1
+        spent += op_cost(op.KIND, op)  # checked: its fields are sequences
         if spent >= slice_cost:
             spent = 0
             yield
     return out
-
-
-#: Token ids copied per unit of slice cost.
-TOKENS_PER_COST = 64
 
 
 def _long(token_ids: Any, threshold: int) -> bool:

@@ -152,10 +152,6 @@ class KVCacheCoordinator:
         """(hit blocks per group, hit tokens, uncached common-prefix tokens)."""
         raise NotImplementedError
 
-    def get_num_cacheable_tokens(self, num_computed_tokens: int) -> int:
-        """Tokens whose full blocks may be hashed (hybrid: only aligned prefixes can hit)."""
-        return num_computed_tokens - num_computed_tokens % self._cache_alignment
-
     # -- fan-out -----------------------------------------------------------------------
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
                                    new_computed_blocks: HitBlocks, num_encoder_tokens: int,

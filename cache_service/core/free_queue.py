@@ -188,10 +188,6 @@ class FreeKVCacheBlockQueue:
         return (_restore_queue, (order, self._fresh_next, self._fresh_end, self._materialize,
                                  self.num_free_blocks))
 
-    def is_fresh(self, block_id: int) -> bool:
-        """Whether ``block_id`` is still in the never-used fresh range."""
-        return self._fresh_next <= block_id < self._fresh_end
-
     def __len__(self) -> int:
         return self.num_free_blocks
 

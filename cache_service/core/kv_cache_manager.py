@@ -332,10 +332,6 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         return self.coordinator.get_block_ids(request_id)
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33 (cascade attention removed): zeros."""
-        return [0] * self.num_groups
-
     @property
     def usage(self) -> float:
         return self.pool.get_usage()

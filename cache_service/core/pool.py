@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, overload
+from typing import Any, overload
 
 from mypy_extensions import mypyc_attr
 
@@ -35,10 +35,7 @@ from cache_service.core.batch import (
     BatchLimits,
     check_batch,
     check_batch_in_slices,
-    check_extra_keys,
-    check_hashes,
     check_int,
-    check_tokens,
 )
 from cache_service.core.errors import Checked, InvalidArgument, UnknownRequest
 from cache_service.core.events import KVEvent
@@ -47,12 +44,12 @@ from cache_service.core.hashing import (
     HashRecipe,
     check_declared_recipe,
     get_hash_fn,
-    hash_request_tokens,
     none_hash,
     none_hash_seed,
 )
+from cache_service.core.invariants import check_pool_invariants
 from cache_service.core.kv_cache_manager import BlockCopy, KVCacheManager, resolve_block_sizes
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,
@@ -63,36 +60,18 @@ from cache_service.core.ops import (
     Op,
     OpOutcome,
     Preempt,
+    op_cost,
 )
+from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
 from cache_service.core.quota import BlockQuota
 from cache_service.core.request import Request, RequestStatus
-from cache_service.core.residency import (
-    ExplainContext,
-    ExtraKeys,
-    GroupResidency,
-    PrefixLog,
-    Residency,
-    explain,
-    group_residency,
-)
+from cache_service.core.residency import ExtraKeys, GroupResidency, PrefixLog, Residency
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks
+from cache_service.core.slices import run_to_end
 from cache_service.core.specs import KVCacheConfig
 
 _TOKEN_LIMIT = 2**31
-#: A peek's checked input: (hashes or None when caching is off, hit cap, tokens or None).
-PeekInput = tuple[list[bytes] | None, int, Sequence[int] | None]
-T = TypeVar("T")
-
-
-def run_to_end(work: Generator[None, None, T]) -> T:
-    """Runs a sliced computation (``*_in_slices``) to its end in one piece; its value."""
-    while True:
-        try:
-            next(work)
-        except StopIteration as done:
-            value: T = done.value
-            return value
 
 
 @dataclass(frozen=True)
@@ -128,7 +107,7 @@ class RequestInfo:
     status: str
     num_preemptions: int
     #: Of ``num_tokens``, the trailing ones whose ids are not known yet.
-    num_placeholders: int = 0
+    num_placeholder_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -215,10 +194,11 @@ class PreparedBatch:
         return outcomes
 
     def apply_in_slices(self, slice_cost: int) -> Generator[None, None, list[OpOutcome]]:
-        """:meth:`apply` cut into slices of about ``slice_cost`` units (a request of a
-        decode op, or an op, is one unit), yielding between them; the generator returns the
-        outcomes. The end state and outcomes are exactly :meth:`apply`'s, provided nothing
-        else touches this pool between the slices (the caller's duty)."""
+        """:meth:`apply` cut into slices of about ``slice_cost`` units of work
+        (:func:`ops.op_cost`; a decode op naming more requests is cut too), yielding
+        between them; the generator returns the outcomes. The end state and outcomes are
+        exactly :meth:`apply`'s, provided nothing else touches this pool between the slices
+        (the caller's duty)."""
         pool = self._pool
         if self._begin_step:
             pool._manager.new_step_starts()
@@ -232,7 +212,7 @@ class PreparedBatch:
                 spent = 0
                 continue
             outcomes.append(apply(op, prepared))
-            spent += len(op.request_ids) if type(op) is Decode else 1
+            spent += op_cost(op.KIND, op)
             if spent >= slice_cost:
                 spent = 0
                 yield
@@ -296,6 +276,7 @@ class Pool:
         self._log = PrefixLog(len(config.groups))
         if options.enable_caching:
             self._manager.pool.observer = self._log
+        self._peek = PrefixPeek(self._manager, self._limits, self._hash_fn, self._log)
 
     # -- properties ----------------------------------------------------------------------
     @property
@@ -369,18 +350,21 @@ class Pool:
 
     def prepare_batch_in_slices(self, ops: Sequence[Op], *, begin_step: bool = False,
                                 slice_cost: int) -> Generator[None, None, PreparedBatch]:
-        """:meth:`prepare_batch` yielding after about ``slice_cost`` request-ops; the
-        caller lets nothing touch the pool until the batch is applied."""
+        """:meth:`prepare_batch` yielding after about ``slice_cost`` units of work
+        (:func:`ops.op_cost`); the caller lets nothing touch the pool until the batch is
+        applied."""
         plan = yield from check_batch_in_slices(self._checker(), ops, slice_cost)
         if self._hash_fn is not None:
             # Long prompts are hashed here, a slice at a time, rather than in one piece
-            # when the request is created (the hashes are the same).
+            # when the request is created (the hashes are the same). A unit is one hash
+            # block here (TOKENS_PER_COST tokens at the usual block size of 16).
             for i, op in enumerate(ops):
                 if type(op) is AddRequest and plan[i][1] is None \
                         and len(plan[i][0]) > slice_cost * self._hbs:
                     tokens = plan[i][0]
-                    hashes = yield from self._hash_in_slices(
-                        tokens, slice_cost, op.cache_salt, op.lora_name, op.lora_path)
+                    hashes = yield from hash_in_slices(
+                        self._hash_fn, tokens, self._hbs, self._limits.token_limit,
+                        slice_cost, ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
                     plan[i] = (tokens, hashes)
         return PreparedBatch(self, ops, plan, begin_step)
 
@@ -398,7 +382,9 @@ class Pool:
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
-        outcome = self._apply(op, self._checker().check(op))
+        check = self._checker()
+        check.last = True  # nothing reads the simulation after the only op
+        outcome = self._apply(op, check.check(op))
         self._manager.release_copied_blocks()
         return outcome
 
@@ -451,7 +437,7 @@ class Pool:
             self._pending[op.request_id] = (blocks, hit, self._epoch)
             result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
             if op.explain:
-                result.groups = self._residency(
+                result.groups = self._peek.residency(
                     req.block_hashes, req.num_tokens - 1, hit, req.all_token_ids,
                     ExtraKeys(req.cache_salt, req.lora_name, req.lora_path),
                     client_hashes=req.client_hashes, explain_misses=True).groups
@@ -711,6 +697,7 @@ class Pool:
     def preempt(self, request_id: Checked[str]) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
         return self._apply_one(Preempt(request_id))
+
     def new_step(self) -> None:
         """A scheduler step begins (Mamba states cached last step become hittable)."""
         self._manager.new_step_starts()
@@ -746,37 +733,9 @@ class Pool:
                              block_hashes: Sequence[bytes] | None, keys: ExtraKeys, *,
                              slice_blocks: int = 1 << 62
                              ) -> Generator[None, None, PeekInput]:
-        """The checked input of a peek, hashing ``slice_blocks`` blocks at a time: (the
-        prompt's hashes at this pool's recipe, or None when caching is off; the hit cap in
-        tokens, the hashed length when only hashes are given; the checked tokens or
-        None). Reads nothing of the cache: the routing index hashes a prompt once per
-        hash identity with it."""
-        if token_ids is None and block_hashes is None:
-            raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
-        check_extra_keys(keys.cache_salt, keys.lora_name, keys.lora_path)
-        hashes: list[bytes] | None
-        tokens: Sequence[int] | None
-        if (token_ids is not None and block_hashes is None
-                and len(token_ids) > slice_blocks * self._hbs):
-            # A long prompt: checked and hashed a slice at a time (converting or checking
-            # a million token ids at once would hold the caller for a long time too).
-            hashes = yield from self._hash_in_slices(token_ids, slice_blocks, keys.cache_salt,
-                                                     keys.lora_name, keys.lora_path)
-            tokens = token_ids
-        else:
-            tokens = None if token_ids is None else check_tokens(token_ids,
-                                                                 self._limits.token_limit)
-            hashes = None if block_hashes is None else check_hashes(
-                block_hashes, None if tokens is None else len(tokens), self._limits)
-            if hashes is None and tokens is not None and self._hash_fn is not None:
-                hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                             lora_name=keys.lora_name,
-                                             lora_path=keys.lora_path,
-                                             cache_salt=keys.cache_salt)
-        if self._hash_fn is None or hashes is None:
-            return None, 0, tokens
-        max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
-        return hashes, max_len, tokens
+        """The checked input of a peek (:meth:`PrefixPeek.input_in_slices`)."""
+        return self._peek.input_in_slices(token_ids, block_hashes, keys,
+                                          slice_blocks=slice_blocks)
 
     def prefix_residency(self, token_ids: Sequence[int] | None = None, *,
                          block_hashes: Sequence[bytes] | None = None,
@@ -801,55 +760,9 @@ class Pool:
                                    ) -> Generator[None, None, Residency]:
         """:meth:`prefix_residency` hashing in slices (as :meth:`peek_prefix_in_slices`:
         the cache is read after the last yield, in one piece)."""
-        keys = ExtraKeys(cache_salt, lora_name, lora_path)
-        hashes, max_len, tokens = yield from self.peek_input_in_slices(
-            token_ids, block_hashes, keys, slice_blocks=slice_blocks)
-        if hashes is None:
-            return Residency(0, group_residency(self._manager.coordinator.managers, (), 0,
-                                                self._manager.pool) if groups else [])
-        _, hit, _ = self._manager.coordinator.find_longest_cache_hit(hashes, max_len)
-        if not groups and not explain_misses:
-            return Residency(hit, [])
-        return self._residency(hashes, max_len, hit, tokens, keys,
-                               client_hashes=block_hashes is not None,
-                               explain_misses=explain_misses)
-
-    def _residency(self, hashes: Sequence[bytes], max_len: int, hit: int,
-                   tokens: Sequence[int] | None, keys: ExtraKeys, *, client_hashes: bool,
-                   explain_misses: bool) -> Residency:
-        managers = self._manager.coordinator.managers
-        block_pool = self._manager.pool
-        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool))
-        if explain_misses and self._hash_fn is not None:
-            explain(result, ExplainContext(managers, block_pool, self._log, self._hash_fn,
-                                           hashes, max_len, keys, tokens, client_hashes))
-        return result
-
-    def _hash_in_slices(self, token_ids: Sequence[int], slice_blocks: int,
-                        cache_salt: str | None, lora_name: str | None,
-                        lora_path: str | None) -> Generator[None, None, list[bytes]]:
-        """The block hashes of a prompt, ``slice_blocks`` blocks at a time (each slice's
-        tokens checked as ``check_tokens`` would; an error names the global index)."""
-        if isinstance(token_ids, (str, bytes)):
-            raise InvalidArgument("token_ids must be a sequence of integers", field="token_ids")
-        limit = self._limits.token_limit
-        hbs = self._hbs
-        n = len(token_ids)
-        step = slice_blocks * hbs
-        hashes: list[bytes] = []
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            chunk = token_ids[lo:hi]
-            if set(map(type, chunk)) != {int} or min(chunk) < 0 or max(chunk) >= limit:
-                check_tokens(token_ids[:hi], limit)  # raises, naming the first bad one
-            if self._hash_fn is not None:
-                hashes += hash_request_tokens(
-                    self._hash_fn, token_ids, hbs, parent=hashes[-1] if hashes else None,
-                    start_block=len(hashes), stop_block=hi // hbs, lora_name=lora_name,
-                    lora_path=lora_path, cache_salt=cache_salt)
-            if hi < n:
-                yield
-        return hashes
+        return self._peek.residency_in_slices(
+            token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path),
+            groups=groups, explain_misses=explain_misses, slice_blocks=slice_blocks)
 
     def stats(self) -> PoolCounters:
         pool = self._manager.pool
@@ -915,45 +828,4 @@ class Pool:
     def check_invariants(self) -> None:
         """Raise AssertionError naming the broken invariant. O(pool).
         (docs/semantics.md#invariants)"""
-        pool = self._manager.pool
-        pool.check_invariants()
-        refs: dict[int, int] = {}
-        owner_group: dict[int, int] = {}
-        for gid, manager in enumerate(self._manager.coordinator.managers):
-            assert set(manager.req_to_blocks) == set(manager.req_to_ids), \
-                f"group {gid}: block and id tables out of sync"
-            for rid, table in manager.req_to_blocks.items():
-                assert rid in self._requests, f"group {gid}: table of unregistered request {rid!r}"
-                ids = manager.req_to_ids[rid]
-                assert ids == [b.block_id for b in table], \
-                    f"group {gid}, request {rid!r}: id table {ids} != blocks"
-                seen: set[int] = set()
-                for block in table:
-                    if block.is_null:
-                        continue
-                    assert block.block_id not in seen, \
-                        f"block {block.block_id} twice in request {rid!r}'s group-{gid} table"
-                    seen.add(block.block_id)
-                    assert owner_group.setdefault(block.block_id, gid) == gid, \
-                        (f"block {block.block_id} is in tables of groups "
-                         f"{owner_group[block.block_id]} and {gid}")
-                    assert pool.blocks.get(block.block_id) is block, \
-                        f"block {block.block_id} in a table is not the pool's block"
-                    refs[block.block_id] = refs.get(block.block_id, 0) + 1
-                    if block.block_hash is not None:
-                        assert block.group_id == gid, \
-                            (f"block {block.block_id} cached for group {block.group_id} "
-                             f"but held by group {gid}")
-        used = 0
-        for block in pool.blocks.values():
-            if block.is_null:
-                continue
-            assert block.ref_cnt == refs.get(block.block_id, 0), \
-                (f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-                 f"{refs.get(block.block_id, 0)} tables holding it")
-            used += block.ref_cnt > 0
-        assert pool.get_num_free_blocks() + used == pool.num_blocks - 1, \
-            (f"free {pool.get_num_free_blocks()} + used {used} != "
-             f"num_blocks - 1 = {pool.num_blocks - 1}")
-        if not self._requests:
-            assert used == 0, f"{used} blocks still referenced with no request registered"
+        check_pool_invariants(self._manager, self._requests)

@@ -103,9 +103,6 @@ class KVCacheSpec:
     def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
         raise NotImplementedError
 
-    def with_block_size(self, block_size: int) -> KVCacheSpec:
-        return replace(self, block_size=block_size)
-
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
         """The spec of one group holding layers with ``specs``: they must all be equal

@@ -69,6 +69,7 @@ def _etcd_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> OneLineParser:
+    """The kvcache-ctl parser: the connection flags, then one subcommand per view."""
     common = _connection_flags()
     p = OneLineParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("``", ""),
                       epilog="Exit codes: 0 done, 1 refused by the service, 2 usage error, "
@@ -203,17 +204,10 @@ def _peek(client: Any, args: argparse.Namespace) -> Output:
     return rows, peek_tables(rows)
 
 
-def list_sessions(client: Any, timeout: float | None = None) -> Any:
-    """The ListSessions answer (the typed client has no method for it yet)."""
-    from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-
-    return client._call("ListSessions", pb.ListSessionsRequest(), timeout)
-
-
 def _sessions(client: Any, args: argparse.Namespace) -> Output:
     from cache_service.ctl.views import sessions_data, sessions_table
 
-    rows = sessions_data(list_sessions(client))
+    rows = sessions_data(client.list_sessions())
     return rows, [sessions_table(rows, args.requests)]
 
 
@@ -290,6 +284,7 @@ def _fail(message: str, code: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Runs the parsed command; answers the exit code (0 done, 1 refused, 3 unreachable)."""
     from rich.console import Console
 
     from cache_service.client import CacheError
@@ -336,6 +331,8 @@ def _show(console: Any, args: argparse.Namespace, data: Any, renderables: list[A
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """kvcache-ctl's entry point: parses ``argv`` and runs; answers the exit code (2: usage,
+    130: interrupted)."""
     args = build_parser().parse_args(argv)
     try:
         return run(args)

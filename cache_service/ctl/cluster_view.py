@@ -84,6 +84,7 @@ def cluster_data(endpoints: str, cluster: str, timeout: float) -> dict[str, Any]
 
 
 def cluster_tables(data: dict[str, Any]) -> list[Table]:
+    """The members table and the pools table of :func:`cluster_data`'s answer."""
     members = Table(title=f"cluster {data['cluster']}: {len(data['members'])} member(s)",
                     title_justify="left")
     for name in ("member", "address", "lease"):

@@ -87,16 +87,17 @@ class Sample:
 
 
 def default_metrics_url(target: str) -> str:
+    """The /metrics address of the first target's host on the default metrics port (9400)."""
     host = target.split(",")[0].rpartition(":")[0] or "127.0.0.1"
     return f"http://{host}:9400/metrics"
 
 
 def take_sample(client: Any, metrics_url: str, timeout: float) -> Sample:
-    from cache_service.ctl.cli import list_sessions
-
+    """One sample: every pool's row (stats and sessions holding requests in it) and the Step
+    latency histograms, timestamped."""
     rows = [pool_row(info, client.stats(info.pool_id)) for info in client.list_pools()]
     sessions: dict[str, int] = {}
-    for s in list_sessions(client).sessions:
+    for s in client.list_sessions().sessions:
         for p in s.pools:
             sessions[p.pool_id] = sessions.get(p.pool_id, 0) + 1
     for r in rows:
@@ -187,6 +188,8 @@ def _wait_key(seconds: float, tty_in: bool) -> str:
 
 
 def run_top(client: Any, args: argparse.Namespace, console: Console) -> int:
+    """``kvcache-ctl top``: a refreshing table of per-pool rates (``--once``: one frame, two
+    samples ``--interval`` apart); answers the exit code."""
     url = args.metrics_url or default_metrics_url(args.target)
     sort = args.sort
     before = take_sample(client, url, args.timeout)

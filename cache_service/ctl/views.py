@@ -14,7 +14,7 @@ from rich.table import Table
 
 from cache_service.client import Event, PoolInfo, PoolStats, RequestState
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
-from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MAMBA_CACHE_MODES, MISS_REASONS
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS, MISS_REASONS
 
 Row = dict[str, Any]
 
@@ -51,6 +51,7 @@ def pool_row(info: PoolInfo, stats: PoolStats) -> Row:
 
 
 def pools_table(rows: Sequence[Row]) -> Table:
+    """One row per pool (the rows of :func:`pool_row`)."""
     table = _table(f"pools ({len(rows)})")
     for name in ("pool", "blocks", "used", "cached", "free", "usage", "hit", "reqs",
                  "evict", "groups"):
@@ -76,13 +77,13 @@ def pool_data(info: PoolInfo, stats: PoolStats) -> Row:
     """A pool's configuration, counters and per-group rows."""
     opts = info.raw.options
     groups = []
-    for g, raw in zip(info.groups, info.raw.groups):
+    for g in info.groups:
         cached = stats.num_cached_blocks_per_group
         groups.append({
             "group": g.index, "kind": g.kind, "layers": len(g.layer_names),
             "block_size": g.block_size, "sliding_window": g.sliding_window,
             "attention_chunk_size": g.attention_chunk_size,
-            "mamba_cache_mode": MAMBA_CACHE_MODES.name(raw.mamba_cache_mode),
+            "mamba_cache_mode": g.mamba_cache_mode,
             "page_size_bytes": g.page_size_bytes,
             "cached_blocks": cached[g.index] if g.index < len(cached) else 0})
     return {**pool_row(info, stats), "incarnation": info.incarnation,
@@ -97,6 +98,7 @@ def pool_data(info: PoolInfo, stats: PoolStats) -> Row:
 
 
 def pool_tables(data: Row) -> list[Table]:
+    """The pool's fields table and its groups table."""
     head = _table(f"pool {data['pool']}", show_header=False)
     head.add_column("field")
     head.add_column("value", justify="right")
@@ -122,6 +124,7 @@ def pool_tables(data: Row) -> list[Table]:
 
 
 def request_data(pool_id: str, request_id: str, info: PoolInfo, state: RequestState) -> Row:
+    """A request's status, token counts and block table per group, for ``kvcache-ctl request``."""
     kinds = [g.kind for g in info.groups]
     return {"pool": pool_id, "request": request_id, "status": state.status,
             "num_tokens": state.num_tokens, "num_computed_tokens": state.num_computed_tokens,
@@ -134,6 +137,7 @@ def request_data(pool_id: str, request_id: str, info: PoolInfo, state: RequestSt
 
 
 def request_tables(data: Row) -> list[Table]:
+    """The request's fields table and its block table per group."""
     head = _table(f"request {data['request']} in pool {data['pool']}", show_header=False)
     head.add_column("field")
     head.add_column("value", justify="right")
@@ -150,6 +154,7 @@ def request_tables(data: Row) -> list[Table]:
 
 
 def peek_data(response: pb.PeekPrefixResponse, num_tokens: int) -> list[Row]:
+    """Each pool's hit and per-group reach and miss reason of a PeekPrefix answer."""
     out = []
     for hit in response.hits:
         out.append({"pool": hit.pool_id, "prompt_tokens": num_tokens,
@@ -164,6 +169,7 @@ def peek_data(response: pb.PeekPrefixResponse, num_tokens: int) -> list[Row]:
 
 
 def peek_tables(rows: Sequence[Row]) -> list[Table]:
+    """One table per pool of :func:`peek_data`'s rows: reach and miss reason per group."""
     tables = []
     for r in rows:
         t = _table(f"pool {r['pool']}: {r['hit_tokens']} of {r['prompt_tokens']} prompt "
@@ -183,6 +189,7 @@ def peek_tables(rows: Sequence[Row]) -> list[Table]:
 
 
 def sessions_data(response: pb.ListSessionsResponse) -> list[Row]:
+    """One row per session of a ListSessions answer, with its pools."""
     return [{"session": s.session_id_prefix, "client_name": s.client_name,
              "lease_remaining_seconds": round(s.lease_remaining_seconds, 3),
              "last_sequence": s.last_sequence, "expiring": s.expiring,
@@ -193,6 +200,7 @@ def sessions_data(response: pb.ListSessionsResponse) -> list[Row]:
 
 
 def sessions_table(rows: Sequence[Row], show_requests: bool) -> Table:
+    """One line per (session, pool); ``show_requests`` adds the request ids."""
     table = _table(f"sessions ({len(rows)}; ids shortened to 8 characters)")
     for name in ("session", "client", "lease left", "last seq", "pool", "requests",
                  "blocks / quota") + (("request ids",) if show_requests else ()):
@@ -215,6 +223,7 @@ def sessions_table(rows: Sequence[Row], show_requests: bool) -> Table:
 
 
 def event_data(pool_id: str, e: Event) -> Row:
+    """One event as a JSON-ready row (the pool and incarnation included)."""
     return {"pool": pool_id, "sequence": e.sequence, "incarnation": e.incarnation,
             "kind": e.kind, "group": e.group_idx, "group_kind": e.spec_kind,
             "block_hashes": e.block_hashes, "parent_block_hash": e.parent_block_hash,

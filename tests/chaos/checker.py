@@ -124,7 +124,7 @@ def replay(history: History, include_doubt: bool) -> PoolView:
                 num_computed_tokens=info.num_computed_tokens, num_tokens=info.num_tokens,
                 num_block_hashes=info.num_block_hashes, status=info.status,
                 num_preemptions=info.num_preemptions,
-                num_placeholder_tokens=info.num_placeholders))
+                num_placeholder_tokens=info.num_placeholder_tokens))
     return PoolView(stats_from(convert.stats_to_proto(pool.stats(),
                                                       entry.feed.next_sequence - 1)),
                     requests)

@@ -9,9 +9,9 @@ import pytest
 from cache_service.client import ops
 from cache_service.client._builders import register_request
 from cache_service.cluster.handoff import HandoffError, read_handoff, write_handoff
+from cache_service.errors import Unavailable
 from cache_service.server import open_state, read_peer_state
 from cache_service.settings import parse_settings
-from cache_service.status import Unavailable
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from tests.cluster.conftest import small_layers
 

@@ -260,7 +260,7 @@ def test_a_pool_handed_over_while_idle_keeps_the_requests_of_the_session_it_brou
         # The client's channel to X (its first: X is the first seed) is connected again, so
         # the Step meets X's redirect (not a refused connection: X given up, its session
         # carried along, a case of its own).
-        grpc.channel_ready_future(client._channels[0]).result(timeout=30)
+        client.wait_connected(30)
         if read_first:
             assert client.get_request(pool, "r0").block_ids == tables["r0"]
         result = client.step(pool, [ops.add("after", [7, 8]), ops.allocate("after", 2)])
@@ -288,7 +288,7 @@ def test_the_async_client_keeps_the_session_of_a_redirecting_replica_alive_too(
                                                   ops.allocate(f"r{i}", 3)])
                 tables[f"r{i}"] = result.result(1, AllocateResult).block_ids
             await asyncio.to_thread(restart_after_handover, cluster, root, members, pool)
-            await asyncio.wait_for(client._channels[0].channel_ready(), 30)
+            await client.wait_connected(30)
             result = await client.step(pool, [ops.add("after", [7, 8]),
                                               ops.allocate("after", 2)])
             tables["after"] = result.result(1, AllocateResult).block_ids

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import urllib.request
 from collections import Counter
 
 import grpc
@@ -12,6 +11,7 @@ from cache_service.client import AllocateResult, CacheClient, CacheError, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import ServerProcess
 from tests.cluster.conftest import Cluster, owner_of, raw_stub, small_layers, wait_until
+from tests.metrics_text import scrape, values
 
 pytestmark = pytest.mark.cluster
 
@@ -66,12 +66,8 @@ def test_a_non_owner_redirects_with_the_owner_in_trailing_metadata(three: Cluste
 
 def _started(replica: ServerProcess, method: str) -> float:
     """``grpc_server_started_total`` of ``method`` on ``replica`` (its metrics endpoint)."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{replica.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    for line in body.splitlines():
-        if line.startswith("grpc_server_started_total{") and f'grpc_method="{method}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return sum(values(scrape(replica.metrics_port), "grpc_server_started_total",
+                      grpc_method=method))
 
 
 def test_a_redirect_is_answered_once_not_retried_by_the_clients_grpc(cluster: Cluster):

@@ -16,7 +16,7 @@ from cache_service.core.errors import (
     KVCacheError,
     UnknownRequest,
 )
-from cache_service.core.ops import (
+from cache_service.core.operations import (
     AddRequest,
     Allocate,
     AppendTokens,

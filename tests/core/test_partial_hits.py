@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.kv_cache_manager import BlockCopy
-from cache_service.core.ops import Allocate, Free, Lookup
+from cache_service.core.operations import Allocate, Free, Lookup
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
 

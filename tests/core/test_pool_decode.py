@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError, UnknownRequest
 from cache_service.core.kv_cache_manager import BlockCopy
-from cache_service.core.ops import Allocate, AppendTokens, Op
+from cache_service.core.operations import Allocate, AppendTokens, Op
 from cache_service.core.pool import Pool
 
 from builders import SAMPLE_CONFIGS, full, make_pool, snapshot_with_events, swa, twin_pools

@@ -13,7 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import Allocate, AppendTokens, Decode, FillPlaceholders, Free, Preempt
+from cache_service.core.operations import (
+    Allocate,
+    AppendTokens,
+    Decode,
+    FillPlaceholders,
+    Free,
+    Preempt,
+)
 from cache_service.core.pool import Pool
 
 from builders import SAMPLE_CONFIGS, full, make_pool, snapshot, snapshot_with_events, twin_pools
@@ -64,7 +71,7 @@ def test_placeholders_filled_one_call_later_converge(name: str, data: st.DataObj
         # The lagging run learns last step's sampled tokens now: fill them first.
         fills = [(rid, g.outputs[g.decoded - 1]) for rid, g in reqs.items()
                  if g.state in ("running", "failed") and g.decoded
-                 and lag.request_info(rid).num_placeholders]
+                 and lag.request_info(rid).num_placeholder_tokens]
         head: list[Any] = []
         if fills:
             head.append(FillPlaceholders([r for r, _ in fills], [t for _, t in fills]))
@@ -131,7 +138,7 @@ def test_placeholders_filled_one_call_later_converge(name: str, data: st.DataObj
     # The end: the lagging run fills its last placeholders, then everything is freed.
     fills = [(rid, g.outputs[g.decoded - 1]) for rid, g in reqs.items()
              if g.state != "done" and lag.has_request(rid)
-             and lag.request_info(rid).num_placeholders]
+             and lag.request_info(rid).num_placeholder_tokens]
     if fills:
         lag.fill_placeholders([r for r, _ in fills], [t for _, t in fills])
     for rid in sync.request_ids():
@@ -151,7 +158,7 @@ def test_a_block_is_cached_only_once_its_last_placeholder_is_filled() -> None:
     pool.take_events()
     pool.decode(["a"], [], placeholders=True)  # token 3 of the first block: unknown
     info = pool.request_info("a")
-    assert (info.num_tokens, info.num_placeholders, info.num_computed_tokens) == (4, 1, 4)
+    assert (info.num_tokens, info.num_placeholder_tokens, info.num_computed_tokens) == (4, 1, 4)
     assert pool.block_hashes("a") == [] and pool.take_events() == []
     # A lookup of the same prefix does not hit the block whose last token is a placeholder.
     pool.add_request("b", [1, 2, 3, 4, 5])
@@ -159,7 +166,7 @@ def test_a_block_is_cached_only_once_its_last_placeholder_is_filled() -> None:
     pool.fill_placeholders(["a"], [4])
     stored = pool.take_events()
     assert [type(e).__name__ for e in stored] == ["BlockStored"]
-    assert pool.request_info("a").num_placeholders == 0
+    assert pool.request_info("a").num_placeholder_tokens == 0
     assert pool.lookup("b").hit_tokens == 4
     # The same block as when the token was known at allocation.
     other.add_request("a", [1, 2, 3])
@@ -187,7 +194,7 @@ def test_preempted_request_is_admitted_again_once_filled() -> None:
     pool.allocate("a", 3)
     pool.decode(["a"], [], placeholders=True)
     pool.preempt("a")
-    assert pool.request_info("a").num_placeholders == 1
+    assert pool.request_info("a").num_placeholder_tokens == 1
     with pytest.raises(InvalidArgument) as exc:
         pool.lookup("a")
     assert exc.value.field == "request_id"
@@ -252,7 +259,7 @@ def test_a_batch_simulates_placeholders() -> None:
     # g may take two placeholders (two forward passes in flight).
     pool.apply_batch([Decode(["g"], [], placeholders=True),
                       Decode(["g"], [], placeholders=True)])
-    assert pool.request_info("g").num_placeholders == 2
+    assert pool.request_info("g").num_placeholder_tokens == 2
     before = snapshot(pool)
     with pytest.raises(InvalidArgument) as exc:
         pool.apply_batch([FillPlaceholders(["g"], [3]), AppendTokens("g", [1]),

@@ -57,7 +57,9 @@ class PoolMachine(RuleBasedStateMachine):
         hit = 0
         if look and info.num_computed_tokens == 0:
             hit = self.pool.lookup(rid).hit_tokens
-            assert hit < info.num_tokens and hit % self.pool.scheduler_block_size == 0
+            # A hit ends on a hash-block boundary; on a scheduler-block boundary too unless the
+            # pool has partial hits (a Mamba group coarser than the hash block: docs/semantics.md).
+            assert hit < info.num_tokens and hit % self.pool.hash_block_size == 0
         remaining = max(1, info.num_tokens - info.num_computed_tokens - hit)
         n = data.draw(st.integers(1, remaining))
         res = self.pool.allocate(rid, n, num_lookahead_tokens=lookahead,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.core.ops import AddRequest, Allocate, Decode, Free
+from cache_service.core.operations import AddRequest, Allocate, Decode, Free
 
 from builders import full, make_pool, swa
 
@@ -116,7 +116,8 @@ def test_a_long_prompt_is_admitted_in_slices_exactly_as_in_one_piece(salt, lora)
     a = whole.apply_batch(batch)
     prepared, yields = drive(sliced.prepare_batch_in_slices(batch, slice_cost=8))
     b, _ = drive(prepared.apply_in_slices(8))
-    # Copied 512 tokens and hashed 8 blocks (32 tokens) at a time: ~170 slices.
+    # Copied 128 tokens (8 units of 16) and hashed 8 blocks (32 tokens) at a time: ~215
+    # slices.
     assert a == b and yields >= 5500 // 32
     assert whole.take_events() == sliced.take_events()
     assert whole.request_info("q") == sliced.request_info("q")

@@ -21,9 +21,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from cache_service.core.pool import Pool, PoolOptions, run_to_end
+from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.prefix_index import PrefixIndex, keyspace_of
 from cache_service.core.residency import ExtraKeys
+from cache_service.core.slices import run_to_end
 
 from builders import chunked, config, fake_hash, full, mamba, place_cached, swa
 

@@ -4,7 +4,7 @@ preemption and frees."""
 
 from __future__ import annotations
 
-from cache_service.core.ops import AddRequest, Allocate, Decode, Free, Preempt
+from cache_service.core.operations import AddRequest, Allocate, Decode, Free, Preempt
 
 from builders import full, make_pool, swa
 

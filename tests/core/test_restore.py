@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cache_service.core import _variant
-from cache_service.core.ops import AddRequest, Allocate
+from cache_service.core.operations import AddRequest, Allocate
 from cache_service.core.pool import Pool
 
 from builders import SAMPLE_CONFIGS, full, make_pool, snapshot_with_events, twin_pools

@@ -10,7 +10,9 @@ from typing import Unpack
 
 import torch
 
-from executor.batch import (
+from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes
+from executor.client import GenerateOptions, Generation
+from executor.forward_meta import (
     AttentionMeta,
     ForwardMeta,
     GroupLayout,
@@ -18,8 +20,6 @@ from executor.batch import (
     SeqChunk,
     build_forward_meta,
 )
-from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes
-from executor.client import GenerateOptions, Generation
 from executor.model import HybridModel, layer_name
 from executor.model_config import ModelConfig
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from cache_service.core.grouping import get_kv_cache_config
 from cache_service.core.specs import AttentionSpec, MambaSpec, SlidingWindowSpec
-from executor.batch import GroupLayout
 from executor.cache import CacheGroup, CacheTensors, mamba_state_shapes, model_layer_specs
+from executor.forward_meta import GroupLayout
 from executor.presets import PRESETS
 
 

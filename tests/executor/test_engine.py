@@ -28,11 +28,12 @@ from cache_service.client import (
 )
 from executor.cache import CacheTensors, model_layer_specs
 from executor.cache_link import CacheLink, PoolPlan, cache_groups
-from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent, plan_chunk
+from executor.engine import Engine, EngineConfig, EngineRequest, TokenEvent
 from executor.errors import CacheUnavailable, PoolLost
 from executor.model import HybridModel
 from executor.presets import get_preset
 from executor.runner import ModelRunner
+from executor.scheduler import plan_chunk
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 from paged_helpers import shared_prefix_workload
@@ -103,11 +104,12 @@ def assert_views_agree(engine: Engine, link: CacheLink) -> None:
     those not sent yet), computed tokens, live block ids; nothing else is registered. A
     request waiting for its preempt (``to_preempt``) may still hold what it held."""
     pool = link.plan.pool_id
-    registered = [r for r in list(engine.running) + list(engine.waiting) if r.added]
+    scheduler = engine.scheduler
+    registered = [r for r in list(scheduler.running) + list(scheduler.waiting) if r.added]
     for req in registered:
         held = link.client.get_request(pool, req.request_id)
         assert held.num_tokens == len(req.tokens) - len(req.pending_append), req.request_id
-        if req.request_id in engine.to_preempt:
+        if req.request_id in scheduler.to_preempt:
             continue
         assert held.num_computed_tokens == req.num_computed, req.request_id
         assert [len(t) for t in req.tables] == [len(t) for t in held.block_ids] or not req.tables
@@ -115,7 +117,7 @@ def assert_views_agree(engine: Engine, link: CacheLink) -> None:
             # entries the service released (null: outside a sliding window, an old Mamba
             # state) are never read; every live one must agree
             assert all(b == m for m, b in zip(mine, theirs) if b), (mine, theirs)
-    assert link.client.stats(pool).num_requests == len(registered) + len(engine.to_free)
+    assert link.client.stats(pool).num_requests == len(registered) + len(scheduler.to_free)
 
 
 def collect_into(out: list[int]) -> Callable[[TokenEvent], None]:

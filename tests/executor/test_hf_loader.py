@@ -121,7 +121,7 @@ def test_logits_match_transformers_in_both_config_layouts(checkpoint) -> None:
 
 
 def test_the_math_changing_keys_are_honoured(tmp_path) -> None:
-    """What the issue found ignored: each key reaches ModelConfig."""
+    """Every key that changes the math (once read and then ignored) reaches ModelConfig."""
     cfg, _ = _bamba()
     cfg.save_pretrained(tmp_path)
     _rewrite_config(tmp_path, _bamba_4x)

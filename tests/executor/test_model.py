@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.batch import SeqChunk, build_forward_meta
+from executor.forward_meta import SeqChunk, build_forward_meta
 from executor.model import HybridModel
 from executor.presets import PRESETS
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import time
 import urllib.request
 from collections.abc import Callable
@@ -30,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cache_service.client import layers, ops, register_request
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from tests.metrics_text import values
 
 SERVICE = "/kvcache.v1.CacheService/"
 POOL, CBOR_POOL, LIVE = "fz", "fz-cbor", "live"
@@ -306,5 +306,4 @@ class Fuzzer:
 
 def undecodable_total(metrics_body: str) -> float:
     """The sum of ``kvcache_undecodable_messages_total`` over methods."""
-    return sum(float(v) for v in re.findall(
-        r"^kvcache_undecodable_messages_total\{[^}]*\} (\S+)$", metrics_body, re.M))
+    return sum(values(metrics_body, "kvcache_undecodable_messages_total"))

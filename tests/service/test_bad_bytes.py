@@ -4,7 +4,6 @@ the trailers of failed calls, and the open services (reflection v1 + v1alpha, he
 from __future__ import annotations
 
 import re
-import urllib.request
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from cache_service.client import CacheClient
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import ServerProcess, start_cache_service
+from tests.metrics_text import scrape, value
 
 SERVICE = "/kvcache.v1.CacheService/"
 UNARY = ["RegisterPool", "GetPool", "ListPools", "DeletePool", "Step", "PeekPrefix",
@@ -32,11 +32,9 @@ def trailer(err: grpc.RpcError, key: str) -> str | None:
 
 
 def undecodable_count(server: ServerProcess, method: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    match = re.search(r'kvcache_undecodable_messages_total\{grpc_method="' + method +
-                      r'",grpc_service="kvcache.v1.CacheService"\} (\S+)', body)
-    return float(match.group(1)) if match else 0.0
+    """Messages of ``method`` the server could not decode (0 before the first)."""
+    return value(scrape(server.metrics_port), "kvcache_undecodable_messages_total",
+                 default=0.0, grpc_method=method, grpc_service="kvcache.v1.CacheService")
 
 
 @pytest.mark.parametrize("method", UNARY)

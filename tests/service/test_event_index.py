@@ -4,7 +4,7 @@ For every group type (full, sliding window with and without a coarser hit alignm
 chunked local, Mamba align alone and in a hybrid), a scheduler drives a real server with
 shared prefixes, arbitrary chunks (also the Mamba-poisoning kind), decode, frees, evictions
 (the pool is small) and prefix-cache resets. After every Step the subscriber applies the new
-events to its ``PrefixIndex`` and must answer every probe exactly as ``PeekPrefix`` does.
+events to its ``EventIndex`` and must answer every probe exactly as ``PeekPrefix`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from cache_service.client import AllocateResult, CacheClient, LookupResult, layers, ops
-from cache_service.client.prefix_index import PrefixIndex
+from cache_service.client.event_index import EventIndex
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 
@@ -38,12 +38,12 @@ POOLS = {
 
 
 class Subscriber:
-    """Follows a pool's events with sequence numbers, feeding a PrefixIndex."""
+    """Follows a pool's events with sequence numbers, feeding an EventIndex."""
 
     def __init__(self, stub: pb_grpc.CacheServiceStub, client: CacheClient, pool_id: str,
                  config: pb.PoolConfig) -> None:
         self.stub, self.client, self.pool_id = stub, client, pool_id
-        self.index = PrefixIndex(config)
+        self.index = EventIndex(config)
         self.next = 1
         self.kinds: set[str] = set()
 

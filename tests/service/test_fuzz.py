@@ -6,11 +6,11 @@ server stays up. ``KVCACHE_FUZZ_SEED`` / ``KVCACHE_FUZZ_CALLS`` override the see
 from __future__ import annotations
 
 import os
-import urllib.request
 
 import pytest
 
 from kvcache_common.launch import start_cache_service
+from tests.metrics_text import scrape
 
 from .fuzzing import REQUESTS, Fuzzer, undecodable_total
 
@@ -41,6 +41,5 @@ def test_fuzzed_calls_get_documented_statuses_and_rejected_ones_change_nothing(
     # Both outcomes are well represented: the fuzzer is neither too tame nor only noise.
     assert report.by_code.get("OK", 0) >= CALLS // 20
     assert report.by_code.get("INVALID_ARGUMENT", 0) >= CALLS // 5
-    body = urllib.request.urlopen(f"http://127.0.0.1:{fuzz_server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    assert undecodable_total(body) >= report.raw // 3  # damaged bytes were counted
+    # damaged bytes were counted
+    assert undecodable_total(scrape(fuzz_server.metrics_port)) >= report.raw // 3

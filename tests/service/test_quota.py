@@ -4,11 +4,9 @@ still allocates, and the quota shows in GetPoolStats-independent metrics."""
 
 from __future__ import annotations
 
-import re
-import urllib.request
-
 from cache_service.client import AllocateResult, CacheClient, StepBuilder
 from kvcache_common.launch import ServerProcess
+from tests.metrics_text import scrape, value
 
 from .builders import full_layers
 
@@ -16,11 +14,8 @@ QUOTA = 12  # blocks per session; the pool has 255 usable
 
 
 def metric(server: ServerProcess, name: str, pool: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    match = re.search(rf'^{name}\{{pool="{re.escape(pool)}"\}} (\S+)$', body, re.M)
-    assert match, f"{name} for {pool} not in /metrics"
-    return float(match.group(1))
+    """Series ``name`` of ``pool`` on the server's /metrics page."""
+    return value(scrape(server.metrics_port), name, pool=pool)
 
 
 def test_a_session_at_its_quota_gets_no_room_while_another_still_allocates(

@@ -59,7 +59,8 @@ def fingerprint(state: ServiceState) -> dict[str, Any]:
                            for m in bp._maps],
             "events": (entry.feed.next_sequence, entry.feed.read(entry.feed.oldest, 10**6)),
         }
-    sessions = {sid: (s.client_name, s.last_sequence, s.expiring, list(s.requests),
+    sessions = {sid: (s.client_name, s.last_sequence, s.expiring,
+                      state.ownership.requests_of(sid),
                       s.last_request.SerializeToString() if s.last_request else b"",
                       s.last_response.SerializeToString() if s.last_response else b"")
                 for sid, s in state.sessions.items()}

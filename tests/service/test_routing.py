@@ -8,7 +8,6 @@ import contextlib
 import random
 import signal
 import threading
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 
@@ -17,6 +16,7 @@ import pytest
 from cache_service.client import CacheClient, CacheError, ops
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.launch import ServerProcess, start_cache_service
+from tests.metrics_text import scrape, value
 from tests.service.builders import hybrid_layers
 
 PROMPT = list(range(100, 165))  # 65 tokens: 4 blocks of 16 are cacheable
@@ -64,11 +64,8 @@ def test_explain_names_reasons_and_feeds_the_metrics(client, new_pool, server) -
     lookup = result.results[1].lookup
     assert [(g.tokens, g.miss_reason) for g in lookup.groups] == \
         [(32, pb.MISS_REASON_EVICTED)]
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    line = (f'kvcache_pool_prefix_misses_total{{group="0",pool="{pool.pool_id}",'
-            f'reason="evicted"}} 2.0')
-    assert line in body
+    assert value(scrape(server.metrics_port), "kvcache_pool_prefix_misses_total", group="0",
+                 pool=pool.pool_id, reason="evicted") == 2
 
 
 def test_explain_detects_a_hash_recipe_mismatch(client, new_pool) -> None:

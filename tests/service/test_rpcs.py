@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
-import urllib.request
 
 import grpc
 import pytest
@@ -25,6 +23,7 @@ from cache_service.client import (
 )
 from cache_service.registry import build_pool
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from tests.metrics_text import scrape, value, values
 
 from .builders import EVENT_BUFFER, full_layers, hybrid_layers, pool_options
 
@@ -326,17 +325,6 @@ def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
     assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
-def _collect(client: CacheClient, pool_id: str, from_sequence, n: int, out: list,
-             errors: list) -> None:
-    try:
-        for event in client.subscribe_events(pool_id, from_sequence):
-            out.append(event)
-            if len(out) >= n:
-                return
-    except CacheError as exc:
-        errors.append(exc)
-
-
 def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
     info = new_pool(hybrid_layers())
     prompt = list(range(64))
@@ -352,19 +340,37 @@ def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) ->
 
     # A subscriber waiting for the next sequence sees it when it happens (asking for
     # next = last + 1 rather than "live only" makes the test independent of when the
-    # subscription reaches the server); a reconnect resumes where it left off.
+    # subscription reaches the server): once it has received the events of one Step it is
+    # certainly subscribed, and the reset's event reaches it live; a reconnect resumes
+    # where it left off.
     live: list = []
     errors: list = []
+    subscribed = threading.Event()
     nxt = client.stats(info.pool_id).last_event_sequence + 1
-    thread = threading.Thread(target=_collect,
-                              args=(client, info.pool_id, nxt, 1, live, errors))
+
+    def collect() -> None:
+        try:
+            for event in client.subscribe_events(info.pool_id, nxt):
+                live.append(event)
+                subscribed.set()
+                if event.kind == "all_blocks_cleared":
+                    return
+        except CacheError as exc:
+            errors.append(exc)
+            subscribed.set()
+
+    thread = threading.Thread(target=collect)
     thread.start()
-    time.sleep(0.1)  # usually subscribed by now: the event then arrives live
+    client.step(info.pool_id, [ops.add("b", [7] * 16 + [1]), ops.allocate("b", 17),
+                               ops.free("b")])
+    assert subscribed.wait(10) and not errors
     assert client.reset_prefix_cache(info.pool_id)
     thread.join(10)
-    assert [e.kind for e in live] == ["all_blocks_cleared"] and not errors
+    assert [e.kind for e in live] == ["block_stored"] * len(info.groups) + [
+        "all_blocks_cleared"] and not errors
+    assert [e.sequence for e in live] == list(range(nxt, nxt + len(live)))
     resumed = list(_take(client.subscribe_events(info.pool_id, first[-1].sequence + 1), 1))
-    assert resumed[0].sequence == live[0].sequence
+    assert (resumed[0].sequence, resumed[0].kind) == (live[0].sequence, live[0].kind)
 
     # Push the first events out of the bounded buffer, then ask for them.
     for i in range(EVENT_BUFFER):
@@ -421,23 +427,21 @@ def test_metrics_and_request_ids(server, client: CacheClient, new_pool) -> None:
         _, call = stub.GetPoolStats.with_call(pb.GetPoolStatsRequest(pool_id=info.pool_id),
                                               metadata=(("x-request-id", "abc-123"),))
         assert ("x-request-id", "abc-123") in call.trailing_metadata()
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    assert ('grpc_server_handled_total{grpc_code="OK",grpc_method="GetPoolStats",'
-            'grpc_service="kvcache.v1.CacheService",grpc_type="unary"}') in body
-    assert ('grpc_server_handled_total{grpc_code="NOT_FOUND",grpc_method="GetRequest",'
-            'grpc_service="kvcache.v1.CacheService",grpc_type="unary"}') in body
-    assert "grpc_server_handling_seconds_bucket" in body
-    assert f'kvcache_pool_free_blocks{{pool="{info.pool_id}"}}' in body
-    assert "kvcache_pool_evictions_total" in body
+    body = scrape(server.metrics_port)
+    service = "kvcache.v1.CacheService"
+    assert value(body, "grpc_server_handled_total", grpc_code="OK", grpc_method="GetPoolStats",
+                 grpc_service=service, grpc_type="unary") >= 2
+    assert value(body, "grpc_server_handled_total", grpc_code="NOT_FOUND",
+                 grpc_method="GetRequest", grpc_service=service, grpc_type="unary") >= 1
+    assert values(body, "grpc_server_handling_seconds_bucket", grpc_method="GetPoolStats")
+    assert value(body, "kvcache_pool_free_blocks", pool=info.pool_id) > 0
+    assert values(body, "kvcache_pool_evictions_total", pool=info.pool_id) == [0.0]
 
 
 def _metric(body: str, name: str, method: str) -> float:
-    """The value of series ``name`` of ``kvcache.v1.CacheService/method`` (0 if absent)."""
-    for line in body.splitlines():
-        if line.startswith(name + "{") and f'grpc_method="{method}"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """Series ``name`` of ``kvcache.v1.CacheService/method``, summed over its other labels
+    (a handled count has one per status code; 0 if absent)."""
+    return sum(values(body, name, grpc_method=method, grpc_service="kvcache.v1.CacheService"))
 
 
 def test_a_long_lived_stream_shows_in_the_metrics_while_it_runs(server, client: CacheClient,
@@ -446,16 +450,12 @@ def test_a_long_lived_stream_shows_in_the_metrics_while_it_runs(server, client: 
     not only when the stream ends."""
     info = new_pool()
 
-    def scrape() -> str:
-        return urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                      timeout=10).read().decode()
-
-    before = scrape()
+    before = scrape(server.metrics_port)
     stream = client.step_stream()
     try:
         for i in range(3):
             stream.step(info.pool_id, [ops.add(f"r{i}", [1, 2, 3])])
-        during = scrape()
+        during = scrape(server.metrics_port)
     finally:
         stream.close()
     for name in ("grpc_server_msg_received_total", "grpc_server_msg_sent_total"):

@@ -13,11 +13,9 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +33,7 @@ from cache_service.client import (
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.launch import ServerProcess, start_cache_service, start_process
+from tests.metrics_text import scrape, value
 
 from .builders import full_layers
 from .tcp_proxy import TcpProxy
@@ -58,11 +57,8 @@ threading.Event().wait()
 
 
 def metric(server: ServerProcess, name: str) -> float:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics",
-                                  timeout=10).read().decode()
-    found = re.search(rf"^{name} (\S+)$", body, re.M)
-    assert found, f"{name} not exported"
-    return float(found.group(1))
+    """Series ``name`` (no labels) on the server's /metrics page."""
+    return value(scrape(server.metrics_port), name)
 
 
 @pytest.fixture(scope="module")

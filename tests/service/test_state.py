@@ -5,20 +5,24 @@ exactly as frees would."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
 from cache_service.client import StepBuilder, ops, register_request
 from cache_service.core.errors import KVCacheError, NotFound, UnknownRequest
+from cache_service.errors import Unavailable
 from cache_service.registry import PoolRegistry
-from cache_service.state import Durability, ServiceState, WalRecord
-from cache_service.status import Unavailable
+from cache_service.snapshot import dumps_state
+from cache_service.state import NoDurability, ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 from .builders import full_layers
 
 
-class Recorder(Durability):
+class Recorder(NoDurability):
     """Keeps every appended record; fails the next append when ``fail`` is set."""
 
     keeps_records = True
@@ -81,7 +85,7 @@ def observe(state: ServiceState) -> tuple:
     free = [b.block_id for b in pool.manager.pool.free_block_queue.get_all_free_blocks()]
     return (pool.stats(), free, {rid: pool.block_ids(rid) for rid in pool.request_ids()},
             entry.feed.next_sequence,
-            {sid: (s.last_sequence, s.expiring, list(s.requests))
+            {sid: (s.last_sequence, s.expiring, state.ownership.requests_of(sid))
              for sid, s in state.sessions.items()})
 
 
@@ -142,15 +146,35 @@ def test_records_name_their_problems() -> None:
     assert not isinstance(exc.value, UnknownRequest)
 
 
+def test_a_snapshot_of_the_layout_before_ownership_restores_the_same_owners() -> None:
+    """Snapshots written before :class:`Ownership` pickled ``_owners`` (pool -> request ->
+    session) and each session's ``requests``; loading one gives the same state."""
+    state, _, _ = run(records()[:7])  # s1 holds a0-a4, s2 holds b
+    old = state.__getstate__()
+    ownership = old.pop("ownership")
+    old["_owners"] = {pool: ownership.owners_in(pool) for pool in ("p",)}
+    old["sessions"] = {sid: copy.copy(s) for sid, s in old["sessions"].items()}
+    for sid, session in old["sessions"].items():
+        vars(session)["requests"] = dict.fromkeys(ownership.requests_of(sid))
+    restored = pickle.loads(dumps_state(old))  # noqa: S301 - our own bytes
+    loaded = ServiceState.__new__(ServiceState)
+    loaded.__setstate__(restored)
+    loaded.ownership.check()
+    assert observe(loaded) == observe(state)
+    assert loaded.ownership.requests_of("s1") == [("p", f"a{i}") for i in range(5)]
+    assert not any(hasattr(s, "requests") for s in loaded.sessions.values())
+
+
 def test_deleting_a_pool_drops_its_requests_from_their_sessions() -> None:
     state, _, _ = run(records()[:7])  # s1 holds a0-a4, s2 holds b, f has no session
     state.apply(WalRecord(register_pool=register_request(
         "q", full_layers(block_size=4), num_blocks=128, max_model_len=256)))
     state.apply(step(2, ops.add("x", [1, 2]), ops.allocate("x", 2), pool="q"))
-    assert ("q", "x") in state.sessions["s1"].requests and state.owner_of("q", "x") == "s1"
+    assert ("q", "x") in state.ownership.requests_of("s1")
+    assert state.ownership.owner_of("q", "x") == "s1"
     state.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id="q")))
-    assert ("q", "x") not in state.sessions["s1"].requests
-    assert state.owner_of("q", "x") is None
+    assert ("q", "x") not in state.ownership.requests_of("s1")
+    assert state.ownership.owner_of("q", "x") is None
     done = state.apply(WalRecord(expire_session=wal_pb2.ExpireSession(session_id="s1",
                                                                       max_requests=100)))
     assert (done.num_requests_freed, done.num_requests_left) == (5, 0)
@@ -202,6 +226,21 @@ def test_the_fence_is_asked_after_the_last_validation_slice_and_refuses_without_
     assert expired.num_requests_freed == 4 and expired.num_requests_left == 0
 
 
+def test_an_adopt_record_written_before_ownership_gives_the_same_owners() -> None:
+    """AdoptPool records logged before :class:`Ownership` carried each session's requests
+    in the pool on the session itself; replaying one installs the same owners."""
+    dead, _, _ = run(records()[:8])
+    data = pickle.loads(dead.export_pool("p"))  # noqa: S301 - our own bytes
+    for session in data["sessions"]:
+        vars(session)["requests"] = dict.fromkeys(dead.ownership.requests_of(session.session_id))
+    heir = ServiceState(PoolRegistry(instance_id="heir"))
+    heir.apply(WalRecord(adopt_pool=wal_pb2.AdoptPool(pool_id="p", from_member="m0",
+                                                      state=dumps_state(data))))
+    heir.ownership.check()
+    assert observe(heir) == observe(dead)
+    assert not any(hasattr(s, "requests") for s in heir.sessions.values())
+
+
 def test_an_adopted_pool_keeps_its_state_incarnation_and_sessions_exactly_once() -> None:
     """A pool taken over from a dead replica (AdoptPool, cluster mode) is the pool it
     left: allocator, event numbers, incarnation and the sessions holding its requests,
@@ -219,7 +258,8 @@ def test_an_adopted_pool_keeps_its_state_incarnation_and_sessions_exactly_once()
     assert mine[:4] == observe(dead)[:4] and mine[4].pop("own") == (0, False, [])
     assert mine[4] == observe(dead)[4]
     assert heir.registry.get("p").incarnation == dead.registry.get("p").incarnation
-    assert heir.owner_of("p", "a1") == "s1" and heir.owner_of("p", "b") == "s2"
+    assert heir.ownership.owner_of("p", "a1") == "s1"
+    assert heir.ownership.owner_of("p", "b") == "s2"
     before = observe(heir)
     # The in-doubt call resent under its stamp: the stored answer, nothing applied.
     assert heir.apply(last) == dead.sessions["s1"].last_response

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cache_service.core.errors import InvalidArgument, KVCacheError
-from cache_service.durability import DataDirError, open_data_dir
+from cache_service.durability import open_data_dir
+from cache_service.errors import DataDirError
 from cache_service.snapshot import SnapshotCorruption, list_snapshots, read_snapshot
 from cache_service.wal import (
     HEADER_SIZE,

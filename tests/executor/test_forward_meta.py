@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from executor.batch import GroupLayout, SeqChunk, build_forward_meta
+from executor.forward_meta import GroupLayout, SeqChunk, build_forward_meta
 
 from paged_helpers import attention_meta, mamba_meta
 

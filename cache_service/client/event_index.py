@@ -13,24 +13,23 @@ from collections.abc import Callable, Sequence
 
 from cache_service.core.hashing import external_block_hash, get_hash_fn, hash_request_tokens
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
+from kvcache_common.enums import HASH_ALGOS, LAYER_KINDS
 
-_HASH_ALGOS = {pb.HASH_ALGO_UNSPECIFIED: "sha256", pb.HASH_ALGO_SHA256: "sha256",
-               pb.HASH_ALGO_SHA256_CBOR: "sha256_cbor"}
-# How a spec group's hit is searched, by layer kind.
-_CACHEABLE = {pb.LAYER_KIND_FULL_ATTENTION, pb.LAYER_KIND_SLIDING_WINDOW,
-              pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION, pb.LAYER_KIND_MAMBA}
+# The layer kinds whose groups can hit (cross-attention never does).
+_CACHEABLE = {"full_attention", "sliding_window", "chunked_local_attention", "mamba"}
 
 Present = Callable[[int], bool]
 
 
-class PrefixIndex:
+class EventIndex:
     """Cached keys per group, counted: +1 per stored hash, -1 per removed one."""
 
     def __init__(self, config: pb.PoolConfig) -> None:
         self.groups = list(config.groups)
         self.hash_block_size = config.hash_block_size
         self.enabled = config.options.enable_caching and bool(self.groups)
-        self._hash_fn = get_hash_fn(_HASH_ALGOS[config.options.hash_algo])
+        self._hash_fn = get_hash_fn(HASH_ALGOS.name(config.options.hash_algo) or "sha256")
+        self.kinds = [LAYER_KINDS.name(g.kind) for g in self.groups]  # by group index
         self.alignment = (config.scheduler_block_size if len(self.groups) > 1
                           else self.groups[0].block_size if self.groups else 1)
         self.counts: list[Counter[int]] = [Counter() for _ in self.groups]
@@ -43,10 +42,12 @@ class PrefixIndex:
         self.spec_groups = sorted(specs.values(), key=lambda ids: not self._is_full(ids[0]))
 
     def _is_full(self, gid: int) -> bool:
-        return self.groups[gid].kind == pb.LAYER_KIND_FULL_ATTENTION
+        return self.kinds[gid] == "full_attention"
 
     # -- the feed ------------------------------------------------------------------------
     def apply(self, event: pb.KVEvent) -> None:
+        """Applies one KV event of the pool (stored, removed, all cleared) to the mirrored
+        counts."""
         kind = event.WhichOneof("event")
         if kind == "block_stored":
             self.counts[event.block_stored.group_idx].update(event.block_stored.block_hashes)
@@ -61,6 +62,7 @@ class PrefixIndex:
                 counts.clear()
 
     def num_cached_keys(self) -> int:
+        """Distinct (group, block hash) keys cached now, over all groups."""
         return sum(len(c) for c in self.counts)
 
     # -- hits ----------------------------------------------------------------------------
@@ -99,14 +101,15 @@ class PrefixIndex:
             h = fine[(i + 1) * k - 1]
             return all(h in self.counts[g] for g in ids)
 
-        if group.kind not in _CACHEABLE:
+        kind = self.kinds[ids[0]]
+        if kind not in _CACHEABLE:
             return 0
-        if group.kind == pb.LAYER_KIND_FULL_ATTENTION:
+        if kind == "full_attention":
             hit = next((i for i in range(n) if not present(i)), n) * bs
             return hit - hit % self.alignment
-        if group.kind == pb.LAYER_KIND_SLIDING_WINDOW:
+        if kind == "sliding_window":
             return self._sliding(present, n, bs, -(-(group.sliding_window - 1) // bs))
-        if group.kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
+        if kind == "chunked_local_attention":
             chunk = group.attention_chunk_size
             start = limit // chunk * chunk // bs
             end = limit // bs

@@ -66,6 +66,7 @@ class ForwardMeta:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the packed batch (T)."""
         return int(self.positions.shape[0])
 
 

@@ -4,7 +4,15 @@ One class per kind of scheduler operation. ``KIND`` is the op's name in error pa
 (``ops[3].allocate.num_new_tokens``) and equals the protocol's oneof field name, so that
 the service reports the same paths the client sent. Values are checked by the pool when
 the batch is applied (any Python value may arrive here from a replay trace), never by
-the constructors.
+the constructors: the fields the pool checks are ``Checked[T]`` (errors.py), which the
+compiled core reads through to its check instead of raising TypeError.
+
+The size of an op, in one table (:data:`OP_SIZE_FIELDS`) for every place that counts it:
+:func:`op_requests` and :func:`op_tokens` are what the service's per-Step limits count
+(``max_ops_per_step``, ``max_tokens_per_step``), and :func:`op_cost` is the work the
+service slices a long Step by (checking, hashing and applying it a slice at a time).
+The protocol's ops have the same field names, so the same functions size a Step before
+it is converted.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cache_service.core.errors import Checked
 from cache_service.core.hashing import DeclaredRecipe
 
 
@@ -22,15 +31,15 @@ class AddRequest:
     client's ``block_hashes`` (one per full ``hash_block_size`` block)."""
 
     KIND: ClassVar[str] = "add_request"
-    request_id: str
+    request_id: Checked[str]
     token_ids: Sequence[int]
     block_hashes: Sequence[bytes] | None = None
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    lora_path: str | None = None
-    hash_recipe: DeclaredRecipe | None = None  # checked against the pool's when given
+    cache_salt: Checked[str | None] = None
+    lora_name: Checked[str | None] = None
+    lora_path: Checked[str | None] = None
+    hash_recipe: Checked[DeclaredRecipe | None] = None  # checked against the pool's when given
     #: Whose quota the request counts against (pools with an account block quota).
-    account: str | None = None
+    account: Checked[str | None] = None
 
 
 @dataclass(slots=True)
@@ -38,9 +47,9 @@ class Lookup:
     """The longest usable prefix hit of a request with nothing computed."""
 
     KIND: ClassVar[str] = "lookup"
-    request_id: str
+    request_id: Checked[str]
     #: Also answer every group's reach and miss reason (PrefixHit.groups).
-    explain: bool = False
+    explain: Checked[bool] = False
 
 
 @dataclass(slots=True)
@@ -51,16 +60,16 @@ class Allocate:
     None."""
 
     KIND: ClassVar[str] = "allocate"
-    request_id: str
-    num_new_tokens: int
-    num_lookahead_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    use_lookup: bool = True
-    delay_cache_blocks: bool = False
-    include_table: bool = True
+    request_id: Checked[str]
+    num_new_tokens: Checked[int]
+    num_lookahead_tokens: Checked[int] = 0
+    full_sequence_must_fit: Checked[bool] = False
+    use_lookup: Checked[bool] = True
+    delay_cache_blocks: Checked[bool] = False
+    include_table: Checked[bool] = True
     append_token_ids: Sequence[int] = ()
-    num_encoder_tokens: int = 0  # cross-attention input (not in the protocol)
-    num_placeholder_tokens: int = 0
+    num_encoder_tokens: Checked[int] = 0  # cross-attention input (not in the protocol)
+    num_placeholder_tokens: Checked[int] = 0
 
 
 @dataclass(slots=True)
@@ -68,7 +77,7 @@ class AppendTokens:
     """Append decoded tokens (newly completed blocks are hashed)."""
 
     KIND: ClassVar[str] = "append_tokens"
-    request_id: str
+    request_id: Checked[str]
     token_ids: Sequence[int]
 
 
@@ -77,7 +86,7 @@ class Free:
     """Free a request's blocks (they stay cached) and forget it."""
 
     KIND: ClassVar[str] = "free"
-    request_id: str
+    request_id: Checked[str]
 
 
 @dataclass(slots=True)
@@ -85,7 +94,7 @@ class Preempt:
     """Free a request's blocks but keep it (computed tokens back to 0, PREEMPTED)."""
 
     KIND: ClassVar[str] = "preempt"
-    request_id: str
+    request_id: Checked[str]
 
 
 @dataclass(slots=True)
@@ -106,7 +115,7 @@ class Decode:
     KIND: ClassVar[str] = "decode"
     request_ids: Sequence[str]
     token_ids: Sequence[int]
-    placeholders: bool = False
+    placeholders: Checked[bool] = False
 
 
 @dataclass(slots=True)
@@ -127,3 +136,44 @@ Op = (AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep |
 #: (allocate), int = free blocks after the op (free, preempt), None (new_step),
 #: DecodeOutcome (decode), int = placeholders filled (fill_placeholders).
 OpOutcome = Any
+
+#: Token ids per unit of work: checking, copying and hashing (one hash block at the usual
+#: size of 16) that many tokens costs about what applying one request-op does.
+TOKENS_PER_COST = 16
+
+#: Per kind: (the field that names one request per entry, or None: the op names one
+#: request; the field holding token ids, or None).
+OP_SIZE_FIELDS: dict[str, tuple[str | None, str | None]] = {
+    AddRequest.KIND: (None, "token_ids"),
+    Lookup.KIND: (None, None),
+    Allocate.KIND: (None, "append_token_ids"),
+    AppendTokens.KIND: (None, "token_ids"),
+    Free.KIND: (None, None),
+    Preempt.KIND: (None, None),
+    NewStep.KIND: (None, None),
+    Decode.KIND: ("request_ids", "token_ids"),
+    FillPlaceholders.KIND: ("request_ids", "token_ids"),
+}
+
+
+def op_requests(kind: str, op: Any) -> int:
+    """Request-ops: one per request a decode or fill op names, else one. ``op``: a core op
+    or the protocol's message of that kind (a validated one: its fields are sequences)."""
+    per, _ = OP_SIZE_FIELDS[kind]
+    return 1 if per is None else len(getattr(op, per))
+
+
+def op_tokens(kind: str, op: Any) -> int:
+    """Token ids the op carries (0 for kinds without any)."""
+    _, tokens = OP_SIZE_FIELDS[kind]
+    return 0 if tokens is None else len(getattr(op, tokens))
+
+
+def op_cost(kind: str, op: Any) -> int:
+    """Units of work: one per request-op, plus one per :data:`TOKENS_PER_COST` token ids
+    of an op naming one request (a decode or fill op carries one token id per request it
+    names, paid for with the request)."""
+    per, tokens = OP_SIZE_FIELDS[kind]
+    if per is not None:
+        return len(getattr(op, per))
+    return 1 if tokens is None else 1 + len(getattr(op, tokens)) // TOKENS_PER_COST

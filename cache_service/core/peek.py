@@ -1,0 +1,144 @@
+"""Read-only prefix probes of one pool: the hit a prompt would get now, and what each group
+holds of it (:class:`PrefixPeek`, behind :meth:`Pool.peek_prefix` and
+:meth:`Pool.prefix_residency`).
+
+A probe registers nothing, takes no references and changes no statistics. Its input is
+checked as a batch's would be (the same errors, naming the same fields), and a long prompt
+is checked and hashed a slice at a time (``*_in_slices``: a generator yielding between
+slices), because hashing is the cost of a long prompt; the cache itself is read after the
+last slice, in one piece, so the answer is the hit at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+from cache_service.core.batch import BatchLimits, check_extra_keys, check_hashes, check_tokens
+from cache_service.core.errors import InvalidArgument
+from cache_service.core.hashing import HashFn, hash_request_tokens
+from cache_service.core.kv_cache_manager import KVCacheManager
+from cache_service.core.residency import (
+    ExplainContext,
+    ExtraKeys,
+    PrefixLog,
+    Residency,
+    explain,
+    group_residency,
+)
+
+#: A peek's checked input: (hashes or None when caching is off, hit cap, tokens or None).
+PeekInput = tuple[list[bytes] | None, int, Sequence[int] | None]
+
+
+def hash_in_slices(hash_fn: HashFn | None, token_ids: Sequence[int], hash_block_size: int,
+                   token_limit: int, slice_blocks: int, keys: ExtraKeys
+                   ) -> Generator[None, None, list[bytes]]:
+    """The block hashes of a prompt, ``slice_blocks`` blocks at a time, yielding between
+    slices (each slice's tokens checked as ``check_tokens`` would; an error names the global
+    index). With ``hash_fn`` None (caching off) the tokens are only checked."""
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidArgument("token_ids must be a sequence of integers", field="token_ids")
+    hbs = hash_block_size
+    n = len(token_ids)
+    step = slice_blocks * hbs
+    hashes: list[bytes] = []
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        chunk = token_ids[lo:hi]
+        if set(map(type, chunk)) != {int} or min(chunk) < 0 or max(chunk) >= token_limit:
+            check_tokens(token_ids[:hi], token_limit)  # raises, naming the first bad one
+        if hash_fn is not None:
+            hashes += hash_request_tokens(
+                hash_fn, token_ids, hbs, parent=hashes[-1] if hashes else None,
+                start_block=len(hashes), stop_block=hi // hbs, lora_name=keys.lora_name,
+                lora_path=keys.lora_path, cache_salt=keys.cache_salt)
+        if hi < n:
+            yield
+    return hashes
+
+
+class PrefixPeek:
+    """The probes of one pool's cache (its manager, limits, hash function and prefix log)."""
+
+    __slots__ = ("_manager", "_limits", "_hash_fn", "_hbs", "_log")
+
+    def __init__(self, manager: KVCacheManager, limits: BatchLimits, hash_fn: HashFn | None,
+                 log: PrefixLog) -> None:
+        self._manager = manager
+        self._limits = limits
+        self._hash_fn = hash_fn  # None: caching is off (every probe answers 0)
+        self._hbs = limits.hash_block_size
+        self._log = log
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its constructor call (the same form in both cores: restore.py).
+        return PrefixPeek, (self._manager, self._limits, self._hash_fn, self._log)
+
+    def input_in_slices(self, token_ids: Sequence[int] | None,
+                        block_hashes: Sequence[bytes] | None, keys: ExtraKeys, *,
+                        slice_blocks: int = 1 << 62) -> Generator[None, None, PeekInput]:
+        """The checked input of a peek, hashing ``slice_blocks`` blocks at a time: (the
+        prompt's hashes at this pool's recipe, or None when caching is off; the hit cap in
+        tokens, the hashed length when only hashes are given; the checked tokens or
+        None). Reads nothing of the cache: the routing index hashes a prompt once per
+        hash identity with it."""
+        if token_ids is None and block_hashes is None:
+            raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
+        check_extra_keys(keys.cache_salt, keys.lora_name, keys.lora_path)
+        hashes: list[bytes] | None
+        tokens: Sequence[int] | None
+        limit = self._limits.token_limit
+        if (token_ids is not None and block_hashes is None
+                and len(token_ids) > slice_blocks * self._hbs):
+            # A long prompt: checked and hashed a slice at a time (converting or checking
+            # a million token ids at once would hold the caller for a long time too).
+            hashes = yield from hash_in_slices(self._hash_fn, token_ids, self._hbs, limit,
+                                               slice_blocks, keys)
+            tokens = token_ids
+        else:
+            tokens = None if token_ids is None else check_tokens(token_ids, limit)
+            hashes = None if block_hashes is None else check_hashes(
+                block_hashes, None if tokens is None else len(tokens), self._limits)
+            if hashes is None and tokens is not None and self._hash_fn is not None:
+                hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
+                                             lora_name=keys.lora_name,
+                                             lora_path=keys.lora_path,
+                                             cache_salt=keys.cache_salt)
+        if self._hash_fn is None or hashes is None:
+            return None, 0, tokens
+        max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
+        return hashes, max_len, tokens
+
+    def residency_in_slices(self, token_ids: Sequence[int] | None,
+                            block_hashes: Sequence[bytes] | None, keys: ExtraKeys, *,
+                            groups: bool, explain_misses: bool, slice_blocks: int
+                            ) -> Generator[None, None, Residency]:
+        """The hit (and with ``groups`` every group's reach, with ``explain_misses`` every
+        group's miss reason) of a prompt given as tokens, client hashes or both (then the
+        hashes are looked up and checked against the pool's recipe)."""
+        hashes, max_len, tokens = yield from self.input_in_slices(
+            token_ids, block_hashes, keys, slice_blocks=slice_blocks)
+        coordinator = self._manager.coordinator
+        if hashes is None:
+            return Residency(0, group_residency(coordinator.managers, (), 0,
+                                                self._manager.pool) if groups else [])
+        _, hit, _ = coordinator.find_longest_cache_hit(hashes, max_len)
+        if not groups and not explain_misses:
+            return Residency(hit, [])
+        return self.residency(hashes, max_len, hit, tokens, keys,
+                              client_hashes=block_hashes is not None,
+                              explain_misses=explain_misses)
+
+    def residency(self, hashes: Sequence[bytes], max_len: int, hit: int,
+                  tokens: Sequence[int] | None, keys: ExtraKeys, *, client_hashes: bool,
+                  explain_misses: bool) -> Residency:
+        """Every group's reach of ``hashes`` (capped at ``max_len``) beside the pool's
+        ``hit``; with ``explain_misses`` (and caching on) every group's miss reason."""
+        managers = self._manager.coordinator.managers
+        block_pool = self._manager.pool
+        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool))
+        if explain_misses and self._hash_fn is not None:
+            explain(result, ExplainContext(managers, block_pool, self._log, self._hash_fn,
+                                           hashes, max_len, keys, tokens, client_hashes))
+        return result
