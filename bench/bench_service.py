@@ -34,7 +34,9 @@ Sides:
   CPU time the server process spent per call (all its threads; load inflates it much
   less than wall time).
   ``--baseline-tree DIR`` adds a second server started from another checkout (e.g. main)
-  to the same rounds: before/after in one run.
+  to the same rounds: before/after in one run. ``--vs-pure``: that second server is this
+  checkout with ``KVCACHE_CORE=pure``, against this side's build of the core (compiled
+  when built: ``python -m cache_service.core.build``).
 
 ops/s counts scheduler operations: 2 per request per step (append + allocate), on both
 sides. The ratios compare ops/s to the in-process core's (same N, same run): to its
@@ -43,6 +45,7 @@ append+allocate loop and to ``Pool.decode``.
     python3 bench/bench_service.py                 # about a minute
     python3 bench/bench_service.py --steps 50      # quicker
     python3 bench/bench_service.py --sizes 256 --clients 1 --baseline-tree ../main
+    python3 bench/bench_service.py --sizes 256 --clients 1 --vs-pure  # compiled vs pure core
 
 Prints a table and writes bench/results/service.json.
 """
@@ -497,12 +500,14 @@ def plot(cases: list[dict[str, Any]], raw: dict[str, list[int]]) -> list[Panel]:
                  reference=1.0)]
 
 
-def start_baseline(tree: Path) -> ServerProcess:
-    """A cache server started from another checkout (its own code, this run's flags)."""
+def start_baseline(tree: Path, core: str | None = None) -> ServerProcess:
+    """A cache server started from another checkout (its own code, this run's flags), or
+    with ``core``, from this one with ``KVCACHE_CORE=core``."""
     tree = tree.resolve()
+    env = {"PYTHONPATH": str(tree)} | ({"KVCACHE_CORE": core} if core else {})
     return start_process([sys.executable, "-m", "cache_service", "--host", "127.0.0.1",
                           "--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
-                         env={"PYTHONPATH": str(tree)}, cwd=str(tree))
+                         env=env, cwd=str(tree))
 
 
 def main() -> int:
@@ -518,6 +523,10 @@ def main() -> int:
     parser.add_argument("--baseline-tree", type=Path, default=None,
                         help="also run the decode cases against a server started from "
                              "this checkout (e.g. main), in the same rounds")
+    parser.add_argument("--vs-pure", action="store_true",
+                        help="instead of another tree, the baseline server is this one with "
+                             "KVCACHE_CORE=pure (the pure-Python core; run this side with "
+                             "the compiled one)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -528,7 +537,11 @@ def main() -> int:
 
     server = start_cache_service("--log-level", "warning")
     echo = start_echo_server()
-    base_server = start_baseline(args.baseline_tree) if args.baseline_tree else None
+    if args.vs_pure:
+        args.baseline_tree = Path(__file__).resolve().parents[1]
+    base_server = (start_baseline(args.baseline_tree, "pure" if args.vs_pure else None)
+                   if args.baseline_tree else None)
+    baseline_name = "the pure core's" if args.vs_pure else "baseline tree's"
     target = server.target
     pids = {"service": server.proc.pid, "echo": echo.proc.pid}
     if base_server is not None:
@@ -537,6 +550,7 @@ def main() -> int:
     results: dict = {"workload": {"prompt_tokens": PROMPT, "ops_per_request_per_step": 2,
                                   "model": "1 full + 1 sliding-window (1024) layer, bs 16"},
                      "baseline_tree": str(args.baseline_tree) if args.baseline_tree else None,
+                     "baseline_core": "pure" if args.vs_pure else None,
                      "cases": []}
     try:
         with CacheClient(target, default_timeout=60) as client:
@@ -625,7 +639,7 @@ def main() -> int:
         for key in ("service_decode", "stream_decode"):
             if "p50_vs_baseline" in case[key]:
                 base = case[f"baseline_{key}"]
-                print(f"{case['running_requests']} req: {key} p50 / baseline tree's: "
+                print(f"{case['running_requests']} req: {key} p50 / {baseline_name}: "
                       f"{case[key]['p50_vs_baseline']:.2f}x; server CPU per call "
                       f"{case[key]['server_cpu_us']} vs {base['server_cpu_us']} us "
                       f"({case[key]['server_cpu_us'] / base['server_cpu_us']:.2f}x)")

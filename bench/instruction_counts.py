@@ -27,6 +27,7 @@ the core faster, and say why when raising one).
 
     python3 bench/instruction_counts.py --check
     python3 bench/instruction_counts.py --update
+    python3 bench/instruction_counts.py --core compiled   # compiled / pure, noise-free
 
 Writes bench/results/instructions.json.
 """
@@ -190,8 +191,8 @@ def child() -> int:
 
 # --- the parent: valgrind, the dumps, the budgets ---------------------------------------------
 
-def measure() -> dict[str, int]:
-    """Instruction count per op kind (one callgrind run of the child)."""
+def measure(core: str = "pure") -> dict[str, int]:
+    """Instruction count per op kind (one callgrind run of the child, with ``core``)."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise RuntimeError("valgrind is not installed")
@@ -200,7 +201,7 @@ def measure() -> dict[str, int]:
         # The budgets are the pure-Python core's (the reference; a compiled build's counts
         # are a fraction of them and would hide a regression of the source).
         env = {**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": str(REPO),
-               "KVCACHE_CORE": "pure"}
+               "KVCACHE_CORE": core}
         done = subprocess.run(
             [valgrind, "--tool=callgrind", "--collect-atstart=no",
              "--toggle-collect=functools_reduce", "--dump-after=functools_reduce",
@@ -239,8 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--update", action="store_true",
                       help="write this build's counts as its budgets")
     mode.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--core", choices=("pure", "compiled"), default="pure",
+                   help="the core to count (budgets are the pure core's: --core compiled "
+                        "prints its counts over them, compiled / pure, and checks nothing)")
     p.add_argument("--out", type=Path, default=None, help="JSON path")
     args = p.parse_args(argv)
+    if args.core != "pure" and (args.check or args.update):
+        p.error("--check and --update take the pure core's counts (the budgets' core)")
     if args.child:
         return child()
     sys.path.insert(0, str(HERE))
@@ -252,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no instruction budgets for {key()} in {BUDGETS.name} (have: "
               f"{', '.join(budgets) or 'none'}): nothing to check")
         return 0
-    counts = measure()
+    counts = measure(args.core)
     rows, over = [], []
     for kind in KINDS:
         budget = (mine or {}).get(kind)
@@ -261,14 +267,15 @@ def main(argv: list[str] | None = None) -> int:
             over.append(kind)
         rows.append([kind, counts[kind], budget, f"{rel:.3f}x" if rel else "-",
                      "OVER" if kind in over else ("ok" if rel else "-")])
-    print_table(f"instructions per op kind ({key()}), budget + {TOLERANCE:.0%} allowed",
+    print_table(f"instructions per op kind ({key()}, {args.core} core), budget (the pure "
+                f"core's) + {TOLERANCE:.0%} allowed",
                 ["kind", "instructions", "budget", "count / budget", ""], rows)
     if args.update:
         budgets[key()] = counts
         BUDGETS.write_text(json.dumps(budgets, indent=1, sort_keys=True) + "\n")
         print(f"wrote the budgets of {key()} to {BUDGETS}")
-    path = write_results("instructions", {"key": key(), "counts": counts, "budgets": mine,
-                                          "over": over}, args.out)
+    path = write_results("instructions", {"key": key(), "core": args.core, "counts": counts,
+                                          "budgets": mine, "over": over}, args.out)
     print(f"wrote {path}")
     if args.check and over:
         print(f"over budget (+{TOLERANCE:.0%}): {', '.join(over)}", file=sys.stderr)

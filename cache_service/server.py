@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import structlog
 
+from cache_service.core._variant import build_info as core_build_info
 from cache_service.durability import (
     DataDir,
     new_instance_id,
@@ -217,6 +218,8 @@ async def serve(settings: Settings) -> int:
     reaper = asyncio.create_task(servicer.reaper.run(), name="lease-reaper")
     pin_reaper = asyncio.create_task(servicer.pin_reaper.run(), name="pin-reaper")
     freezer = asyncio.create_task(keep_heap_frozen(), name="gc-freezer")
+    core = core_build_info()  # which allocator core runs: pure Python or mypyc-compiled
+    lifecycle().info("core", variant=core["variant"], reason=core["reason"])
     lifecycle().info("serving", host=settings.host, port=listener.port,
                      metrics_port=listener.metrics_port, tls=settings.tls_cert is not None,
                      auth=tenants is not None,

@@ -263,10 +263,15 @@ REGISTRY: dict[str, Entry] = {
         Gated("a second checkout at ../main", "the before side of a before/after comparison; "
               "`python3 bench/bench_service.py` runs in tests/bench"),
     "python3 bench/profile_step.py": _bench("profile_step"),
+    "KVCACHE_CORE=auto python3 bench/bench_service.py --sizes 256 --clients 1 --steps 100 "
+    "--vs-pure": _bench("service", "--sizes 8 --steps 5 --warmup 1 --rounds 1", plot=True),
     "KVCACHE_CORE=auto python3 bench/bench_core.py --num-requests 1000 --vs-pure --no-oracle "
     "--pool-blocks 0":
         _bench("core", "--num-requests 100", plot=True),
     "python3 bench/instruction_counts.py --check": RunBy("tests/bench/test_instruction_budgets.py"),
+    "python3 bench/instruction_counts.py --core compiled": Gated(
+        "valgrind and a compiled build of the core", "scripts/test.sh builds the compiled "
+        "core; tests/bench/test_instruction_budgets.py runs the pure core's count"),
     "python3 bench/bench_mooncake.py --trace "
     "../shared/data/mooncake-traces/conversation_trace.jsonl --max-requests 500": Gated(
         "the Mooncake trace files beside the checkout (../shared/data, never committed)",

@@ -5,9 +5,10 @@ The compiled modules live in ``cache_service/core/_compiled/`` (never beside the
 an editable install keeps running the .py files it edits), with a stamp of the sources they
 were compiled from. At import, :func:`activate` puts that folder first on the package's
 ``__path__`` when the stamp matches the sources and this interpreter; a stale or foreign build
-is ignored (pure Python, and :func:`build_info` says why). ``KVCACHE_CORE``: ``pure`` (the
-default while the compiled core does not pass tests/core: docs/architecture.md), ``auto`` (the
-compiled build when it matches), ``compiled`` (fails the import unless it can load).
+is ignored (pure Python, and :func:`build_info` says why). ``KVCACHE_CORE``: ``auto`` (the
+default: the compiled build when it matches, else pure Python), ``pure`` (ignores any build),
+``compiled`` (fails the import unless it can load). Both builds make the same decisions and
+pickle to the same form (docs/architecture.md, "Compiled core").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ STAMP = COMPILED / "stamp.json"
 #: Never compiled: the switch itself, the build and the command line; and the op and spec
 #: dataclasses, whose ``ClassVar`` constants mypyc 2.4 turns into dataclass fields (off the
 #: hot path: they are built once per op or per pool).
-NOT_COMPILED = frozenset({"__init__", "__main__", "_variant", "build", "ops", "specs"})
+NOT_COMPILED = frozenset({"__init__", "__main__", "_variant", "build", "operations", "specs"})
 
 _info: dict[str, Any] = {"variant": "pure", "reason": "not activated"}
 
@@ -66,10 +67,10 @@ def _why_not() -> str | None:
 def activate(package_path: list[str]) -> dict[str, Any]:
     """Chooses the build (see the module docstring) before any core module is imported."""
     global _info
-    wanted = os.environ.get("KVCACHE_CORE", "pure")
+    wanted = os.environ.get("KVCACHE_CORE", "auto")
     if wanted not in ("auto", "pure", "compiled"):
         raise ImportError(f"KVCACHE_CORE must be auto, pure or compiled, not {wanted!r}")
-    why = "KVCACHE_CORE=pure (the default)" if wanted == "pure" else _why_not()
+    why = "KVCACHE_CORE=pure" if wanted == "pure" else _why_not()
     if why is None:
         package_path.insert(0, str(COMPILED / "cache_service" / "core"))
         if str(COMPILED) not in sys.path:

@@ -54,13 +54,14 @@ from cache_service.core.operations import (
     op_cost,
 )
 from cache_service.core.request import Request
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.slices import run_to_end
 
 MAX_REQUEST_ID_LEN = 256  # keeps hostile ids from bloating every table and event
 
 
 @dataclass(frozen=True, slots=True)
-class BatchLimits:
+class BatchLimits(RebuiltFromFields):
     """The pool settings the checks need. ``token_limit``: token ids lie in [0, it)."""
 
     max_model_len: int

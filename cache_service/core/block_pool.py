@@ -20,7 +20,9 @@ on a block that already had a key, or the keys a copy-on-write moved onto it
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -41,6 +43,23 @@ class CacheObserver(Protocol):
     def removed(self, block_hash: bytes, group_id: int) -> None: ...
 
 
+class CachedBlockLookup(Protocol):
+    """What the managers' hit rules (``find_longest_cache_hit``) probe: a :class:`BlockPool`,
+    or the routing index's view of its masks, whose keys are block positions
+    (prefix_index). Keys are ``Any`` so that the compiled core accepts both kinds."""
+
+    hash_block_size: int
+    null_block: KVCacheBlock
+
+    def group_map(self, group_id: int) -> Any: ...
+
+    def get_one_cached_block(self, key: Any, group_id: int) -> KVCacheBlock | None: ...
+
+    def get_cached_block(self, key: Any, group_ids: Sequence[int]
+                         ) -> list[KVCacheBlock] | None: ...
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class BlockPool:
     """``num_blocks`` blocks including the null block 0, so ``num_blocks - 1`` usable."""
 

@@ -18,9 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool
 from cache_service.core.errors import ConfigError
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import (
     ChunkedLocalAttentionManager,
     CrossAttentionManager,
@@ -58,6 +61,7 @@ class CoordinatorOptions(TypedDict):
     hash_block_size: int
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class KVCacheCoordinator:
     """Fans group operations out to the managers; subclasses define the hit search."""
 
@@ -329,6 +333,7 @@ class KVCacheCoordinator:
             manager.new_step_starts()
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class NoPrefixCacheCoordinator(KVCacheCoordinator):
     """Caching disabled: never a hit, nothing hashed; works for 0..n groups."""
 
@@ -337,6 +342,7 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
         return tuple([] for _ in self.managers), 0, 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class UnitaryCoordinator(KVCacheCoordinator):
     """Exactly one group with caching (hash block size == block size)."""
 
@@ -372,7 +378,7 @@ class UnitaryCoordinator(KVCacheCoordinator):
 
 
 @dataclass
-class SpecGroup:
+class SpecGroup(RebuiltFromFields):
     """Groups with one equal spec (and manager type), looked up jointly."""
 
     spec: KVCacheSpec  # what the manager runs with (see specs.manager_spec)
@@ -385,6 +391,7 @@ class SpecGroup:
         return isinstance(self.spec, FullAttentionSpec)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class HybridCoordinator(KVCacheCoordinator):
     """Two or more groups with caching: the fixed-point hit search of
     docs/semantics.md#hybrid-fixed-point."""

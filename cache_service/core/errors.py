@@ -10,6 +10,16 @@ and the caller decides whether to preempt.
 
 from __future__ import annotations
 
+from typing import Any, TypeAlias, TypeVar
+
+_T = TypeVar("_T")
+
+#: A parameter declared ``_T`` whose value the callee checks itself, raising the error that
+#: names it (any Python value may arrive: a replay trace, a JSON config, a Python caller).
+#: The ``Any`` is for the compiled core: mypyc checks declared types at the call and would
+#: raise a bare TypeError before the check could name the field.
+Checked: TypeAlias = _T | Any
+
 
 class KVCacheError(Exception):
     """Base class. ``field`` names the offending input (``"token_ids[3]"``) or is ``""``."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cache_service.core.restore import RebuiltFromFields
+
 
 @dataclass
-class BlockStored:
+class BlockStored(RebuiltFromFields):
     """Blocks newly cached by one request in one group, from one caching call that
     scanned the table positions ``[start_token / block_size, end)``. Only positions that
     entered the cache are announced (null positions of sliding-window and Mamba tables,
@@ -45,7 +47,7 @@ class BlockStored:
 
 
 @dataclass
-class BlockRemoved:
+class BlockRemoved(RebuiltFromFields):
     """One cached block left the cache (eviction or explicit invalidation): exactly one
     hash. Another block cached under the same key keeps the key cached."""
 
@@ -55,7 +57,7 @@ class BlockRemoved:
 
 
 @dataclass
-class AllBlocksCleared:
+class AllBlocksCleared(RebuiltFromFields):
     """The prefix cache was reset."""
 
     medium: str = field(default="GPU")

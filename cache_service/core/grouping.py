@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from cache_service.core.errors import ConfigError
+from cache_service.core.errors import Checked, ConfigError
 from cache_service.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -66,8 +66,9 @@ def get_kv_cache_groups(layer_specs: Mapping[str, KVCacheSpec], *,
 
 
 def get_kv_cache_config(layer_specs: Mapping[str, KVCacheSpec], *,
-                        available_memory: int | None = None, num_blocks: int | None = None,
-                        limits: SizingLimits | None = None,
+                        available_memory: Checked[int | None] = None,
+                        num_blocks: Checked[int | None] = None,
+                        limits: Checked[SizingLimits | None] = None,
                         hybrid: bool = True) -> KVCacheConfig:
     """The pool layout for these layers and exactly one of ``available_memory`` (bytes;
     ``num_blocks = available_memory // page_size_bytes``) or ``num_blocks`` (including the

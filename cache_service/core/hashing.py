@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import cbor2
 
-from cache_service.core.errors import InvalidArgument
+from cache_service.core.errors import Checked, InvalidArgument
+from cache_service.core.restore import RebuiltFromFields
 
 HashFn = Callable[[object], bytes]
 
@@ -49,7 +50,7 @@ HASH_FUNCTIONS: dict[str, HashFn] = {
 }
 
 
-def get_hash_fn(algo: str) -> HashFn:
+def get_hash_fn(algo: Checked[str]) -> HashFn:
     """The hash function named ``algo`` (``"sha256"`` or ``"sha256_cbor"``)."""
     try:
         return HASH_FUNCTIONS[algo]
@@ -186,7 +187,7 @@ def external_block_hash(h: bytes) -> int:
 
 
 @dataclass(frozen=True)
-class HashRecipe:
+class HashRecipe(RebuiltFromFields):
     """How the pool hashes blocks: a client that computes its own hashes (or a router that
     predicts hits) must use the same. ``none_hash = hash_fn(none_hash_seed)`` is the parent
     of every chain's first block (docs/hashing.md)."""

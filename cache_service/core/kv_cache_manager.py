@@ -12,11 +12,14 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
 from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.request import Request, RequestStatus
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks, MambaManager
 from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
 
@@ -59,7 +62,7 @@ class BlockCopy:
 
 
 @dataclass
-class PrefixCacheStats:
+class PrefixCacheStats(RebuiltFromFields):
     """Prefix-cache counters recorded at admission; ``preempted_*`` for re-admissions."""
 
     requests: int = 0
@@ -84,6 +87,7 @@ class PrefixCacheStats:
 _ADMISSION_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class KVCacheManager:
     """vLLM 0.33's KVCacheManager semantics over one coordinator."""
 
@@ -122,6 +126,9 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         #: The no-op fast path of allocate_slots; tests turn it off to compare.
         self.fast_path = True
+        #: Allocations the fast path answered (tests check that it is taken: a spy on the
+        #: no-op check cannot be installed on the compiled core's classes).
+        self.fast_path_answers = 0
         #: Set when allocate_slots answered None because of ``max_new_blocks``.
         self.refused_by_quota = False
         #: Whether allocations may queue block copies (partial hits are on).
@@ -225,6 +232,7 @@ class KVCacheManager:
             if not delay_cache_blocks and self.enable_caching:
                 n_cache = min(main, len(request.all_token_ids))
             if coordinator.allocation_is_noop(request, need_slots, main, n_cache):
+                self.fast_path_answers += 1
                 return [[] for _ in range(self.num_groups)]
         return self._grow(request, num_new_tokens, hits, num_local,
                           num_external_computed_tokens, num_encoder_tokens, need_slots, main,
@@ -254,6 +262,7 @@ class KVCacheManager:
                 num_tokens = len(request.all_token_ids)
                 n_cache = main if main < num_tokens else num_tokens
             if coordinator.allocation_is_noop(request, need_slots, main, n_cache):
+                self.fast_path_answers += 1
                 return ()
         return self._grow(request, 1, self.empty_blocks, request.num_computed_tokens, 0, 0,
                           need_slots, main, total_computed, 0, None, False)

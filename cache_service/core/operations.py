@@ -4,7 +4,8 @@ One class per kind of scheduler operation. ``KIND`` is the op's name in error pa
 (``ops[3].allocate.num_new_tokens``) and equals the protocol's oneof field name, so that
 the service reports the same paths the client sent. Values are checked by the pool when
 the batch is applied (any Python value may arrive here from a replay trace), never by
-the constructors.
+the constructors: the fields the pool checks are ``Checked[T]`` (errors.py), which the
+compiled core reads through to its check instead of raising TypeError.
 
 The size of an op, in one table (:data:`OP_SIZE_FIELDS`) for every place that counts it:
 :func:`op_requests` and :func:`op_tokens` are what the service's per-Step limits count
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from cache_service.core.errors import Checked
 from cache_service.core.hashing import DeclaredRecipe
 
 
@@ -29,17 +31,17 @@ class AddRequest:
     client's ``block_hashes`` (one per full ``hash_block_size`` block)."""
 
     KIND: ClassVar[str] = "add_request"
-    request_id: str
+    request_id: Checked[str]
     token_ids: Sequence[int]
     block_hashes: Sequence[bytes] | None = None
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    lora_path: str | None = None
-    hash_recipe: DeclaredRecipe | None = None  # checked against the pool's when given
+    cache_salt: Checked[str | None] = None
+    lora_name: Checked[str | None] = None
+    lora_path: Checked[str | None] = None
+    hash_recipe: Checked[DeclaredRecipe | None] = None  # checked against the pool's when given
     #: Whose quota the request counts against (pools with an account block quota).
-    account: str | None = None
+    account: Checked[str | None] = None
     #: The eviction class of the blocks it releases (:mod:`eviction_classes`); 0 = default.
-    eviction_class: int = 0
+    eviction_class: Checked[int] = 0
 
 
 @dataclass(slots=True)
@@ -47,9 +49,9 @@ class Lookup:
     """The longest usable prefix hit of a request with nothing computed."""
 
     KIND: ClassVar[str] = "lookup"
-    request_id: str
+    request_id: Checked[str]
     #: Also answer every group's reach and miss reason (PrefixHit.groups).
-    explain: bool = False
+    explain: Checked[bool] = False
 
 
 @dataclass(slots=True)
@@ -60,16 +62,16 @@ class Allocate:
     None."""
 
     KIND: ClassVar[str] = "allocate"
-    request_id: str
-    num_new_tokens: int
-    num_lookahead_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    use_lookup: bool = True
-    delay_cache_blocks: bool = False
-    include_table: bool = True
+    request_id: Checked[str]
+    num_new_tokens: Checked[int]
+    num_lookahead_tokens: Checked[int] = 0
+    full_sequence_must_fit: Checked[bool] = False
+    use_lookup: Checked[bool] = True
+    delay_cache_blocks: Checked[bool] = False
+    include_table: Checked[bool] = True
     append_token_ids: Sequence[int] = ()
-    num_encoder_tokens: int = 0  # cross-attention input (not in the protocol)
-    num_placeholder_tokens: int = 0
+    num_encoder_tokens: Checked[int] = 0  # cross-attention input (not in the protocol)
+    num_placeholder_tokens: Checked[int] = 0
 
 
 @dataclass(slots=True)
@@ -77,7 +79,7 @@ class AppendTokens:
     """Append decoded tokens (newly completed blocks are hashed)."""
 
     KIND: ClassVar[str] = "append_tokens"
-    request_id: str
+    request_id: Checked[str]
     token_ids: Sequence[int]
 
 
@@ -88,8 +90,8 @@ class Free:
     first to be evicted, instead of its back (:mod:`release_hints`)."""
 
     KIND: ClassVar[str] = "free"
-    request_id: str
-    evict_first: bool = False
+    request_id: Checked[str]
+    evict_first: Checked[bool] = False
 
 
 @dataclass(slots=True)
@@ -97,7 +99,7 @@ class Preempt:
     """Free a request's blocks but keep it (computed tokens back to 0, PREEMPTED)."""
 
     KIND: ClassVar[str] = "preempt"
-    request_id: str
+    request_id: Checked[str]
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ class Decode:
     KIND: ClassVar[str] = "decode"
     request_ids: Sequence[str]
     token_ids: Sequence[int]
-    placeholders: bool = False
+    placeholders: Checked[bool] = False
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ last slice, in one piece, so the answer is the hit at that moment.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
+from typing import Any
 
 from cache_service.core.batch import BatchLimits, check_extra_keys, check_hashes, check_tokens
 from cache_service.core.errors import InvalidArgument
@@ -69,6 +70,10 @@ class PrefixPeek:
         self._hash_fn = hash_fn  # None: caching is off (every probe answers 0)
         self._hbs = limits.hash_block_size
         self._log = log
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its constructor call (the same form in both cores: restore.py).
+        return PrefixPeek, (self._manager, self._limits, self._hash_fn, self._log)
 
     def input_in_slices(self, token_ids: Sequence[int] | None,
                         block_hashes: Sequence[bytes] | None, keys: ExtraKeys, *,

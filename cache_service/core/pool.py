@@ -28,6 +28,8 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.batch import (
     BatchCheck,
     BatchLimits,
@@ -35,7 +37,13 @@ from cache_service.core.batch import (
     check_batch_in_slices,
     check_int,
 )
-from cache_service.core.errors import FailedPrecondition, InvalidArgument, NotFound, UnknownRequest
+from cache_service.core.errors import (
+    Checked,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    UnknownRequest,
+)
 from cache_service.core.events import KVEvent
 from cache_service.core.eviction_classes import ClassedFreeQueue
 from cache_service.core.hashing import (
@@ -67,6 +75,7 @@ from cache_service.core.quota import BlockQuota
 from cache_service.core.release_hints import evict_first
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.residency import ExtraKeys, GroupResidency, PrefixLog, Residency
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks
 from cache_service.core.slices import run_to_end
 from cache_service.core.specs import KVCacheConfig
@@ -75,7 +84,7 @@ _TOKEN_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
-class PoolOptions:
+class PoolOptions(RebuiltFromFields):
     """Pool-wide settings. ``scheduler_block_size`` / ``hash_block_size`` None = the
     rules of docs/semantics.md#block-sizes. ``vocab_size`` None accepts token ids in [0, 2**31)."""
 
@@ -239,6 +248,7 @@ class PreparedBatch:
         return outcomes
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class Pool:
     """One KV-cache pool: a coordinator and a registry of requests by id."""
 
@@ -520,18 +530,20 @@ class Pool:
         return None
 
     # -- requests -------------------------------------------------------------------------
-    # The single-op methods below are batches of one (same checks, same outcome).
-    def add_request(self, request_id: str, token_ids: Sequence[int], *,
-                    cache_salt: str | None = None, lora_name: str | None = None,
+    # The single-op methods below are batches of one (same checks, same outcome); the
+    # values the batch checks are ``Checked`` (the compiled core lets them reach the check).
+    def add_request(self, request_id: Checked[str], token_ids: Sequence[int], *,
+                    cache_salt: Checked[str | None] = None,
+                    lora_name: Checked[str | None] = None,
                     block_hashes: Sequence[bytes] | None = None,
-                    lora_path: str | None = None) -> RequestInfo:
+                    lora_path: Checked[str | None] = None) -> RequestInfo:
         """Register a request and hash its full blocks (or adopt the client's hashes,
         one per ``hash_block_size`` full block). A LoRA request's blocks hash
         ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes."""
         return self._apply_one(AddRequest(request_id, token_ids, block_hashes, cache_salt,
                                           lora_name, lora_path))
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:
+    def append_tokens(self, request_id: Checked[str], token_ids: Sequence[int]) -> RequestInfo:
         """Append decoded tokens; newly completed blocks are hashed."""
         return self._apply_one(AppendTokens(request_id, token_ids))
 
@@ -558,7 +570,8 @@ class Pool:
         return self._manager.get_block_ids(request_id)
 
     # -- lookup / allocate ----------------------------------------------------------------
-    def lookup(self, request_id: str, *, explain_misses: bool = False) -> PrefixHit:
+    def lookup(self, request_id: Checked[str], *,
+               explain_misses: Checked[bool] = False) -> PrefixHit:
         """Longest usable prefix hit of a request with nothing computed. Takes no
         references; remembered for the request's next ``allocate``. ``explain_misses``
         adds every group's reach and miss reason (costs probes and rehashing)."""
@@ -579,10 +592,12 @@ class Pool:
         recipe (:func:`check_declared_recipe`)."""
         check_declared_recipe(self._recipe, declared)
 
-    def allocate(self, request_id: str, num_new_tokens: int, *, num_lookahead_tokens: int = 0,
-                 full_sequence_must_fit: bool = False, use_lookup: bool = True,
-                 delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
-                 include_tables: bool = True, num_placeholder_tokens: int = 0) -> Allocation:
+    def allocate(self, request_id: Checked[str], num_new_tokens: Checked[int], *,
+                 num_lookahead_tokens: Checked[int] = 0,
+                 full_sequence_must_fit: Checked[bool] = False,
+                 use_lookup: Checked[bool] = True, delay_cache_blocks: Checked[bool] = False,
+                 num_encoder_tokens: Checked[int] = 0, include_tables: Checked[bool] = True,
+                 num_placeholder_tokens: Checked[int] = 0) -> Allocation:
         """Slots for ``num_new_tokens`` more tokens (after the pending lookup's hit when
         ``use_lookup``). ``ok=False`` when they do not fit. ``include_tables=False`` leaves
         ``block_ids`` None (callers that track tables from ``new_block_ids``)."""
@@ -744,11 +759,11 @@ class Pool:
                 outcome.block_copies += r.block_copies
 
     # -- release ----------------------------------------------------------------------------
-    def free(self, request_id: str) -> int:
+    def free(self, request_id: Checked[str]) -> int:
         """Free the request's blocks (tail first) and forget it; returns free blocks."""
         return self._apply_one(Free(request_id))
 
-    def preempt(self, request_id: str) -> int:
+    def preempt(self, request_id: Checked[str]) -> int:
         """Free the blocks but keep the request: computed tokens back to 0, PREEMPTED."""
         return self._apply_one(Preempt(request_id))
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cache_service.core.restore import RebuiltFromFields
+
 
 @dataclass
-class BlockQuota:
+class BlockQuota(RebuiltFromFields):
     """The quota ``limit`` (blocks per account) and the accounts' usage."""
 
     limit: int

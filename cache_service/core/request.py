@@ -17,6 +17,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, Final
 
+from mypy_extensions import mypyc_attr
+
 from cache_service.core.hashing import HashFn, hash_request_tokens
 
 
@@ -29,15 +31,20 @@ class RequestStatus:
     PREEMPTED: Final = "PREEMPTED"
 
 
+#: A request's attributes (its slots and its pickled state: a compiled class has no
+#: ``__slots__`` to read back).
+_FIELDS: Final = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                  "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
+                  "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
+                  "client_hashes", "num_placeholders", "shared_prefix_boundary", "session_id")
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class Request:
     """A request registered in a pool. ``num_computed_tokens`` is advanced by the
     pool after each successful allocation (hit + new tokens)."""
 
-    __slots__ = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
-                 "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
-                 "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
-                 "client_hashes", "num_placeholders", "shared_prefix_boundary",
-                 "session_id")
+    __slots__ = _FIELDS
 
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
@@ -79,7 +86,7 @@ class Request:
     def __reduce__(self) -> tuple[Any, ...]:
         # Token ids travel as one packed array: a snapshot holds millions of them, and
         # unpickling them one int object at a time dominated the restart time.
-        state = {name: getattr(self, name) for name in self.__slots__}
+        state = {name: getattr(self, name) for name in _FIELDS}
         state["all_token_ids"] = _pack(self.all_token_ids)
         return (_restore_request, (state,))
 

@@ -32,9 +32,12 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
+
+from mypy_extensions import mypyc_attr
 
 from cache_service.core.hashing import HashFn, hash_request_tokens
+from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import (
     CrossAttentionManager,
     MambaManager,
@@ -92,7 +95,7 @@ class Residency:
 
 
 @dataclass(frozen=True, slots=True)
-class ExtraKeys:
+class ExtraKeys(RebuiltFromFields):
     """The hash extra keys of a request."""
 
     cache_salt: str | None = None
@@ -100,6 +103,7 @@ class ExtraKeys:
     lora_path: str | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class PrefixLog:
     """A pool's :class:`~cache_service.core.block_pool.CacheObserver`: keeps the bounded
     record of removed keys and the recent extra-key combinations (for miss reasons), and,
@@ -109,6 +113,9 @@ class PrefixLog:
     holds key ``h``."""
 
     __slots__ = ("_cap", "_combos", "_evicted", "bits", "index_map", "misses", "removals")
+    #: What a snapshot keeps: all but the index's map and bits (derived state, rebuilt and
+    #: attached again when a snapshot is loaded).
+    _STATE: Final = ("_cap", "_combos", "_evicted", "misses", "removals")
 
     def __init__(self, num_groups: int, capacity: int = DEFAULT_EVICTION_RECORD) -> None:
         self.removals = 0  # keys removed so far: the clock of the eviction record
@@ -124,8 +131,7 @@ class PrefixLog:
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the index's map and bits: the index is derived state, rebuilt
         (and attached again) when a snapshot is loaded."""
-        return {name: getattr(self, name) for name in self.__slots__
-                if name not in ("index_map", "bits")}
+        return {name: getattr(self, name) for name in PrefixLog._STATE}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for name, value in state.items():

@@ -15,11 +15,13 @@ the fine hash at ``(i+1)*k - 1``: docs/semantics.md#coarse-hash-views).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, overload
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, ClassVar, TypeVar, overload
+
+from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
-from cache_service.core.block_pool import BlockPool
+from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -34,14 +36,16 @@ if TYPE_CHECKING:
     from cache_service.core.request import Request
 
 HitBlocks = tuple[list[KVCacheBlock], ...]
+#: A block's key in a hit search: its hash, or its position in the routing index's view.
+_K = TypeVar("_K", bound=Hashable)
 
 
-class CoarseHashView(Sequence[bytes]):
+class CoarseHashView(Sequence[_K]):
     """The fine hash list seen at ``k`` times the hash block size (no copying)."""
 
     __slots__ = ("_fine", "_k")
 
-    def __init__(self, fine: Sequence[bytes], k: int) -> None:
+    def __init__(self, fine: Sequence[_K], k: int) -> None:
         self._fine = fine
         self._k = k
 
@@ -49,12 +53,12 @@ class CoarseHashView(Sequence[bytes]):
         return len(self._fine) // self._k
 
     @overload
-    def __getitem__(self, i: int) -> bytes: ...
+    def __getitem__(self, i: int) -> _K: ...
 
     @overload
-    def __getitem__(self, i: slice) -> list[bytes]: ...
+    def __getitem__(self, i: slice) -> list[_K]: ...
 
-    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+    def __getitem__(self, i: int | slice) -> _K | list[_K]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         if i < 0:
@@ -62,14 +66,14 @@ class CoarseHashView(Sequence[bytes]):
         return self._fine[(i + 1) * self._k - 1]
 
 
-def hash_view(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
+def hash_view(fine: Sequence[_K], hash_block_size: int, block_size: int) -> Sequence[_K]:
     """``fine`` hashes as seen at ``block_size``: themselves when it is the hash block size,
     else a view that joins each run of ``block_size // hash_block_size`` of them into one."""
     k = block_size // hash_block_size
     return fine if k == 1 else CoarseHashView(fine, k)
 
 
-def _lookup(pool: BlockPool, block_hash: bytes,
+def _lookup(pool: CachedBlockLookup, block_hash: Hashable,
             group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
     if len(group_ids) == 1:
         block = pool.get_one_cached_block(block_hash, group_ids[0])
@@ -77,6 +81,7 @@ def _lookup(pool: BlockPool, block_hash: bytes,
     return pool.get_cached_block(block_hash, group_ids)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class SingleTypeKVCacheManager:
     """Base behaviour (docs/semantics.md#per-group-type-rules); subclasses change skipping,
     hits and allocation."""
@@ -372,8 +377,9 @@ class SingleTypeKVCacheManager:
 
     # -- hits ----------------------------------------------------------------------------
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
@@ -383,6 +389,7 @@ class SingleTypeKVCacheManager:
         raise NotImplementedError
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class FullAttentionManager(SingleTypeKVCacheManager):
     """Full attention: a hit is the longest run of cached blocks from the start (with
     partial hits, plus a partial entry inside the next block)."""
@@ -390,8 +397,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     supports_partial_hits = True
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
@@ -473,6 +481,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
             self.pool.cache_partial_block(request, table[idx], boundary, self.group_id)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window W: only the last ``cdiv(W-1, bs)`` blocks before a hit matter."""
 
@@ -561,8 +570,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return mask
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
@@ -620,6 +630,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return result, len(result[0]) * bs
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention: tokens of earlier chunks are never attended again."""
 
@@ -637,8 +648,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
@@ -665,6 +677,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return result, len(result[0]) * bs
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class MambaManager(SingleTypeKVCacheManager):
     """Mamba state. ``"none"``: one state block per request (block size is the model
     length). ``"align"``: positions on the block grid, only the running state is real;
@@ -953,8 +966,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.cached_this_step.clear()
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """The longest cached prefix of ``block_hashes`` for the groups ``group_ids`` of this
@@ -992,6 +1006,7 @@ class MambaManager(SingleTypeKVCacheManager):
         return tuple([] for _ in group_ids), 0
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Encoder-decoder cross attention: a static allocation sized by encoder tokens;
     never prefix cached (encoder-decoder models run with caching off)."""
@@ -1020,8 +1035,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise ValueError("cross-attention blocks are never cached")
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes: Sequence[bytes], max_length: int,
-                               group_ids: Sequence[int], pool: BlockPool, spec: KVCacheSpec,
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
                                alignment_tokens: int, drop_eagle_block: bool = False
                                ) -> tuple[HitBlocks, int]:
         """Raises NotImplementedError: cross attention is never prefix cached."""

@@ -24,21 +24,6 @@ def fast_and_general(name: str, mixed: bool) -> tuple[Pool, Pool]:
     return fast, general
 
 
-def count_fast_path_hits(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Spy on the coordinator's no-op check: [calls answered True]."""
-    coordinator = pool.manager.coordinator
-    check = coordinator.allocation_is_noop
-    hits = [0]
-
-    def counted(*args, **kwargs) -> bool:
-        result = check(*args, **kwargs)
-        hits[0] += result
-        return result
-
-    monkeypatch.setattr(coordinator, "allocation_is_noop", counted)
-    return hits
-
-
 @pytest.mark.parametrize("name, mixed", CASES)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.data_too_large])
@@ -82,11 +67,9 @@ def test_fast_path_equals_general_path(name: str, mixed: bool, data: st.DataObje
 
 
 @pytest.mark.parametrize("name, mixed", CASES)
-def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool) -> None:
     """Not vacuous: in every config a long decode mostly takes the fast path."""
     fast, general = fast_and_general(name, mixed)
-    hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
         pool.add_request("a", [1, 2, 3])
         pool.allocate("a", 3)
@@ -95,23 +78,23 @@ def test_fast_path_is_taken_by_long_decodes(name: str, mixed: bool,
             pool.new_step()
             assert pool.decode(["a"], [token % 3]).ok == [True]
         assert snapshot_with_events(fast) == snapshot_with_events(general)
-    assert hits[0] >= 20
+    assert fast.manager.fast_path_answers >= 20
+    assert general.manager.fast_path_answers == 0
 
 
-def test_fast_path_is_taken_inside_a_block_and_not_across(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fast_path_is_taken_inside_a_block_and_not_across() -> None:
     """A decode inside the last block is answered by the fast path; the token that
     opens a new block, or completes one that gets hashed, is not."""
     fast, general = fast_and_general("full", False)
-    hits = count_fast_path_hits(fast, monkeypatch)
     for pool in (fast, general):
         pool.add_request("a", [1] * (SMALL_BLOCK + 1))
         pool.allocate("a", SMALL_BLOCK + 1)
     seen = []
     for token in range(2 * SMALL_BLOCK):
-        before = hits[0]
+        before = fast.manager.fast_path_answers
         for pool in (fast, general):
             pool.decode(["a"], [token])
-        seen.append(hits[0] - before)
+        seen.append(fast.manager.fast_path_answers - before)
         assert snapshot_with_events(fast) == snapshot_with_events(general)
     # Per block, the token that completes it (it gets hashed) and the one that opens
     # the next (a block is allocated) take the general path; the others the fast one.
