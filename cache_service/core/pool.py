@@ -911,7 +911,7 @@ class Pool:
         classes = self._classes
         if classes is None:
             block_pool = self._manager.pool
-            block_pool.free_block_queue = ClassedFreeQueue(  # type: ignore[assignment]
+            block_pool.free_block_queue = ClassedFreeQueue(
                 block_pool.free_block_queue)
             classes = self._classes = {}
         return classes

@@ -53,6 +53,6 @@ def test_a_hint_must_be_a_boolean() -> None:
     pool = make_pool(17, full(4), max_model_len=32)
     pool.add_request("a", [1, 2, 3])
     with pytest.raises(InvalidArgument) as err:
-        pool.apply_batch([Free("a", evict_first=1)])  # type: ignore[arg-type]
+        pool.apply_batch([Free("a", evict_first=1)])
     assert err.value.field == "ops[0].free.evict_first"
     assert pool.has_request("a")
