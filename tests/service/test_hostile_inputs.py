@@ -66,6 +66,23 @@ def _hashes(n: int, size: int = 32) -> list[bytes]:
 
 
 CASES = [
+    Case("pin on an unknown pool", "PinPrefix",
+         lambda: pb.PinPrefixRequest(pool_id="nope", pin_id="p", token_ids=[1] * 32,
+                                     ttl_seconds=10),
+         Code.NOT_FOUND, "pool_id"),
+    Case("pin without a ttl", "PinPrefix",
+         lambda: pb.PinPrefixRequest(pool_id=POOL, pin_id="p", token_ids=[1] * 32),
+         Code.INVALID_ARGUMENT, "ttl_seconds"),
+    Case("pin with a negative token id", "PinPrefix",
+         lambda: pb.PinPrefixRequest(pool_id=POOL, pin_id="p", token_ids=[1, -2] * 16,
+                                     ttl_seconds=10),
+         Code.INVALID_ARGUMENT, "token_ids[1]"),
+    Case("renew an unknown pin", "RenewPin",
+         lambda: pb.RenewPinRequest(pool_id=POOL, pin_id="ghost", ttl_seconds=10),
+         Code.NOT_FOUND, "pin_id"),
+    Case("drop an unknown pin", "DropPin",
+         lambda: pb.DropPinRequest(pool_id=POOL, pin_id="ghost"),
+         Code.NOT_FOUND, "pin_id"),
     Case("unknown pool", "Step", lambda: pb.StepRequest(pool_id="nope", ops=[ops.new_step()]),
          Code.NOT_FOUND, "pool_id"),
     Case("allocate unknown request", "Step", step(ops.allocate("ghost", 1)),
