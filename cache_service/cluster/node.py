@@ -138,7 +138,10 @@ class ClusterNode:
         data root; without either the pool stays absent (clients register it again: a
         new incarnation), which is logged."""
         started = time.perf_counter()
-        payload = self.standby.take(pool_id, holder, await self._sync_standby(pool_id))
+        # The syncs/ key is read only where there is a copy to check it against.
+        record = await self._sync_standby(pool_id) if holder in self.standby.shadows \
+            else None
+        payload = self.standby.take(pool_id, holder, record)
         if payload is not None and self._install(pool_id, holder, payload, started,
                                                  via="standby"):
             return

@@ -85,6 +85,9 @@ CHUNK = 4 << 20
 #: Records kept for a standby that reconnects (older ones: a snapshot instead).
 BUFFER_RECORDS = 200_000
 _NO_LIMIT = 1 << 62
+#: What ``Replicator.recorded`` holds for a pool whose ``syncs/`` key is in doubt: no link
+#: has this name, so the next write answered records the pool out first.
+UNKNOWN = ""
 
 
 class Fenced(Unavailable):
@@ -153,9 +156,10 @@ class Replicator:
         self.gate: PoolGate | None = None
         #: Writes a pool's ``syncs/`` key (set by the node once placement exists).
         self.record: RecordSync | None = None
-        #: pool id -> the standby that etcd may name in sync for it (pessimistic: set
-        #: before that write, cleared only after the write naming none succeeded).
-        self.recorded: dict[str, str] = {}
+        #: pool id -> (the standby that etcd may name in sync for it, the token it was
+        #: named under) -- pessimistic: set before that write, cleared only after the
+        #: write naming none succeeded.
+        self.recorded: dict[str, tuple[str, int]] = {}
         self._record_lock = asyncio.Lock()
         self._recorder: asyncio.Task | None = None
 
@@ -228,7 +232,7 @@ class Replicator:
         """Owned pools whose standby etcd may name in sync lacks record ``target``."""
         owned = self._owned()
         stale = []
-        for pool_id, standby in list(self.recorded.items()):
+        for pool_id, (standby, _) in list(self.recorded.items()):
             link = self.links.get(standby)
             if link is None or link.acked < target:
                 stale.append(pool_id)
@@ -247,7 +251,7 @@ class Replicator:
         async with self._record_lock:
             owned = self._owned()
             for pool_id in self._unsynced(target):
-                standby = self.recorded[pool_id]
+                standby, _ = self.recorded[pool_id]
                 token = owned.get(pool_id)
                 if token is None:
                     # Lost meanwhile: its new owner may hold a copy without this record.
@@ -282,8 +286,9 @@ class Replicator:
             wake = self._changed
             try:
                 await self._record_in_once()
-            except ETCD_ERRORS as exc:
-                _log.warning("sync_standby_not_recorded", error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - etcd away: retried, never ends
+                _log.warning("sync_standby_not_recorded", error=f"{type(exc).__name__}: "
+                             f"{exc}")
                 await asyncio.sleep(0.5)
                 continue
             await wake.wait()
@@ -292,7 +297,9 @@ class Replicator:
         me, members = self._me(), self._members()
         for pool_id, token in list(self._owned().items()):
             standby = standby_of(pool_id, me, members)
-            if standby is None or self.recorded.get(pool_id) == standby:
+            # A pool owned again under a new token (e.g. a new lease) is named anew: the
+            # standby's copy of the new stream is what a promotion checks against.
+            if standby is None or self.recorded.get(pool_id) == (standby, token):
                 continue
             async with self._record_lock:
                 link = self.links.get(standby)
@@ -300,10 +307,19 @@ class Replicator:
                         or self._owned().get(pool_id) != token:
                     continue
                 # Pessimistic: from now on a write answered without it records it out.
-                self.recorded[pool_id] = standby
+                self.recorded[pool_id] = (standby, token)
                 value = SyncStandby(me, self._lease(), self.epoch, standby).encode()
-                if self.record is None or not await self.record(pool_id, token, value):
-                    del self.recorded[pool_id]  # not the owner any more: not written
+                try:
+                    ok = self.record is not None and await self.record(pool_id, token,
+                                                                       value)
+                except BaseException:
+                    # In doubt: etcd names the new standby or still the one before.
+                    self.recorded[pool_id] = (UNKNOWN, token)
+                    raise
+                if not ok:
+                    # Not the owner any more (not written): whatever etcd named stays, and
+                    # a write answered now must fail (recording none is refused).
+                    self.recorded[pool_id] = (UNKNOWN, token)
                     continue
                 _log.info("sync_standby_recorded", pool_id=pool_id, standby=standby,
                           index=link.acked)
