@@ -162,6 +162,8 @@ class Replicator:
         self.recorded: dict[str, tuple[str, int]] = {}
         self._record_lock = asyncio.Lock()
         self._recorder: asyncio.Task | None = None
+        #: Some owned pool's standby may be due to be named in sync.
+        self._naming_due = False
 
     # -- the durability hook ------------------------------------------------------------
 
@@ -221,6 +223,12 @@ class Replicator:
                 # No await between this and the check of what etcd names in sync.
                 if await self._record_out(target):
                     continue  # the lock was awaited: look again
+                if self._naming_due:
+                    # A standby that became live is named before this write is answered,
+                    # so a failover right after keeps the pool (a failure to name it only
+                    # costs that: the write is safe either way).
+                    with contextlib.suppress(Exception):
+                        await self._record_in_once()
                 return
             wake = self._changed
             downs = [link.down_since + self.timeout for link in waiting
@@ -271,6 +279,7 @@ class Replicator:
                     raise Unavailable(f"this replica lost pool {pool_id!r} (its fencing "
                                       "token moved): the call's outcome is in doubt; retry")
                 del self.recorded[pool_id]
+                self._naming_due = True  # named again once it caught up
                 _log.warning("replication_degraded_recorded", pool_id=pool_id,
                              standby=standby,
                              detail="etcd names no standby in sync: a failover of this "
@@ -285,7 +294,8 @@ class Replicator:
         while True:
             wake = self._changed
             try:
-                await self._record_in_once()
+                if self._naming_due:
+                    await self._record_in_once()
             except Exception as exc:  # noqa: BLE001 - etcd away: retried, never ends
                 _log.warning("sync_standby_not_recorded", error=f"{type(exc).__name__}: "
                              f"{exc}")
@@ -294,6 +304,7 @@ class Replicator:
             await wake.wait()
 
     async def _record_in_once(self) -> None:
+        self._naming_due = False
         me, members = self._me(), self._members()
         for pool_id, token in list(self._owned().items()):
             standby = standby_of(pool_id, me, members)
@@ -303,8 +314,10 @@ class Replicator:
                 continue
             async with self._record_lock:
                 link = self.links.get(standby)
-                if link is None or not link.up or link.acked < link.skipped \
-                        or self._owned().get(pool_id) != token:
+                if self._owned().get(pool_id) != token:
+                    continue
+                if link is None or not link.up or link.acked < link.skipped:
+                    self._naming_due = True  # looked at again after its next ack
                     continue
                 # Pessimistic: from now on a write answered without it records it out.
                 self.recorded[pool_id] = (standby, token)
@@ -315,6 +328,7 @@ class Replicator:
                 except BaseException:
                     # In doubt: etcd names the new standby or still the one before.
                     self.recorded[pool_id] = (UNKNOWN, token)
+                    self._naming_due = True
                     raise
                 if not ok:
                     # Not the owner any more (not written): whatever etcd named stays, and
@@ -350,6 +364,7 @@ class Replicator:
             return
         if self._recorder is None and self.mode == "sync":
             self._recorder = asyncio.create_task(self._record_in(), name="sync-standby")
+        self._naming_due = True  # the owned pools or their standbys may have changed
         me, members = self._me(), self._members()
         wanted: dict[str, str] = {}
         for pool_id in self._owned():
@@ -489,6 +504,7 @@ class Replicator:
             link.acked = max(link.acked, ack.index)
             if not link.up:  # any answer after the Hello follows a snapshot or a tail
                 link.up = True
+                self._naming_due = True
                 link.down_since = None
                 link.degraded_logged = False
                 _log.info("standby_live", standby=link.member, index=link.acked)
