@@ -158,8 +158,8 @@ class Settings(BaseSettings):
         if self.replication_timeout_seconds and \
                 self.replication_timeout_seconds <= 2 * self.etcd_lease_ttl:
             raise ValueError("--replication-timeout-seconds must exceed 2 x --etcd-lease-ttl "
-                             "(a standby trusts its copy for the timeout less one TTL after "
-                             "its stream broke)")
+                             "(with async a standby trusts its copy for the timeout less one "
+                             "TTL after its stream broke)")
         return self
 
     @property

@@ -15,6 +15,11 @@ Key layout (all under ``/kvcache/<cluster-name>/``; docs/deployment.md shows it 
 - ``holders/<pool-id>`` -> the member id of the pool's last owner, no lease: written with
   every ownership, so the next owner knows whose data directory (on shared storage) holds
   the pool's state after that owner died.
+- ``syncs/<pool-id>`` -> JSON ``{"owner": ..., "lease": ..., "epoch": ..., "standby": ...}``,
+  no lease, written by the pool's owner only in a transaction conditioned on its fencing
+  token (replication, :class:`SyncStandby`): the standby that holds every write the owner
+  (that member, lease and replication epoch) answered, or ``null`` once the owner answers
+  without one. A standby promotes its copy only if this key names it.
 
 Placement is rendezvous (highest-random-weight) hashing of the pool id over the live
 members: every replica computes the same owner from the same member set, and a member
@@ -56,6 +61,10 @@ class KeyLayout:
         """The key naming the replica that last held the pool's state (no lease)."""
         return self.root + b"holders/" + pool_id.encode()
 
+    def sync(self, pool_id: str) -> bytes:
+        """The key naming the pool's in-sync standby (no lease; written by the owner)."""
+        return self.root + b"syncs/" + pool_id.encode()
+
     def parse(self, key: bytes) -> tuple[str, str] | None:
         """``(kind, name)`` of a key under the root (kind: members / owners / pools /
         holders)."""
@@ -96,6 +105,32 @@ class Owner:
         return cls(str(data["member"]), str(data["address"]), lease, token,
                    str(source) if source is not None else None,
                    str(handoff) if handoff is not None else None)
+
+
+@dataclass(frozen=True)
+class SyncStandby:
+    """A ``syncs/<pool>`` entry: while it stands, every write ``owner`` (under ``lease``,
+    replication stream ``epoch``) answered for the pool was acknowledged by ``standby``
+    (None: the owner answers without a standby)."""
+
+    owner: str
+    lease: int
+    epoch: str
+    standby: str | None
+
+    def encode(self) -> bytes:
+        """The value of a ``syncs/<pool>`` key."""
+        return json.dumps({"owner": self.owner, "lease": self.lease, "epoch": self.epoch,
+                           "standby": self.standby}).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> SyncStandby:
+        """The entry of a ``syncs/<pool>`` value (raises ValueError/KeyError/TypeError
+        when it is malformed)."""
+        data = json.loads(value)
+        standby = data["standby"]
+        return cls(str(data["owner"]), int(data["lease"]), str(data["epoch"]),
+                   str(standby) if standby is not None else None)
 
 
 def rendezvous_owner(pool_id: str, members: Iterable[str]) -> str | None:

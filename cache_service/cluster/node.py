@@ -15,9 +15,9 @@ import structlog
 
 from cache_service import convert
 from cache_service.calls import REQUEST_ID_KEY, request_id_metadata
-from cache_service.cluster.etcd import Etcd
+from cache_service.cluster.etcd import ETCD_ERRORS, Etcd
 from cache_service.cluster.handoff import HandoffError, read_handoff, write_handoff
-from cache_service.cluster.keys import KeyLayout
+from cache_service.cluster.keys import KeyLayout, SyncStandby
 from cache_service.cluster.membership import Membership
 from cache_service.cluster.placement import Placement
 from cache_service.cluster.registry import ClusterRegistry
@@ -99,7 +99,8 @@ class ClusterNode:
             owners=lambda: {p: (o.member, o.token) for p, o in self.placement.owners.items()}
             if self.placement is not None else {},
             owned=lambda: self.placement.owned if self.placement is not None else {},
-            trust=settings.replication_wait - settings.etcd_lease_ttl)
+            trust=settings.replication_wait - settings.etcd_lease_ttl,
+            by_record=settings.replication != "async")
 
     def _membership(self) -> Membership:
         assert self.membership is not None, "join first"
@@ -124,6 +125,7 @@ class ClusterNode:
         self.registry.placement = self.placement
         if self.replicator is not None:
             self.placement.on_change = self.replicator.refresh
+            self.replicator.record = self.placement.record_sync
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
         await asyncio.wait_for(self.placement.start(), timeout)
@@ -136,7 +138,10 @@ class ClusterNode:
         data root; without either the pool stays absent (clients register it again: a
         new incarnation), which is logged."""
         started = time.perf_counter()
-        payload = self.standby.take(pool_id, holder)
+        # The syncs/ key is read only where there is a copy to check it against.
+        record = await self._sync_standby(pool_id) if holder in self.standby.shadows \
+            else None
+        payload = self.standby.take(pool_id, holder, record)
         if payload is not None and self._install(pool_id, holder, payload, started,
                                                  via="standby"):
             return
@@ -146,6 +151,18 @@ class ClusterNode:
         _log.warning("pool_not_adopted", pool_id=pool_id, holder=holder,
                      reason="no safe copy of the holder's state here (no --replication "
                      "standby caught up, no --shared-data-root): a new incarnation")
+
+    async def _sync_standby(self, pool_id: str) -> SyncStandby | None:
+        """The pool's ``syncs/`` entry (which standby its last owner kept in sync), read
+        after this replica's claim fenced that owner; None (logged) when absent or
+        unreadable, so no copy is promoted."""
+        assert self.placement is not None
+        try:
+            value = await self.placement.sync_standby(pool_id)
+            return SyncStandby.decode(value) if value is not None else None
+        except ETCD_ERRORS + (ValueError, KeyError, TypeError) as exc:
+            _log.warning("sync_standby_unreadable", pool_id=pool_id, error=str(exc))
+            return None
 
     async def _adopt(self, pool_id: str, holder: str) -> None:
         """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is

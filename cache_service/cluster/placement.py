@@ -365,6 +365,22 @@ class Placement:
         except ETCD_ERRORS as exc:  # the holder stays the leaving replica (its log is sealed)
             _log.warning("holder_not_updated", pool_id=pool_id, error=str(exc))
 
+    async def record_sync(self, pool_id: str, token: int, value: bytes) -> bool:
+        """``syncs/<pool>`` := ``value`` while this replica owns the pool at ``token`` (a
+        fenced former owner cannot write it); False when it does not own it any more.
+        Raises what etcd raises (the caller treats the outcome as in doubt)."""
+        tx = self.etcd.client.transactions
+        ok, _ = await self.etcd.client.transaction(
+            compare=[tx.mod(self.keys.owner(pool_id)) == token],
+            success=[tx.put(self.keys.sync(pool_id), value)], failure=[])
+        return bool(ok)
+
+    async def sync_standby(self, pool_id: str) -> bytes | None:
+        """The value of ``syncs/<pool>`` (None: no such key). Read by a new owner after its
+        claim: the former owner, fenced by the claim, cannot change it any more."""
+        got = await self.etcd.client.get(self.keys.sync(pool_id))
+        return got.value if got is not None else None
+
     async def hand_over(self, write: WriteHandoff) -> dict[str, str]:
         """Passes every owned pool to its rendezvous owner among the other members (see
         the module docstring); the caller sealed the log first. Stops following etcd
@@ -474,7 +490,8 @@ class Placement:
                 compare=[tx.mod(self.keys.owner(pool_id)) == token],
                 success=[tx.delete(self.keys.owner(pool_id)),
                          tx.delete(self.keys.pool(pool_id)),
-                         tx.delete(self.keys.holder(pool_id))],
+                         tx.delete(self.keys.holder(pool_id)),
+                         tx.delete(self.keys.sync(pool_id))],
                 failure=[])
             if not ok:
                 raise Unavailable(f"replica {self.me} lost pool {pool_id!r} meanwhile; "

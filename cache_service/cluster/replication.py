@@ -8,7 +8,8 @@ before a call is answered) also waits until every wanted standby acknowledged ev
 appended so far, so a client is answered only for records a second replica holds. A
 standby that is unreachable or still catching up is waited for at most ``timeout`` seconds
 since it stopped being live; after that the owner answers without it (degraded, logged and
-in ``kvcache_replication_degraded``). A standby that *refuses* a record (it saw a newer
+in ``kvcache_replication_degraded``), but only after etcd records that the pool has no
+standby in sync (below). A standby that *refuses* a record (it saw a newer
 fencing token: another replica owns the pool now) fails the call: a fenced owner never
 gets a write acknowledged.
 
@@ -16,6 +17,14 @@ The standbys of an owner are, for each pool it owns, the pool's rendezvous owner
 other members: the replica that claims the pool when this one is gone (placement needs no
 new state). Each link gets the owner's *whole* log (the sessions and sequence numbers a
 pool's calls depend on span pools), so the standby's copy is exactly the owner's state.
+
+**In sync, by record** (``syncs/<pool>`` in etcd, :class:`~cache_service.cluster.keys.
+SyncStandby`, written only through placement's transaction conditioned on the pool's
+fencing token): the owner names a pool's standby there once the standby acknowledged
+every record a write was answered without it (:attr:`Link.skipped`); before it answers a
+write the standby it may have named lacks, it records that none is in sync, and a write
+whose record etcd refuses or cannot take is not answered (in doubt). Naming and recording
+out take one lock, so no write is answered between the check and the record.
 
 **Standby side** (:class:`Standby`, the ``kvcache.internal.v1.ReplicationService``): one
 :class:`Shadow` per source replica, a :class:`~cache_service.state.ServiceState` built from
@@ -31,10 +40,12 @@ newer token than the record's (fencing at the standby).
 the pool through placement's create-if-absent transaction (a new fencing token) and
 installs it from its shadow through an ``AdoptPool`` record in its own log: same
 incarnation, the sessions with their stored answers (a resent in-doubt Step is answered,
-not applied twice). The shadow is used only if it is *safe*: live (caught up) when its
-stream broke, and broken for less than ``timeout - ttl`` (the owner could not have
-answered a write without it yet). Otherwise the pool is not restored and clients register
-it again (a new incarnation): never a silent divergence.
+not applied twice). With ``sync`` the shadow is used only if ``syncs/<pool>``, read after
+the claim fenced the old owner (so it cannot change any more), names this replica for the
+shadow's very stream (owner, lease, epoch): a record, whatever the clocks say about when
+each side noticed a broken stream. With ``async`` (nothing recorded) it is used if it was
+live when its stream broke, less than ``timeout - ttl`` ago. Otherwise the pool is not
+restored and clients register it again (a new incarnation): never a silent divergence.
 """
 
 from __future__ import annotations
@@ -45,14 +56,15 @@ import pickle
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 
-from cache_service.cluster.keys import rendezvous_owner
+from cache_service.cluster.etcd import ETCD_ERRORS
+from cache_service.cluster.keys import SyncStandby, rendezvous_owner
 from cache_service.core.errors import KVCacheError
 from cache_service.errors import Unavailable
 from cache_service.fairness import PoolGate
@@ -65,11 +77,17 @@ _log = structlog.get_logger("cache_service.cluster")
 
 #: Records of one pool, fenced by its token (the others carry token 0).
 _FENCED = frozenset({"step", "register_pool", "delete_pool", "reset_prefix_cache"})
+#: Records ``syncs/<pool>`` := value while this replica owns the pool at the token (see
+#: :meth:`~cache_service.cluster.placement.Placement.record_sync`).
+RecordSync = Callable[[str, int, bytes], Awaitable[bool]]
 #: Snapshot chunk size (under the default 64 MiB message limit).
 CHUNK = 4 << 20
 #: Records kept for a standby that reconnects (older ones: a snapshot instead).
 BUFFER_RECORDS = 200_000
 _NO_LIMIT = 1 << 62
+#: What ``Replicator.recorded`` holds for a pool whose ``syncs/`` key is in doubt: no link
+#: has this name, so the next write answered records the pool out first.
+UNKNOWN = ""
 
 
 class Fenced(Unavailable):
@@ -99,6 +117,9 @@ class Link:
     fenced: str | None = None
     task: asyncio.Task | None = None
     degraded_logged: bool = False
+    #: The newest record a write was answered without this standby's acknowledgement of
+    #: (at creation: every record so far); etcd may name it in sync once it acked this.
+    skipped: int = 0
     #: Set when there is something to send, or the stream's reader ended.
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -133,6 +154,16 @@ class Replicator:
         #: The servicer's pool gate (set by the server): a snapshot waits until no sliced
         #: call is half applied.
         self.gate: PoolGate | None = None
+        #: Writes a pool's ``syncs/`` key (set by the node once placement exists).
+        self.record: RecordSync | None = None
+        #: pool id -> (the standby that etcd may name in sync for it, the token it was
+        #: named under) -- pessimistic: set before that write, cleared only after the
+        #: write naming none succeeded.
+        self.recorded: dict[str, tuple[str, int]] = {}
+        self._record_lock = asyncio.Lock()
+        self._recorder: asyncio.Task | None = None
+        #: Some owned pool's standby may be due to be named in sync.
+        self._naming_due = False
 
     # -- the durability hook ------------------------------------------------------------
 
@@ -186,12 +217,126 @@ class Replicator:
                     continue
                 waiting.append(link)
             if not waiting:
+                for link in self.links.values():
+                    if link.acked < target:
+                        link.skipped = max(link.skipped, target)
+                # No await between this and the check of what etcd names in sync.
+                if await self._record_out(target):
+                    continue  # the lock was awaited: look again
+                if self._naming_due:
+                    # A standby that became live is named before this write is answered,
+                    # so a failover right after keeps the pool (a failure to name it only
+                    # costs that: the write is safe either way).
+                    with contextlib.suppress(Exception):
+                        await self._record_in_once()
                 return
             wake = self._changed
             downs = [link.down_since + self.timeout for link in waiting
                      if link.down_since is not None]
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), (min(downs) - now) if downs else None)
+
+    def _unsynced(self, target: int) -> list[str]:
+        """Owned pools whose standby etcd may name in sync lacks record ``target``."""
+        owned = self._owned()
+        stale = []
+        for pool_id, (standby, _) in list(self.recorded.items()):
+            link = self.links.get(standby)
+            if link is None or link.acked < target:
+                stale.append(pool_id)
+            elif pool_id not in owned:
+                del self.recorded[pool_id]  # fenced: its key is the next owner's now
+        return stale
+
+    async def _record_out(self, target: int) -> bool:
+        """Before a write is answered without the standby etcd names in sync for some
+        pool, records that pool's ``syncs/`` key as naming none (so that standby does not
+        promote a copy that lacks the write). False when nothing had to be recorded;
+        raises Unavailable (the write is not answered: in doubt) when etcd refuses or
+        cannot be reached."""
+        if not self._unsynced(target):
+            return False
+        async with self._record_lock:
+            owned = self._owned()
+            for pool_id in self._unsynced(target):
+                standby, _ = self.recorded[pool_id]
+                token = owned.get(pool_id)
+                if token is None:
+                    # Lost meanwhile: its new owner may hold a copy without this record.
+                    del self.recorded[pool_id]
+                    raise Unavailable(f"this replica lost pool {pool_id!r} before its "
+                                      "standby had the call's record: the outcome is in "
+                                      "doubt; retry")
+                value = SyncStandby(self._me(), self._lease(), self.epoch, None).encode()
+                try:
+                    ok = self.record is not None and await self.record(
+                        pool_id, token, value)
+                except ETCD_ERRORS as exc:
+                    raise Unavailable(f"cannot record in etcd that pool {pool_id!r} goes on "
+                                      f"without its standby {standby} ({exc}): the call's "
+                                      "outcome is in doubt; retry") from exc
+                if not ok:
+                    raise Unavailable(f"this replica lost pool {pool_id!r} (its fencing "
+                                      "token moved): the call's outcome is in doubt; retry")
+                del self.recorded[pool_id]
+                self._naming_due = True  # named again once it caught up
+                _log.warning("replication_degraded_recorded", pool_id=pool_id,
+                             standby=standby,
+                             detail="etcd names no standby in sync: a failover of this "
+                             "pool now starts a new incarnation")
+        return True
+
+    async def _record_in(self) -> None:
+        """Names in etcd, for each owned pool, its standby once that standby is caught up
+        (acknowledged every record a write was answered without it, and every record
+        before it was chosen), so that it may promote its copy. Runs until
+        cancelled; an etcd failure is retried after a pause (a timer)."""
+        while True:
+            wake = self._changed
+            try:
+                if self._naming_due:
+                    await self._record_in_once()
+            except Exception as exc:  # noqa: BLE001 - etcd away: retried, never ends
+                _log.warning("sync_standby_not_recorded", error=f"{type(exc).__name__}: "
+                             f"{exc}")
+                await asyncio.sleep(0.5)
+                continue
+            await wake.wait()
+
+    async def _record_in_once(self) -> None:
+        self._naming_due = False
+        me, members = self._me(), self._members()
+        for pool_id, token in list(self._owned().items()):
+            standby = standby_of(pool_id, me, members)
+            # A pool owned again under a new token (e.g. a new lease) is named anew: the
+            # standby's copy of the new stream is what a promotion checks against.
+            if standby is None or self.recorded.get(pool_id) == (standby, token):
+                continue
+            async with self._record_lock:
+                link = self.links.get(standby)
+                if self._owned().get(pool_id) != token:
+                    continue
+                if link is None or not link.up or link.acked < link.skipped:
+                    self._naming_due = True  # looked at again after its next ack
+                    continue
+                # Pessimistic: from now on a write answered without it records it out.
+                self.recorded[pool_id] = (standby, token)
+                value = SyncStandby(me, self._lease(), self.epoch, standby).encode()
+                try:
+                    ok = self.record is not None and await self.record(pool_id, token,
+                                                                       value)
+                except BaseException:
+                    # In doubt: etcd names the new standby or still the one before.
+                    self.recorded[pool_id] = (UNKNOWN, token)
+                    self._naming_due = True
+                    raise
+                if not ok:
+                    # Not the owner any more (not written): whatever etcd named stays, and
+                    # a write answered now must fail (recording none is refused).
+                    self.recorded[pool_id] = (UNKNOWN, token)
+                    continue
+                _log.info("sync_standby_recorded", pool_id=pool_id, standby=standby,
+                          index=link.acked)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -217,6 +362,9 @@ class Replicator:
         standby any more end (placement calls this after every change)."""
         if self._closed:
             return
+        if self._recorder is None and self.mode == "sync":
+            self._recorder = asyncio.create_task(self._record_in(), name="sync-standby")
+        self._naming_due = True  # the owned pools or their standbys may have changed
         me, members = self._me(), self._members()
         wanted: dict[str, str] = {}
         for pool_id in self._owned():
@@ -231,13 +379,16 @@ class Replicator:
                 _log.info("standby_dropped", standby=member)
         for member, address in wanted.items():
             if member not in self.links:
-                link = self.links[member] = Link(member, address)
+                link = self.links[member] = Link(member, address, skipped=self.index)
                 link.task = asyncio.create_task(self._run(link), name=f"replicate-{member}")
                 _log.info("standby_chosen", standby=member, address=address)
         self._notify()
 
     async def close(self) -> None:
         self._closed = True
+        if self._recorder is not None:
+            self._recorder.cancel()
+            await asyncio.gather(self._recorder, return_exceptions=True)
         for link in self.links.values():
             if link.task is not None:
                 link.task.cancel()
@@ -353,6 +504,7 @@ class Replicator:
             link.acked = max(link.acked, ack.index)
             if not link.up:  # any answer after the Hello follows a snapshot or a tail
                 link.up = True
+                self._naming_due = True
                 link.down_since = None
                 link.degraded_logged = False
                 _log.info("standby_live", standby=link.member, index=link.acked)
@@ -408,9 +560,13 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
 
     def __init__(self, *, me: Callable[[], str], members: Callable[[], dict[str, int]],
                  owners: Callable[[], dict[str, tuple[str, int]]],
-                 owned: Callable[[], dict[str, int]], trust: float) -> None:
+                 owned: Callable[[], dict[str, int]], trust: float,
+                 by_record: bool = True) -> None:
         self._me, self._members, self._owners, self._owned = me, members, owners, owned
         self.trust = trust
+        #: ``sync``: a copy is promoted only if etcd names it in sync (``syncs/<pool>``);
+        #: ``async`` (no such record: the owner never waits) keeps the timing rule.
+        self.by_record = by_record
         self.shadows: dict[str, Shadow] = {}
 
     async def Replicate(self, request_iterator: AsyncIterator[rpb.ReplicateRequest],
@@ -515,17 +671,30 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
                 return False
         return shadow.state is not None
 
-    def take(self, pool_id: str, holder: str) -> bytes | None:
+    def named(self, shadow: Shadow, record: SyncStandby | None) -> bool:
+        """etcd's ``syncs/<pool>`` names this replica the in-sync standby of the very
+        stream ``shadow`` copies (same owner, lease and epoch)."""
+        return record is not None and record.standby == self._me() and (
+            record.owner, record.lease, record.epoch) == (shadow.source, shadow.lease,
+                                                          shadow.epoch)
+
+    def take(self, pool_id: str, holder: str,
+             record: SyncStandby | None = None) -> bytes | None:
         """The state of ``pool_id`` (``export_pool``) from the copy of ``holder``'s state,
-        when that copy is safe (see :meth:`Shadow.safe`); the holder is fenced here from
-        now on. None (logged) when there is no safe copy."""
+        when that copy is safe: with ``by_record``, ``record`` (the pool's ``syncs/`` key,
+        read after the claim fenced the holder) names this copy (:meth:`named`); else
+        :meth:`Shadow.safe`. The holder is fenced here from now on. None (logged) when
+        there is no safe copy."""
         shadow = self.shadows.get(holder)
         now = time.monotonic()
         if shadow is not None:
             self._catch_up(shadow)  # every record acknowledged is in the copy
-        if shadow is None or not shadow.safe(now, self.trust) or shadow.state is None \
+        safe = shadow is not None and (self.named(shadow, record) if self.by_record
+                                       else shadow.safe(now, self.trust))
+        if shadow is None or not safe or shadow.state is None \
                 or pool_id not in shadow.state.registry:
             _log.warning("standby_copy_unusable", pool_id=pool_id, holder=holder,
+                         named=None if record is None else record.standby,
                          has_copy=shadow is not None and shadow.state is not None,
                          broken_seconds=None if shadow is None or shadow.broken_at is None
                          else round(now - shadow.broken_at, 3))

@@ -103,8 +103,10 @@ def test_a_replica_partitioned_from_etcd_stops_accepting_writes(cluster: Cluster
         cluster.start_replica()
         cluster.start_replica()
         others = cluster.replicas[1:]
-        # The pool's standby (--replication sync, the default) holds every write.
-        lonely.wait_for(lambda r: r.get("event") == "standby_live", 30)
+        # The pool's standby (--replication sync, the default) holds every write, and
+        # etcd names it in sync (what lets it promote its copy).
+        lonely.wait_for(lambda r: r.get("event") == "sync_standby_recorded"
+                        and r.get("pool_id") == "fenced", 30)
         proxy.cut()
         # etcd expires the partitioned replica's lease; a replica that can reach etcd
         # claims the pool. The partitioned one hears nothing about it.

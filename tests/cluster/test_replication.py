@@ -243,3 +243,50 @@ def test_owner_and_standby_lost_together_start_the_pool_anew_never_stale(standby
         again = client.register_pool("twice", small_layers(), num_blocks=64,
                                      max_model_len=256)
         assert again.created and again.incarnation != info.incarnation
+
+
+def test_a_standby_stopped_past_the_timeout_never_promotes_its_stale_copy(
+        cluster: Cluster, tmp_path: Path):
+    """The standby is frozen (SIGSTOP: its stream does not break, it notices nothing) until
+    the owner goes on without it; then the owner dies and the standby resumes. Its copy
+    lacks a Step the client saw acknowledged: it must not be promoted (etcd no longer
+    names it in sync), so the client is told the pool is a new incarnation."""
+    replicas = [cluster.start_replica("--data-dir", str(tmp_path / member), "--member-id",
+                                      member, "--lease-ttl-seconds", "30")
+                for member in MEMBERS[:2]]
+    with CacheClient(targets(cluster), default_timeout=30, backoff_max=0.2) as client:
+        info = client.register_pool("frozen", small_layers(), num_blocks=64,
+                                    max_model_len=256)
+        owner = cluster.by_target(owner_of(cluster, "frozen"))
+        (standby,) = [r for r in replicas if r is not owner]
+        name = member_of(cluster, standby)
+        live_standby(owner, name)
+        client.step("frozen", [ops.add("early", [1, 2, 3])])
+        owner.wait_for(lambda r: r.get("event") == "sync_standby_recorded"
+                       and r.get("pool_id") == "frozen" and r.get("standby") == name, 30)
+        os.kill(standby.proc.pid, signal.SIGSTOP)
+        try:
+            # Answered once the frozen standby's lease ran out (the owner has no standby
+            # left), and only after etcd records that none is in sync.
+            client.step("frozen", [ops.add("late", [4, 5, 6])])
+            recorded = owner.wait_for(lambda r: r.get("event")
+                                      == "replication_degraded_recorded"
+                                      and r.get("pool_id") == "frozen", 5)
+            assert recorded["standby"] == name
+            owner.signal(signal.SIGKILL)
+            owner.stop()
+        finally:
+            os.kill(standby.proc.pid, signal.SIGCONT)
+        standby.wait_for(lambda r: r.get("event") in ("pool_adopted", "pool_not_adopted")
+                         and r.get("pool_id") == "frozen", LEASE_TTL * 10)
+        # Told: the pool is gone (a new incarnation), never served from a copy without
+        # "late" (the owner is dead: the standby could not catch up).
+        with pytest.raises(grpc.RpcError) as missing:
+            raw_stub(standby.target).GetPool(pb.GetPoolRequest(pool_id="frozen"), timeout=5)
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND, missing.value
+        unusable = standby.wait_for(lambda r: r.get("event") == "standby_copy_unusable"
+                                    and r.get("pool_id") == "frozen", 5)
+        assert unusable["named"] is None, unusable
+        again = client.register_pool("frozen", small_layers(), num_blocks=64,
+                                     max_model_len=256)
+        assert again.created and again.incarnation != info.incarnation

@@ -1,6 +1,7 @@
 """The replication protocol in one process, without etcd: a :class:`Replicator` (the
 owner's durability hook) streaming to a :class:`Standby` behind a real gRPC server on
-loopback. The cluster's view of etcd (members, owners) is given as plain dictionaries."""
+loopback. The cluster's view of etcd (members, owners, the ``syncs/`` keys) is given as
+plain dictionaries."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 
 from cache_service.client import layers, ops
 from cache_service.client._builders import register_request
+from cache_service.cluster.keys import SyncStandby
 from cache_service.cluster.replication import Fenced, Replicator, Standby
+from cache_service.errors import Unavailable
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState
 from kvcache_common.api.kvcache.internal.v1 import replication_pb2_grpc as rpb_grpc
@@ -34,6 +37,25 @@ class Pair:
         self.server = grpc.aio.server()
         rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
+        #: pool id -> its ``syncs/`` entry, and an event per change of it.
+        self.syncs: dict[str, SyncStandby] = {}
+        self.synced = asyncio.Event()
+        self.members_of_owner = {"owner": "unused:1", "standby": f"127.0.0.1:{self.port}"}
+
+    async def record(self, pool_id: str, token: int, value: bytes) -> bool:
+        """etcd's transaction on ``syncs/<pool>``, conditioned on the owner's token."""
+        if self.owned.get(pool_id) != token:
+            return False
+        self.syncs[pool_id] = SyncStandby.decode(value)
+        self.synced.set()
+        return True
+
+    async def named(self, pool_id: str, standby: str | None) -> SyncStandby:
+        """Waits until the pool's ``syncs/`` entry names ``standby``."""
+        while (entry := self.syncs.get(pool_id)) is None or entry.standby != standby:
+            self.synced.clear()
+            await asyncio.wait_for(self.synced.wait(), 10)
+        return entry
 
     async def start(self) -> Replicator:
         await self.server.start()
@@ -41,8 +63,8 @@ class Pair:
         rep = Replicator(self.state.durability, self.state, mode="sync", timeout=30.0,
                          me=lambda: "owner", lease=lambda: OWNER_LEASE,
                          owned=lambda: self.owned,
-                         members=lambda: {"owner": "unused:1",
-                                          "standby": f"127.0.0.1:{self.port}"})
+                         members=lambda: self.members_of_owner)
+        rep.record = self.record
         self.state.durability = rep
         return rep
 
@@ -85,7 +107,10 @@ def test_a_standby_is_filled_then_follows_every_record_exactly() -> None:
             shadow = pair.standby.shadows["owner"]
             assert shadow.index == rep.index == 7 and shadow.state is not None
             assert view(shadow.state) == view(pair.state)  # the same state
-            assert pair.standby.take("p", "owner") is not None
+            named = await pair.named("p", "standby")
+            assert (named.owner, named.lease, named.epoch) == ("owner", OWNER_LEASE,
+                                                               rep.epoch)
+            assert pair.standby.take("p", "owner", named) is not None
         finally:
             await pair.stop(rep)
     asyncio.run(main())
@@ -137,7 +162,8 @@ def test_after_a_promotion_the_old_owner_gets_nothing_acknowledged() -> None:
                 "p", LAYERS, num_blocks=64, max_model_len=256))
             rep.refresh()
             await asyncio.wait_for(rep.sync(), 10)
-            assert pair.standby.take("p", "owner") is not None  # promoted from the copy
+            named = await pair.named("p", "standby")
+            assert pair.standby.take("p", "owner", named) is not None  # promoted
             pair.state.apply_call("step", step("after", [1, 2, 3]))
             with pytest.raises(Fenced):
                 await asyncio.wait_for(rep.sync(), 10)
@@ -161,6 +187,61 @@ def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> N
             pair.members = {"owner": OWNER_LEASE}  # its view caught up
             await asyncio.wait_for(waiting, 10)
             assert pair.standby.shadows["owner"].index == 1
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_write_answered_without_the_standby_is_recorded_first_so_it_never_promotes() \
+        -> None:
+    async def main() -> None:
+        pair = Pair()
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            await asyncio.wait_for(rep.sync(), 10)
+            named = await pair.named("p", "standby")
+            # The standby leaves the owner's view (its lease expired): the next write is
+            # answered without it, but only after etcd names no standby in sync.
+            del pair.members_of_owner["standby"]
+            rep.refresh()
+            pair.state.apply_call("step", step("alone", [1, 2, 3]))
+            await asyncio.wait_for(rep.sync(), 10)
+            assert pair.syncs["p"].standby is None
+            # Its copy lacks that write: with the current entry it is not promoted; the
+            # entry it was named by before is one only a fenced owner could bring back.
+            assert pair.standby.shadows["owner"].index < rep.index
+            assert pair.standby.take("p", "owner", pair.syncs["p"]) is None
+            assert pair.standby.take("p", "owner", None) is None
+            assert named.standby == "standby"
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_write_is_not_answered_when_etcd_cannot_record_the_missing_standby() -> None:
+    async def main() -> None:
+        pair = Pair()
+        rep = await pair.start()
+        try:
+            pair.state.apply_call("register_pool", register_request(
+                "p", LAYERS, num_blocks=64, max_model_len=256))
+            rep.refresh()
+            await asyncio.wait_for(rep.sync(), 10)
+            await pair.named("p", "standby")
+
+            async def unreachable(pool_id: str, token: int, value: bytes) -> bool:
+                raise ConnectionError("etcd unreachable")
+
+            rep.record = unreachable
+            del pair.members_of_owner["standby"]
+            rep.refresh()
+            pair.state.apply_call("step", step("alone", [1, 2, 3]))
+            with pytest.raises(Unavailable, match="in doubt"):
+                await asyncio.wait_for(rep.sync(), 10)
+            assert pair.syncs["p"].standby == "standby"  # etcd unchanged
         finally:
             await pair.stop(rep)
     asyncio.run(main())
