@@ -65,6 +65,11 @@ class KeyLayout:
         """The key naming the pool's in-sync standby (no lease; written by the owner)."""
         return self.root + b"syncs/" + pool_id.encode()
 
+    def replication_key(self) -> bytes:
+        """The key holding the cluster's replication secret (no lease; created once by the
+        first replica that joins): only processes that can read etcd can replicate."""
+        return self.root + b"replication-key"
+
     def parse(self, key: bytes) -> tuple[str, str] | None:
         """``(kind, name)`` of a key under the root (kind: members / owners / pools /
         holders)."""

@@ -5,6 +5,7 @@ fan-out."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -128,8 +129,26 @@ class ClusterNode:
             self.replicator.record = self.placement.record_sync
         self.membership.on_new_lease = self.placement.on_new_lease
         await self.membership.join(time.monotonic() + timeout)
+        key = await asyncio.wait_for(self._replication_key(), timeout)
+        self.standby.key = key
+        if self.replicator is not None:
+            self.replicator.key = key
         await asyncio.wait_for(self.placement.start(), timeout)
         self.joined = True
+
+    async def _replication_key(self) -> bytes:
+        """The cluster's replication secret: created (32 random bytes, no lease) by the
+        first replica that asks, read by every later one. Replication messages carry its
+        MAC, so a peer that cannot read etcd cannot feed a standby."""
+        key = self.keys.replication_key()
+        tx = self.etcd.client.transactions
+        await self.etcd.client.transaction(
+            compare=[tx.create(key) == 0],
+            success=[tx.put(key, secrets.token_bytes(32))], failure=[])
+        got = await self.etcd.client.get(key)
+        if got is None or not got.value:
+            raise ConnectionError(f"etcd lost {key.decode()} right after it was written")
+        return bytes(got.value)
 
     async def _restore(self, pool_id: str, holder: str) -> None:
         """Takes ``pool_id`` over from ``holder`` (a replica whose lease expired, so it is

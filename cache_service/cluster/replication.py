@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import pickle
 import secrets
 import time
@@ -92,6 +94,18 @@ UNKNOWN = ""
 
 class Fenced(Unavailable):
     """A standby refused this owner's record: another replica owns the pool now."""
+
+
+def mac(key: bytes, *parts: bytes | str | int) -> bytes:
+    """HMAC-SHA256 of ``parts`` (each length-prefixed, so no two part lists collide)
+    under the cluster's replication secret."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else (
+            part.to_bytes(8, "big", signed=True) if isinstance(part, int) else part)
+        h.update(len(data).to_bytes(8, "big"))
+        h.update(data)
+    return h.digest()
 
 
 def standby_of(pool_id: str, owner: str, members: Any) -> str | None:
@@ -151,6 +165,9 @@ class Replicator:
         self._options = channel_options or []
         self._closed = False
         self.needs_sync = mode == "sync" or inner.needs_sync
+        #: The cluster's replication secret (set by the node when it joins, before any
+        #: stream starts): every message a standby acts on carries its MAC.
+        self.key = b""
         #: The servicer's pool gate (set by the server): a snapshot waits until no sliced
         #: call is half applied.
         self.gate: PoolGate | None = None
@@ -429,8 +446,10 @@ class Replicator:
 
     async def _stream(self, link: Link, stub: rpb_grpc.ReplicationServiceStub) -> None:
         call = stub.Replicate()
+        me, lease = self._me(), self._lease()
         await call.write(rpb.ReplicateRequest(hello=rpb.ReplicaHello(
-            source=self._me(), epoch=self.epoch, lease=self._lease())))
+            source=me, epoch=self.epoch, lease=lease,
+            mac=mac(self.key, "hello", me, self.epoch, lease))))
         first = await call.read()
         if first is grpc.aio.EOF:
             raise ConnectionError("the standby ended the stream")
@@ -457,6 +476,9 @@ class Replicator:
                         # covers it, so a message never exceeds the limit.
                         position = await self._send_snapshot(call)
                         continue
+                    if not record.mac:  # signed once, when first sent
+                        record.mac = mac(self.key, self.epoch, record.index, record.pool_id,
+                                         record.token, record.record)
                     await call.write(rpb.ReplicateRequest(record=record))
                     position = record.index
                     continue
@@ -486,10 +508,12 @@ class Replicator:
             await self.gate.wait_all_idle()
         index = self.index
         payload = dumps_state(self.state)
+        signature = mac(self.key, self.epoch, index, payload)
         for offset in range(0, max(len(payload), 1), CHUNK):
             chunk = payload[offset:offset + CHUNK]
+            last = offset + CHUNK >= len(payload)
             await call.write(rpb.ReplicateRequest(snapshot=rpb.ReplicaSnapshot(
-                index=index, chunk=chunk, last=offset + CHUNK >= len(payload))))
+                index=index, chunk=chunk, last=last, mac=signature if last else b"")))
         _log.info("standby_snapshot_sent", index=index, bytes=len(payload))
         return index
 
@@ -568,6 +592,9 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
         #: ``async`` (no such record: the owner never waits) keeps the timing rule.
         self.by_record = by_record
         self.shadows: dict[str, Shadow] = {}
+        #: The cluster's replication secret (set by the node when it joins; until then
+        #: every stream is refused).
+        self.key = b""
 
     async def Replicate(self, request_iterator: AsyncIterator[rpb.ReplicateRequest],
                         context: grpc.aio.ServicerContext) -> AsyncIterator[rpb.ReplicateResponse]:
@@ -577,6 +604,12 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
                                 "the first message of a stream must be a hello")
         assert first is not None  # aborted above
         hello = first.hello
+        if not self.key:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this replica has not joined yet")
+        if not hmac.compare_digest(hello.mac, mac(self.key, "hello", hello.source,
+                                                  hello.epoch, hello.lease)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "hello.mac: not signed with this cluster's replication key")
         members = self._members()
         if hello.source not in members or hello.source == self._me():
             # Not fenced: this replica may be joining, or its view of etcd lags behind
@@ -613,9 +646,16 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
                 elif kind == "snapshot":
                     chunks.append(message.snapshot.chunk)
                     if message.snapshot.last:
-                        # Written by dumps_state on a live member (checked above), like a
-                        # snapshot file of this service, never by a client.
-                        state = pickle.loads(b"".join(chunks))  # noqa: S301
+                        payload = b"".join(chunks)
+                        if not hmac.compare_digest(message.snapshot.mac, mac(
+                                self.key, shadow.epoch, message.snapshot.index, payload)):
+                            await context.abort(
+                                grpc.StatusCode.UNAUTHENTICATED,
+                                "snapshot.mac: not signed with this cluster's replication key")
+                        # Written by dumps_state on a live member and signed with the
+                        # cluster's secret (checked above), like a snapshot file of this
+                        # service, never by a client.
+                        state = pickle.loads(payload)  # noqa: S301
                         chunks.clear()
                         shadow.state, shadow.index = state, message.snapshot.index
                         shadow.pending.clear()
@@ -636,6 +676,11 @@ class Standby(rpb_grpc.ReplicationServiceServicer):
         it is acknowledged on receipt, applied right after the acknowledgement is sent
         (:meth:`_catch_up`; a promotion applies what is pending first), so the standby's
         apply is off the owner's answer path."""
+        if not hmac.compare_digest(message.mac, mac(self.key, shadow.epoch, message.index,
+                                                    message.pool_id, message.token,
+                                                    message.record)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "record.mac: not signed with this cluster's replication key")
         if shadow.state is None or message.index != shadow.index + 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"record {message.index} does not continue this copy "

@@ -13,15 +13,17 @@ import pytest
 from cache_service.client import layers, ops
 from cache_service.client._builders import register_request
 from cache_service.cluster.keys import SyncStandby
-from cache_service.cluster.replication import Fenced, Replicator, Standby
+from cache_service.cluster.replication import Fenced, Replicator, Standby, mac
 from cache_service.errors import Unavailable
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState
+from kvcache_common.api.kvcache.internal.v1 import replication_pb2 as rpb
 from kvcache_common.api.kvcache.internal.v1 import replication_pb2_grpc as rpb_grpc
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 LAYERS = [layers.full_attention("l0", block_size=16, num_kv_heads=2, head_size=8)]
 OWNER_LEASE = 7
+KEY = b"k" * 32  # the cluster's replication secret (etcd's replication-key in a cluster)
 
 
 class Pair:
@@ -33,6 +35,7 @@ class Pair:
         self.owned = {"p": 5}
         self.standby = Standby(me=lambda: "standby", members=lambda: self.members,
                                owners=lambda: self.owners, owned=dict, trust=30.0)
+        self.standby.key = KEY
         self.state = ServiceState(PoolRegistry(instance_id="owner"))
         self.server = grpc.aio.server()
         rpb_grpc.add_ReplicationServiceServicer_to_server(self.standby, self.server)
@@ -65,6 +68,7 @@ class Pair:
                          owned=lambda: self.owned,
                          members=lambda: self.members_of_owner)
         rep.record = self.record
+        rep.key = KEY
         self.state.durability = rep
         return rep
 
@@ -150,6 +154,27 @@ def test_a_sender_that_is_no_live_member_under_its_lease_is_refused() -> None:
             assert "owner" not in pair.standby.shadows
         finally:
             await pair.stop(rep)
+    asyncio.run(main())
+
+
+def test_a_stream_not_signed_with_the_cluster_key_is_refused_before_anything_is_read() \
+        -> None:
+    async def main() -> None:
+        pair = Pair()
+        await pair.server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{pair.port}") as channel:
+                call = rpb_grpc.ReplicationServiceStub(channel).Replicate()
+                forged = mac(b"x" * 32, "hello", "owner", "e", OWNER_LEASE)
+                await call.write(rpb.ReplicateRequest(hello=rpb.ReplicaHello(
+                    source="owner", epoch="e", lease=OWNER_LEASE, mac=forged)))
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call.read()
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert err.value.details().startswith("hello.mac")
+            assert pair.standby.shadows == {}
+        finally:
+            await pair.server.stop(0)
     asyncio.run(main())
 
 

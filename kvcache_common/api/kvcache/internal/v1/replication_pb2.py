@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvcache/internal/v1/replication.proto\x12\x13kvcache.internal.v1\"\xf3\x01\n\x10ReplicateRequest\x12\x32\n\x05hello\x18\x01 \x01(\x0b\x32!.kvcache.internal.v1.ReplicaHelloH\x00\x12\x38\n\x08snapshot\x18\x02 \x01(\x0b\x32$.kvcache.internal.v1.ReplicaSnapshotH\x00\x12\x37\n\x06record\x18\x03 \x01(\x0b\x32%.kvcache.internal.v1.ReplicatedRecordH\x00\x12\x30\n\x04live\x18\x04 \x01(\x0b\x32 .kvcache.internal.v1.ReplicaLiveH\x00\x42\x06\n\x04kind\"<\n\x0cReplicaHello\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x03\"=\n\x0fReplicaSnapshot\x12\r\n\x05index\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\"Q\n\x10ReplicatedRecord\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0e\n\x06record\x18\x02 \x01(\x0c\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\"\r\n\x0bReplicaLive\"5\n\x11ReplicateResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x11\n\thas_state\x18\x02 \x01(\x08\x32t\n\x12ReplicationService\x12^\n\tReplicate\x12%.kvcache.internal.v1.ReplicateRequest\x1a&.kvcache.internal.v1.ReplicateResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%kvcache/internal/v1/replication.proto\x12\x13kvcache.internal.v1\"\xf3\x01\n\x10ReplicateRequest\x12\x32\n\x05hello\x18\x01 \x01(\x0b\x32!.kvcache.internal.v1.ReplicaHelloH\x00\x12\x38\n\x08snapshot\x18\x02 \x01(\x0b\x32$.kvcache.internal.v1.ReplicaSnapshotH\x00\x12\x37\n\x06record\x18\x03 \x01(\x0b\x32%.kvcache.internal.v1.ReplicatedRecordH\x00\x12\x30\n\x04live\x18\x04 \x01(\x0b\x32 .kvcache.internal.v1.ReplicaLiveH\x00\x42\x06\n\x04kind\"I\n\x0cReplicaHello\x12\x0e\n\x06source\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05lease\x18\x03 \x01(\x03\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"J\n\x0fReplicaSnapshot\x12\r\n\x05index\x18\x01 \x01(\x04\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\"^\n\x10ReplicatedRecord\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x0e\n\x06record\x18\x02 \x01(\x0c\x12\x0f\n\x07pool_id\x18\x03 \x01(\t\x12\r\n\x05token\x18\x04 \x01(\x03\x12\x0b\n\x03mac\x18\x05 \x01(\x0c\"\r\n\x0bReplicaLive\"5\n\x11ReplicateResponse\x12\r\n\x05index\x18\x01 \x01(\x04\x12\x11\n\thas_state\x18\x02 \x01(\x08\x32t\n\x12ReplicationService\x12^\n\tReplicate\x12%.kvcache.internal.v1.ReplicateRequest\x1a&.kvcache.internal.v1.ReplicateResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPLICATEREQUEST']._serialized_start=63
   _globals['_REPLICATEREQUEST']._serialized_end=306
   _globals['_REPLICAHELLO']._serialized_start=308
-  _globals['_REPLICAHELLO']._serialized_end=368
-  _globals['_REPLICASNAPSHOT']._serialized_start=370
-  _globals['_REPLICASNAPSHOT']._serialized_end=431
-  _globals['_REPLICATEDRECORD']._serialized_start=433
-  _globals['_REPLICATEDRECORD']._serialized_end=514
-  _globals['_REPLICALIVE']._serialized_start=516
-  _globals['_REPLICALIVE']._serialized_end=529
-  _globals['_REPLICATERESPONSE']._serialized_start=531
-  _globals['_REPLICATERESPONSE']._serialized_end=584
-  _globals['_REPLICATIONSERVICE']._serialized_start=586
-  _globals['_REPLICATIONSERVICE']._serialized_end=702
+  _globals['_REPLICAHELLO']._serialized_end=381
+  _globals['_REPLICASNAPSHOT']._serialized_start=383
+  _globals['_REPLICASNAPSHOT']._serialized_end=457
+  _globals['_REPLICATEDRECORD']._serialized_start=459
+  _globals['_REPLICATEDRECORD']._serialized_end=553
+  _globals['_REPLICALIVE']._serialized_start=555
+  _globals['_REPLICALIVE']._serialized_end=568
+  _globals['_REPLICATERESPONSE']._serialized_start=570
+  _globals['_REPLICATERESPONSE']._serialized_end=623
+  _globals['_REPLICATIONSERVICE']._serialized_start=625
+  _globals['_REPLICATIONSERVICE']._serialized_end=741
 # @@protoc_insertion_point(module_scope)

@@ -18,36 +18,42 @@ class ReplicateRequest(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReplicaHello, _Mapping]] = ..., snapshot: _Optional[_Union[ReplicaSnapshot, _Mapping]] = ..., record: _Optional[_Union[ReplicatedRecord, _Mapping]] = ..., live: _Optional[_Union[ReplicaLive, _Mapping]] = ...) -> None: ...
 
 class ReplicaHello(_message.Message):
-    __slots__ = ("source", "epoch", "lease")
+    __slots__ = ("source", "epoch", "lease", "mac")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     source: str
     epoch: str
     lease: int
-    def __init__(self, source: _Optional[str] = ..., epoch: _Optional[str] = ..., lease: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, source: _Optional[str] = ..., epoch: _Optional[str] = ..., lease: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaSnapshot(_message.Message):
-    __slots__ = ("index", "chunk", "last")
+    __slots__ = ("index", "chunk", "last", "mac")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     index: int
     chunk: bytes
     last: bool
-    def __init__(self, index: _Optional[int] = ..., chunk: _Optional[bytes] = ..., last: _Optional[bool] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, index: _Optional[int] = ..., chunk: _Optional[bytes] = ..., last: _Optional[bool] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ReplicatedRecord(_message.Message):
-    __slots__ = ("index", "record", "pool_id", "token")
+    __slots__ = ("index", "record", "pool_id", "token", "mac")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MAC_FIELD_NUMBER: _ClassVar[int]
     index: int
     record: bytes
     pool_id: str
     token: int
-    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., token: _Optional[int] = ...) -> None: ...
+    mac: bytes
+    def __init__(self, index: _Optional[int] = ..., record: _Optional[bytes] = ..., pool_id: _Optional[str] = ..., token: _Optional[int] = ..., mac: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaLive(_message.Message):
     __slots__ = ()
