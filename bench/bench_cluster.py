@@ -96,7 +96,7 @@ def owner_target(replicas: list[ServerProcess], pool_id: str) -> str:
     raise RuntimeError(f"no replica serves {pool_id}")
 
 
-def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
+def one_kill(client: CacheClient, pool: str, victim: ServerProcess
               ) -> tuple[float | None, int]:
     """Steps ``pool`` in a thread, SIGKILLs its owner, answers the seconds from the kill to
     the first successful Step sent after the owner's process was gone (None: none in 30 s)
@@ -146,7 +146,7 @@ def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> 
                 pool = f"f{k}"
                 register(client, pool)
                 victim = next(r for r in live if r.target == owner_target(live, pool))
-                sample, lost = _one_kill(client, pool, victim)
+                sample, lost = one_kill(client, pool, victim)
             registered_again += lost
             if sample is not None:
                 samples.append(sample)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cache_service.client import layers
+from cache_service.state import NoDurability, WalRecord
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 EVENT_BUFFER = 64  # the session server's event buffer: small, so OUT_OF_RANGE is cheap to provoke
@@ -35,3 +36,19 @@ def hybrid_layers() -> list[pb.LayerSpec]:
 def full_layers(n: int = 2, block_size: int = 16) -> list[pb.LayerSpec]:
     return [layers.full_attention(f"l{i}", block_size=block_size, num_kv_heads=2, head_size=8)
             for i in range(n)]
+
+
+class Recorder(NoDurability):
+    """A durability that keeps every appended record in memory; fails the next append when
+    ``fail`` is set."""
+
+    keeps_records = True
+
+    def __init__(self) -> None:
+        self.records: list[WalRecord] = []
+        self.fail = False
+
+    def append(self, record: WalRecord) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        self.records.append(record)
