@@ -5,6 +5,7 @@ loopback. The cluster's view of etcd (members, owners) is given as plain diction
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -50,6 +51,25 @@ class Pair:
         await rep.close()
         await self.server.stop(0)
 
+    def register(self) -> None:
+        """Registers pool ``p`` on the owner (one record)."""
+        self.state.apply_call("register_pool", register_request(
+            "p", LAYERS, num_blocks=64, max_model_len=256))
+
+
+def run(body: Callable[[Pair, Replicator], Awaitable[None]],
+        make: Callable[[], Pair] = Pair) -> None:
+    """Makes a pair (inside the event loop, as its aio server needs), starts it, runs
+    ``body`` on it and its Replicator, and stops it however ``body`` ends."""
+    async def main() -> None:
+        pair = make()
+        rep = await pair.start()
+        try:
+            await body(pair, rep)
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
+
 
 def step(rid: str, tokens: list[int]) -> pb.StepRequest:
     return pb.StepRequest(pool_id="p", ops=[ops.add(rid, tokens),
@@ -68,99 +88,73 @@ def view(state: ServiceState) -> tuple:
 
 
 def test_a_standby_is_filled_then_follows_every_record_exactly() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            # Before the standby exists: it gets these through the snapshot.
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            pair.state.apply_call("step", step("a", list(range(40))))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        # Before the standby exists: it gets these through the snapshot.
+        pair.register()
+        pair.state.apply_call("step", step("a", list(range(40))))
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        # After: record by record, each acknowledged before sync() returns.
+        for i in range(5):
+            pair.state.apply_call("step", step(f"b{i}", list(range(i, i + 20))))
             await asyncio.wait_for(rep.sync(), 10)
-            # After: record by record, each acknowledged before sync() returns.
-            for i in range(5):
-                pair.state.apply_call("step", step(f"b{i}", list(range(i, i + 20))))
-                await asyncio.wait_for(rep.sync(), 10)
-            shadow = pair.standby.shadows["owner"]
-            assert shadow.index == rep.index == 7 and shadow.state is not None
-            assert view(shadow.state) == view(pair.state)  # the same state
-            assert pair.standby.take("p", "owner") is not None
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        shadow = pair.standby.shadows["owner"]
+        assert shadow.index == rep.index == 7 and shadow.state is not None
+        assert view(shadow.state) == view(pair.state)  # the same state
+        assert pair.standby.take("p", "owner") is not None
+    run(body)
 
 
 def test_a_record_under_an_older_token_is_refused_and_fails_the_write() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        # etcd now shows the pool owned under a newer token (another replica took
+        # it): the owner's next write must not be acknowledged.
+        pair.owners["p"] = ("standby", 9)
+        pair.state.apply_call("step", step("late", [1, 2, 3]))
+        with pytest.raises(Fenced):
             await asyncio.wait_for(rep.sync(), 10)
-            # etcd now shows the pool owned under a newer token (another replica took
-            # it): the owner's next write must not be acknowledged.
-            pair.owners["p"] = ("standby", 9)
-            pair.state.apply_call("step", step("late", [1, 2, 3]))
-            with pytest.raises(Fenced):
-                await asyncio.wait_for(rep.sync(), 10)
-            assert pair.standby.shadows["owner"].index == 1  # the record was not taken
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        assert pair.standby.shadows["owner"].index == 1  # the record was not taken
+    run(body)
 
 
 def test_a_sender_that_is_no_live_member_under_its_lease_is_refused() -> None:
-    async def main() -> None:
-        pair = Pair(member_lease=OWNER_LEASE + 1)  # etcd shows another lease
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
-            with pytest.raises(Fenced):
-                await asyncio.wait_for(rep.sync(), 10)
-            assert "owner" not in pair.standby.shadows
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        with pytest.raises(Fenced):
+            await asyncio.wait_for(rep.sync(), 10)
+        assert "owner" not in pair.standby.shadows
+    run(body, lambda: Pair(member_lease=OWNER_LEASE + 1))  # etcd shows another lease
 
 
 def test_after_a_promotion_the_old_owner_gets_nothing_acknowledged() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        assert pair.standby.take("p", "owner") is not None  # promoted from the copy
+        pair.state.apply_call("step", step("after", [1, 2, 3]))
+        with pytest.raises(Fenced):
             await asyncio.wait_for(rep.sync(), 10)
-            assert pair.standby.take("p", "owner") is not None  # promoted from the copy
-            pair.state.apply_call("step", step("after", [1, 2, 3]))
-            with pytest.raises(Fenced):
-                await asyncio.wait_for(rep.sync(), 10)
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+    run(body)
 
 
 def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> None:
-    async def main() -> None:
+    def joining() -> Pair:
         pair = Pair()
         pair.members = {}  # e.g. the standby is still joining
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
-            waiting = asyncio.ensure_future(rep.sync())
-            done, _ = await asyncio.wait([waiting], timeout=0.5)
-            assert not done  # the write waits for the standby (not refused, not answered)
-            pair.members = {"owner": OWNER_LEASE}  # its view caught up
-            await asyncio.wait_for(waiting, 10)
-            assert pair.standby.shadows["owner"].index == 1
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        return pair
+
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        waiting = asyncio.ensure_future(rep.sync())
+        done, _ = await asyncio.wait([waiting], timeout=0.5)
+        assert not done  # the write waits for the standby (not refused, not answered)
+        pair.members = {"owner": OWNER_LEASE}  # its view caught up
+        await asyncio.wait_for(waiting, 10)
+        assert pair.standby.shadows["owner"].index == 1
+    run(body, joining)

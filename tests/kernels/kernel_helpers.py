@@ -6,6 +6,10 @@ them as fixtures; test modules never import conftest or each other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 
 # (rtol, atol) per (kind, dtype). "recurrence": outputs and states of the Mamba ops vs their
@@ -88,3 +92,13 @@ def assert_only_slots_changed(before: torch.Tensor, after: torch.Tensor, slots: 
     keep = [s for s in range(before.shape[0]) if s not in set(slots)]
     b, a = before[keep].cpu().contiguous(), after[keep].cpu().contiguous()
     assert torch.equal(b.view(torch.uint8), a.view(torch.uint8)), f"slots outside {slots} changed"
+
+
+def assert_rejected_unchanged(op: Callable[..., Any], args: dict[str, Any], change: dict[str, Any],
+                              field: str, states: torch.Tensor) -> None:
+    """``op(**args)`` with ``change`` applied raises a ValueError naming ``field`` and leaves
+    ``states`` bit-identical (a bad argument is refused before anything is written)."""
+    before = states.clone()
+    with pytest.raises(ValueError, match=field):
+        op(**{**args, **change})
+    assert torch.equal(states, before)
