@@ -94,7 +94,7 @@ def assert_only_slots_changed(before: torch.Tensor, after: torch.Tensor, slots: 
     assert torch.equal(b.view(torch.uint8), a.view(torch.uint8)), f"slots outside {slots} changed"
 
 
-def assert_rejected_unchanged(op: Callable[..., Any], args: dict[str, Any], change: dict[str, Any],
+def assert_refused(op: Callable[..., Any], args: dict[str, Any], change: dict[str, Any],
                               field: str, states: torch.Tensor) -> None:
     """``op(**args)`` with ``change`` applied raises a ValueError naming ``field`` and leaves
     ``states`` bit-identical (a bad argument is refused before anything is written)."""
@@ -102,3 +102,17 @@ def assert_rejected_unchanged(op: Callable[..., Any], args: dict[str, Any], chan
     with pytest.raises(ValueError, match=field):
         op(**{**args, **change})
     assert torch.equal(states, before)
+
+
+def in_pieces(run: Callable[[int, int, MambaBatch], torch.Tensor], length: int, cuts: list[int],
+                  one: MambaBatch, num_slots: int, *, generator: torch.Generator) -> torch.Tensor:
+    """The outputs of ``run(lo, hi, batch)`` over ``[0, length)`` cut at ``cuts`` (a chunked
+    prefill), concatenated: each piece is its own one-sequence batch of ``num_slots`` slots in
+    ``one``'s state slot, only the first one fresh."""
+    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
+    pieces = []
+    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        part = mamba_batch([hi - lo], num_slots, generator=generator, fresh=(0,) if k == 0 else ())
+        part.state_indices[:] = one.state_indices
+        pieces.append(run(lo, hi, part))
+    return torch.cat(pieces)

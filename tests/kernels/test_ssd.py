@@ -15,13 +15,7 @@ from hypothesis import strategies as st
 
 from kernels import ssd_scan, ssd_state_update
 
-from kernel_helpers import (
-    assert_close,
-    assert_only_slots_changed,
-    assert_rejected_unchanged,
-    mamba_batch,
-    randn,
-)
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, in_pieces, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -108,13 +102,11 @@ def test_chunked_prefill_equals_one_shot(length, cuts):
     whole_states = states.clone()
     whole = ssd_scan(*inp.rows(0, length), whole_states, *one.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16)
 
-    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
-    pieces = []
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        part = mamba_batch([hi - lo], 3, generator=gen, fresh=(0,) if k == 0 else ())
-        part.state_indices[:] = one.state_indices
-        pieces.append(ssd_scan(*inp.rows(lo, hi), states, *part.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16))
-    assert_close(torch.cat(pieces), whole)
+    def piece(lo, hi, part):
+        return ssd_scan(*inp.rows(lo, hi), states, *part.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16)
+
+    pieces = in_pieces(piece, length, cuts, one, 3, generator=gen)
+    assert_close(pieces, whole)
     assert_close(states, whole_states)
 
 
@@ -183,7 +175,7 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
     args = dict(x=inp.x, dt=inp.dt, A=inp.A, B=inp.B, C=inp.C, ssm_states=states,
                 query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
                 has_initial_state=torch.tensor([True, True]))
-    assert_rejected_unchanged(ssd_scan, args, change, field, states)
+    assert_refused(ssd_scan, args, change, field, states)
 
 
 @pytest.mark.triton
