@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import percentile, print_table, write_results
-from bench_cluster import LAYERS, one_kill, owner_target
+from bench_cluster import LAYERS, kill_owners, owner_target
 from cache_service.client import CacheClient, ops
 from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
@@ -110,27 +110,9 @@ def bench_latency(etcd: EtcdServer, root: Path, steps: int, rounds: int) -> dict
 
 def bench_failover(etcd: EtcdServer, root: Path, kills: int) -> dict:
     cluster = f"fo-{uuid.uuid4().hex[:6]}"
-    replicas = [replica(etcd, cluster, root, "sync") for _ in range(3)]
-    samples: list[float] = []
-    again = 0
-    try:
-        for k in range(kills):
-            live = [r for r in replicas if r.returncode is None]
-            with CacheClient(",".join(r.target for r in live), default_timeout=30,
-                             backoff_base=0.02, backoff_max=0.1) as client:
-                pool = f"f{k}"
-                register(client, pool)
-                victim = next(r for r in live if r.target == owner_target(live, pool))
-                _wait_live(victim)
-                sample, lost = one_kill(client, pool, victim)
-            again += lost
-            if sample is not None:
-                samples.append(sample)
-            victim.stop()
-            replicas.append(replica(etcd, cluster, root, "sync"))
-    finally:
-        for r in replicas:
-            r.stop()
+    # Each victim is killed only once its standby copy is live.
+    samples, again = kill_owners(lambda: replica(etcd, cluster, root, "sync"), kills,
+                                 _wait_live)
     xs = sorted(samples)
     return {"kills": kills, "samples_s": [round(x, 3) for x in samples],
             "p50_s": round(percentile(xs, 50), 3) if xs else None,

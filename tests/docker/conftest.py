@@ -88,11 +88,8 @@ def base_image(docker_client) -> str:
     chosen = os.environ.get("KVCACHE_BASE_IMAGE")
     if chosen:
         return chosen
-    try:
-        docker_client.images.get(LOCAL_BASE_IMAGE)
-        return LOCAL_BASE_IMAGE
-    except docker.errors.ImageNotFound:
-        return REGISTRY_BASE_IMAGE
+    return LOCAL_BASE_IMAGE if _image_exists(docker_client, LOCAL_BASE_IMAGE) \
+        else REGISTRY_BASE_IMAGE
 
 
 @pytest.fixture(scope="session")

@@ -116,3 +116,15 @@ def in_pieces(run: Callable[[int, int, MambaBatch], torch.Tensor], length: int, 
         part.state_indices[:] = one.state_indices
         pieces.append(run(lo, hi, part))
     return torch.cat(pieces)
+
+
+def prefill_and_longer(lengths: list[int], extra: int, num_slots: int, *, generator: torch.Generator,
+                       device: str | torch.device) -> tuple[MambaBatch, MambaBatch]:
+    """A fresh prefill batch of ``lengths`` and the same sequences ``extra`` tokens longer, in
+    the same state slots (decode after prefill must equal the longer prefill)."""
+    fresh = tuple(range(len(lengths)))
+    batch = mamba_batch(lengths, num_slots, generator=generator, device=device, fresh=fresh)
+    longer = mamba_batch([n + extra for n in lengths], num_slots, generator=generator, device=device,
+                         fresh=fresh)
+    longer.state_indices[:] = batch.state_indices
+    return batch, longer

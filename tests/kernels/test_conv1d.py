@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kernels import causal_conv1d, causal_conv1d_update
 
+import kernel_helpers
 from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, in_pieces, mamba_batch, randn
 
 NAN = float("nan")
@@ -80,9 +81,7 @@ def test_decode_after_prefill_equals_longer_prefill(device, gen):
     lengths, extra = [9, 3], 3
     x, weight, bias, states = conv_inputs(gen, device, sum(lengths) + 2 * extra, 16, 4, 4)
     decode_x = x[sum(lengths):].view(extra, 2, 16)
-    batch = mamba_batch(lengths, 4, generator=gen, device=device, fresh=(0, 1))
-    longer = mamba_batch([n + extra for n in lengths], 4, generator=gen, device=device, fresh=(0, 1))
-    longer.state_indices[:] = batch.state_indices
+    batch, longer = kernel_helpers.prefill_and_longer(lengths, extra, 4, generator=gen, device=device)
     longer_x = torch.cat([x[:9], decode_x[:, 0], x[9:12], decode_x[:, 1]])
     long_states = states.clone()
     expected = causal_conv1d(longer_x, weight, bias, long_states, *longer.args)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kernels import selective_scan, selective_state_update
 
+import kernel_helpers
 from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, in_pieces, mamba_batch, randn
 
 NAN = float("nan")
@@ -112,9 +113,7 @@ def test_decode_after_prefill_equals_longer_prefill(device, gen):
     prompt, extra = 12, 3
     inp = scan_inputs(gen, device, prompt + extra)
     states = states_for(gen, device, 2)
-    batch = mamba_batch([prompt], 2, generator=gen, device=device, fresh=(0,))
-    longer = mamba_batch([prompt + extra], 2, generator=gen, device=device, fresh=(0,))
-    longer.state_indices[:] = batch.state_indices
+    batch, longer = kernel_helpers.prefill_and_longer([prompt], extra, 2, generator=gen, device=device)
     long_states = states.clone()
     expected = selective_scan(*inp.rows(0, prompt + extra), long_states, *longer.args, **inp.extras(0, prompt + extra))
 
