@@ -128,3 +128,18 @@ def prefill_and_longer(lengths: list[int], extra: int, num_slots: int, *, genera
                          fresh=fresh)
     longer.state_indices[:] = batch.state_indices
     return batch, longer
+
+
+def assert_chunked_equals_whole(run: Callable[[int, int, MambaBatch, torch.Tensor], torch.Tensor], length: int,
+                                cuts: list[int], states: torch.Tensor, num_slots: int, *,
+                                generator: torch.Generator) -> None:
+    """``run(lo, hi, batch, states)`` (one Mamba op over rows ``[lo, hi)``) as one prefill of
+    ``length`` tokens and as a chunked prefill cut at ``cuts`` (see :func:`in_pieces`) gives
+    the same outputs and the same final ``states``."""
+    one = mamba_batch([length], num_slots, generator=generator, fresh=(0,))
+    whole_states = states.clone()
+    whole = run(0, length, one, whole_states)
+    pieces = in_pieces(lambda lo, hi, part: run(lo, hi, part, states), length, cuts, one, num_slots,
+                       generator=generator)
+    assert_close(pieces, whole)
+    assert_close(states, whole_states)

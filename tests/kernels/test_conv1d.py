@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kernels import causal_conv1d, causal_conv1d_update
 
 import kernel_helpers
-from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, in_pieces, mamba_batch, randn
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -65,16 +65,11 @@ def test_final_state_holds_last_raw_inputs(device, gen):
 def test_chunked_prefill_equals_one_shot(length, cuts, width):
     gen = torch.Generator().manual_seed(length * 7 + width)
     x, weight, bias, states = conv_inputs(gen, "cpu", length, 6, width, 2)
-    one = mamba_batch([length], 2, generator=gen, fresh=(0,))
-    whole_states = states.clone()
-    whole = causal_conv1d(x, weight, bias, whole_states, *one.args)
 
-    def piece(lo, hi, part):
-        return causal_conv1d(x[lo:hi], weight, bias, states, *part.args)
+    def run(lo, hi, batch, into):
+        return causal_conv1d(x[lo:hi], weight, bias, into, *batch.args)
 
-    pieces = in_pieces(piece, length, cuts, one, 2, generator=gen)
-    assert_close(pieces, whole)
-    assert_close(states, whole_states)
+    kernel_helpers.assert_chunked_equals_whole(run, length, cuts, states, 2, generator=gen)
 
 
 def test_decode_after_prefill_equals_longer_prefill(device, gen):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from kernels import selective_scan, selective_state_update
 
 import kernel_helpers
-from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, in_pieces, mamba_batch, randn
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -97,16 +97,11 @@ def test_chunked_prefill_equals_one_shot(length, cuts):
     gen = torch.Generator().manual_seed(length)
     inp = scan_inputs(gen, "cpu", length, channels=8, state_size=4)
     states = states_for(gen, "cpu", 3, channels=8, state_size=4)
-    one = mamba_batch([length], 3, generator=gen, fresh=(0,))
-    whole_states = states.clone()
-    whole = selective_scan(*inp.rows(0, length), whole_states, *one.args, **inp.extras(0, length))
 
-    def piece(lo, hi, part):
-        return selective_scan(*inp.rows(lo, hi), states, *part.args, **inp.extras(lo, hi))
+    def run(lo, hi, batch, into):
+        return selective_scan(*inp.rows(lo, hi), into, *batch.args, **inp.extras(lo, hi))
 
-    pieces = in_pieces(piece, length, cuts, one, 3, generator=gen)
-    assert_close(pieces, whole)
-    assert_close(states, whole_states)
+    kernel_helpers.assert_chunked_equals_whole(run, length, cuts, states, 3, generator=gen)
 
 
 def test_decode_after_prefill_equals_longer_prefill(device, gen):
