@@ -143,3 +143,10 @@ def assert_chunked_equals_whole(run: Callable[[int, int, MambaBatch, torch.Tenso
                        generator=generator)
     assert_close(pieces, whole)
     assert_close(states, whole_states)
+
+
+def two_sequences_of_5() -> dict[str, torch.Tensor]:
+    """The packed-batch arguments of 5 tokens as sequences of 1 and 4 in slots 0 and 2, both
+    with a prior state (the bad-argument tests' valid baseline)."""
+    return dict(query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
+                has_initial_state=torch.tensor([True, True]))

@@ -162,8 +162,7 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
     inp = scan_inputs(gen, "cpu", 5)
     states = states_for(gen, "cpu", 3)
     args = dict(u=inp.u, delta=inp.delta, A=inp.A, B=inp.B, C=inp.C, ssm_states=states,
-                query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
-                has_initial_state=torch.tensor([True, True]))
+                **kernel_helpers.two_sequences_of_5())
     assert_refused(selective_scan, args, change, field, states)
 
 
