@@ -1,7 +1,8 @@
 """Plain helpers of the kernel tests (imported as ``from kernel_helpers import ...``; pytest puts
 tests/kernels on sys.path): the tolerance table, reproducible random tensors, and the Mamba ops'
-packed batches with the "untouched slots stay bit-identical" check. conftest.py wraps some of
-them as fixtures; test modules never import conftest or each other.
+packed batches with the "untouched slots stay bit-identical" check, the chunked-prefill and
+decode-after-prefill set-ups and the "a bad argument is refused and changes nothing" check.
+conftest.py wraps some of them as fixtures; test modules never import conftest or each other.
 """
 
 from __future__ import annotations

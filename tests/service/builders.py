@@ -1,4 +1,5 @@
-"""Builders shared by the service-tier tests: layer lists, pool options, the server's settings.
+"""Builders shared by the service-tier tests: layer lists, pool options, the server's settings,
+an in-memory state whose durability records every log record (and its replay and snapshot).
 Test modules and conftest.py import them from here (never from conftest or each other)."""
 
 from __future__ import annotations
