@@ -200,3 +200,91 @@ def write_plot(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+class PoolCalls:
+    """The Pool facade (what the gRPC servicer calls) driven by request id, in the calls the
+    lock-step scheduler loops of bench_core.py and mooncake_sim.py make of a side. The pool's
+    allocate also advances its own computed tokens, so that is inside the timed call;
+    ``include_tables`` goes to every allocate (False where the loop never reads the tables).
+    A subclass's ``add`` calls :meth:`add_prompt` with the request's prompt."""
+
+    def __init__(self, pool: Any, include_tables: bool = True) -> None:
+        self.pool = pool
+        self.include_tables = include_tables
+        self.computed_tokens: dict[str, int] = {}
+        self.tokens: dict[str, int] = {}
+        self.preemptions: dict[str, int] = {}
+
+    def add_prompt(self, rid: str, prompt: Sequence[int]) -> str:
+        """Adds the request to the pool; answers its id (the handle the other calls take)."""
+        self.tokens[rid] = self.pool.add_request(rid, prompt).num_tokens
+        self.computed_tokens[rid] = 0
+        self.preemptions[rid] = 0
+        return rid
+
+    def lookup(self, rid: str) -> tuple[None, int]:
+        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
+        for its allocate."""
+        return None, self.pool.lookup(rid).hit_tokens
+
+    def admit(self, rid: str, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
+        """First allocation of ``n`` tokens, using the pending hit (the whole sequence must
+        fit); False: no room."""
+        return bool(self.pool.allocate(rid, n, full_sequence_must_fit=True,
+                                       include_tables=self.include_tables).ok)
+
+    def after_admit(self, rid: str, n: int, hit: int) -> None:
+        """Records the hit and ``n`` tokens as computed (the pool advanced its own count
+        already)."""
+        self.computed_tokens[rid] = hit + n
+
+    def allocate(self, rid: str, n: int) -> bool:
+        """Room for ``n`` more tokens of a running request (no lookup); False: no room."""
+        return bool(self.pool.allocate(rid, n, use_lookup=False,
+                                       include_tables=self.include_tables).ok)
+
+    def after_allocate(self, rid: str, n: int) -> None:
+        """Records the ``n`` allocated tokens as computed."""
+        self.computed_tokens[rid] += n
+
+    def free(self, rid: str) -> None:
+        """Frees the request in the pool."""
+        self.pool.free(rid)
+
+    def preempt(self, rid: str) -> None:
+        """Preempts the request in the pool (blocks freed, request kept)."""
+        self.pool.preempt(rid)
+
+    def after_preempt(self, rid: str) -> None:
+        """Records the preemption: nothing computed."""
+        self.computed_tokens[rid] = 0
+        self.preemptions[rid] += 1
+
+    def append(self, rid: str, token: int) -> None:
+        """Appends one decoded token in the pool and records the new token count."""
+        self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
+
+    def new_step(self) -> None:
+        """Starts a scheduler step in the pool."""
+        self.pool.new_step()
+
+    def usage(self) -> float:
+        """The share of the pool's blocks in use."""
+        return float(self.pool.stats().usage)
+
+    def take_events(self) -> list[Any]:
+        """The KV events the pool produced since the last call."""
+        return list(self.pool.take_events())
+
+    def computed(self, rid: str) -> int:
+        """The request's computed tokens as recorded here."""
+        return self.computed_tokens[rid]
+
+    def num_tokens(self, rid: str) -> int:
+        """The request's tokens as the pool last answered."""
+        return self.tokens[rid]
+
+    def num_preemptions(self, rid: str) -> int:
+        """How often the request was preempted."""
+        return self.preemptions[rid]

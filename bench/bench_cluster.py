@@ -42,6 +42,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ def owner_target(replicas: list[ServerProcess], pool_id: str) -> str:
     raise RuntimeError(f"no replica serves {pool_id}")
 
 
-def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
+def one_kill(client: CacheClient, pool: str, victim: ServerProcess
               ) -> tuple[float | None, int]:
     """Steps ``pool`` in a thread, SIGKILLs its owner, answers the seconds from the kill to
     the first successful Step sent after the owner's process was gone (None: none in 30 s)
@@ -131,11 +132,14 @@ def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
     return (state["back"] - state["killed"] if state["back"] else None), int(state["lost"])
 
 
-def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> dict:
-    """Failover times over ``kills`` SIGKILLs of a pool's owner among 3 replicas (``shared``:
-    on a shared data root) (see the module docstring)."""
-    cluster = f"bench-{uuid.uuid4().hex[:6]}"
-    replicas = [replica(etcd, cluster, shared) for _ in range(3)]
+def kill_owners(start_replica: Callable[[], ServerProcess], kills: int,
+                ready: Callable[[ServerProcess], None] = lambda victim: None
+                ) -> tuple[list[float], int]:
+    """SIGKILLs the owner of a fresh pool ``kills`` times among 3 replicas made by
+    ``start_replica`` (a new one replaces each victim; ``ready(victim)`` runs before each
+    kill): the failover samples (seconds; a kill with no Step back in 30 s gives none) and
+    how many times a pool had to be registered again."""
+    replicas = [start_replica() for _ in range(3)]
     samples: list[float] = []
     registered_again = 0
     try:
@@ -146,15 +150,24 @@ def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> 
                 pool = f"f{k}"
                 register(client, pool)
                 victim = next(r for r in live if r.target == owner_target(live, pool))
-                sample, lost = _one_kill(client, pool, victim)
+                ready(victim)
+                sample, lost = one_kill(client, pool, victim)
             registered_again += lost
             if sample is not None:
                 samples.append(sample)
             victim.stop()
-            replicas.append(replica(etcd, cluster, shared))
+            replicas.append(start_replica())
     finally:
         for r in replicas:
             r.stop()
+    return samples, registered_again
+
+
+def bench_failover(etcd: EtcdServer, kills: int, shared: Path | None = None) -> dict:
+    """Failover times over ``kills`` SIGKILLs of a pool's owner among 3 replicas (``shared``:
+    on a shared data root) (see the module docstring)."""
+    cluster = f"bench-{uuid.uuid4().hex[:6]}"
+    samples, registered_again = kill_owners(lambda: replica(etcd, cluster, shared), kills)
     xs = sorted(samples)
     return {"kills": kills, "samples_s": [round(x, 3) for x in samples],
             "p50_s": round(percentile(xs, 50), 3), "p99_s": round(percentile(xs, 99), 3),

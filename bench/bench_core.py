@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Bars, Panel, print_table, ratio, summarize_ns, write_results
+from _common import Bars, Panel, PoolCalls, print_table, ratio, summarize_ns, write_results
 from _retention import retention_report
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
@@ -66,6 +66,7 @@ from cache_service.core.specs import (
     SlidingWindowSpec,
     cdiv,
 )
+from mooncake_sim import ManagerSide
 
 # The vLLM oracle is a dev tool beside the checkout (../shared/tools/vllm-oracle), never a
 # dependency: without it the vLLM column is left out.
@@ -124,76 +125,24 @@ def make_config(kind: str, args: argparse.Namespace,
 
 # --- sides ----------------------------------------------------------------------------------
 
-class ManagerDriver:
+class ManagerDriver(ManagerSide):
     """Drives a vLLM-shaped manager (ours or the naive one) over core Request objects,
-    exactly as the oracle drives vLLM's."""
+    exactly as the oracle drives vLLM's.
+
+    The calls are mooncake_sim's :class:`ManagerSide` (one copy of the vLLM scheduler's use of
+    a manager), over :class:`BenchReq` prompts hashed as the manager expects."""
 
     def __init__(self, manager: Any, hash_fn: Callable[[object], bytes] | None,
                  hash_block_size: int) -> None:
-        self.mgr = manager
-        self.hash_fn = hash_fn
-        self.hbs = hash_block_size
+        def make(br: BenchReq) -> Request:
+            return Request(br.rid, br.prompt, hash_fn=hash_fn, hash_block_size=hash_block_size)
 
-    def add(self, br: BenchReq) -> Request:
-        """A core Request of the benchmark request, hashed as the manager expects."""
-        return Request(br.rid, br.prompt, hash_fn=self.hash_fn, hash_block_size=self.hbs)
-
-    def lookup(self, req: Request) -> tuple[Any, int]:
-        """The manager's cached prefix of ``req``: (its blocks, hit tokens)."""
-        blocks, hit, _ = self.mgr.get_computed_blocks(req)
-        return blocks, hit
-
-    def admit(self, req: Request, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
-        """First allocation of ``n`` tokens on top of the hit (the whole sequence must fit);
-        False: no room."""
-        return self.mgr.allocate_slots(req, n, num_new_computed_tokens=hit,
-                                       new_computed_blocks=blocks, full_sequence_must_fit=True,
-                                       has_scheduled_reqs=has_running) is not None
-
-    def after_admit(self, req: Request, n: int, hit: int) -> None:
-        """Marks the admitted request running with the hit and ``n`` tokens computed."""
-        req.status = RequestStatus.RUNNING
-        req.num_computed_tokens = hit + n
-
-    def allocate(self, req: Request, n: int) -> bool:
-        """Room for ``n`` more tokens of a running request; False: no room."""
-        return self.mgr.allocate_slots(req, n) is not None
-
-    def after_allocate(self, req: Request, n: int) -> None:
-        """Counts the ``n`` allocated tokens as computed."""
-        req.num_computed_tokens += n
-
-    def free(self, req: Request) -> None:
-        """Frees the request's blocks (the manager also frees a preempted one this way)."""
-        self.mgr.free(req)
-
-    def after_preempt(self, req: Request) -> None:
-        """Marks the request preempted: nothing computed, one more preemption."""
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-
-    def append(self, req: Request, token: int) -> None:
-        """Appends one decoded token (its block hashes grow)."""
-        req.append_tokens((token,))
-
-    def new_step(self) -> None:
-        """Tells the manager a scheduler step starts."""
-        self.mgr.new_step_starts()
+        super().__init__(manager, make, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
+                         lambda req, tok: req.append_tokens((tok,)))
 
     def usage(self) -> float:
         """The share of the pool's blocks in use."""
         return self.mgr.usage
-
-    @staticmethod
-    def computed(req: Request) -> int:
-        """The request's computed tokens."""
-        return req.num_computed_tokens
-
-    @staticmethod
-    def num_tokens(req: Request) -> int:
-        """The request's tokens (prompt and decoded)."""
-        return req.num_tokens
 
     @staticmethod
     def num_preemptions(req: Request) -> int:
@@ -201,83 +150,13 @@ class ManagerDriver:
         return req.num_preemptions
 
 
-class PoolDriver:
-    """Drives the Pool facade (what the gRPC servicer calls) by request id; its allocate
-    also advances the computed tokens, so that is inside the timed call."""
-
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-        self.computed_tokens: dict[str, int] = {}
-        self.tokens: dict[str, int] = {}
-        self.preemptions: dict[str, int] = {}
+class PoolDriver(PoolCalls):
+    """Drives the Pool facade (what the gRPC servicer calls) by request id, tables included
+    (see :class:`_common.PoolCalls`)."""
 
     def add(self, br: BenchReq) -> str:
         """Adds the request to the pool; answers its id (the handle the other calls take)."""
-        info = self.pool.add_request(br.rid, br.prompt)
-        self.tokens[br.rid] = info.num_tokens
-        self.computed_tokens[br.rid] = 0
-        self.preemptions[br.rid] = 0
-        return br.rid
-
-    def lookup(self, rid: str) -> tuple[Any, int]:
-        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
-        for its allocate."""
-        return None, self.pool.lookup(rid).hit_tokens
-
-    def admit(self, rid: str, n: int, blocks: Any, hit: int, has_running: bool) -> bool:
-        """First allocation of ``n`` tokens, using the pending hit (the whole sequence must
-        fit); False: no room."""
-        return self.pool.allocate(rid, n, full_sequence_must_fit=True).ok
-
-    def after_admit(self, rid: str, n: int, hit: int) -> None:
-        """Records the hit and ``n`` tokens as computed (the pool advanced its own count
-        already)."""
-        self.computed_tokens[rid] = hit + n
-
-    def allocate(self, rid: str, n: int) -> bool:
-        """Room for ``n`` more tokens of a running request (no lookup); False: no room."""
-        return self.pool.allocate(rid, n, use_lookup=False).ok
-
-    def after_allocate(self, rid: str, n: int) -> None:
-        """Records the ``n`` allocated tokens as computed."""
-        self.computed_tokens[rid] += n
-
-    def free(self, rid: str) -> None:
-        """Frees the request in the pool."""
-        self.pool.free(rid)
-
-    def preempt(self, rid: str) -> None:
-        """Preempts the request in the pool (blocks freed, request kept)."""
-        self.pool.preempt(rid)
-
-    def after_preempt(self, rid: str) -> None:
-        """Records the preemption: nothing computed."""
-        self.computed_tokens[rid] = 0
-        self.preemptions[rid] += 1
-
-    def append(self, rid: str, token: int) -> None:
-        """Appends one decoded token in the pool and records the new token count."""
-        self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
-
-    def new_step(self) -> None:
-        """Starts a scheduler step in the pool."""
-        self.pool.new_step()
-
-    def usage(self) -> float:
-        """The share of the pool's blocks in use."""
-        return self.pool.stats().usage
-
-    def computed(self, rid: str) -> int:
-        """The request's computed tokens as recorded here."""
-        return self.computed_tokens[rid]
-
-    def num_tokens(self, rid: str) -> int:
-        """The request's tokens as the pool last answered."""
-        return self.tokens[rid]
-
-    def num_preemptions(self, rid: str) -> int:
-        """How often the request was preempted."""
-        return self.preemptions[rid]
+        return self.add_prompt(br.rid, br.prompt)
 
 
 class NaiveManager:

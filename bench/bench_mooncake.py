@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import Bars, Panel, print_table, ratio, summarize_ns, write_results
+from _common import Bars, Panel, PoolCalls, print_table, ratio, summarize_ns, write_results
 from cache_service.client import CacheClient, DecodeResult, StepBuilder, layers
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
@@ -101,75 +101,16 @@ def core_side(kind: str, args: argparse.Namespace) -> ManagerSide:
                        lambda req, tok: req.append_tokens((tok,)))
 
 
-class PoolSide:
-    """The Pool facade by request id; its allocate advances the computed tokens itself."""
+class PoolSide(PoolCalls):
+    """The Pool facade by request id, no tables (the loop never reads them; see
+    :class:`_common.PoolCalls`)."""
 
     def __init__(self, pool: Pool) -> None:
-        self.pool = pool
-        self.computed_tokens: dict[str, int] = {}
-        self.tokens: dict[str, int] = {}
+        super().__init__(pool, include_tables=False)
 
     def add(self, tr: TraceRequest) -> str:
         """Adds the request to the pool; answers its id (the handle the other calls take)."""
-        self.tokens[tr.rid] = self.pool.add_request(tr.rid, tr.tokens()).num_tokens
-        self.computed_tokens[tr.rid] = 0
-        return tr.rid
-
-    def lookup(self, rid: str) -> tuple[None, int]:
-        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
-        for its allocate."""
-        return None, self.pool.lookup(rid).hit_tokens
-
-    def admit(self, rid: str, n: int, blocks: None, hit: int, has_running: bool) -> bool:
-        """First allocation of ``n`` tokens, using the pending hit (the whole sequence must
-        fit); False: no room."""
-        return self.pool.allocate(rid, n, full_sequence_must_fit=True,
-                                  include_tables=False).ok
-
-    def after_admit(self, rid: str, n: int, hit: int) -> None:
-        """Records the hit and ``n`` tokens as computed (the pool advanced its own count
-        already)."""
-        self.computed_tokens[rid] = hit + n
-
-    def allocate(self, rid: str, n: int) -> bool:
-        """Room for ``n`` more tokens of a running request (no lookup); False: no room."""
-        return self.pool.allocate(rid, n, use_lookup=False, include_tables=False).ok
-
-    def after_allocate(self, rid: str, n: int) -> None:
-        """Records the ``n`` allocated tokens as computed."""
-        self.computed_tokens[rid] += n
-
-    def free(self, rid: str) -> None:
-        """Frees the request in the pool."""
-        self.pool.free(rid)
-
-    def preempt(self, rid: str) -> None:
-        """Preempts the request in the pool (blocks freed, request kept)."""
-        self.pool.preempt(rid)
-
-    def after_preempt(self, rid: str) -> None:
-        """Records the preemption: nothing computed."""
-        self.computed_tokens[rid] = 0
-
-    def append(self, rid: str, token: int) -> None:
-        """Appends one decoded token in the pool and records the new token count."""
-        self.tokens[rid] = self.pool.append_tokens(rid, (token,)).num_tokens
-
-    def new_step(self) -> None:
-        """Starts a scheduler step in the pool."""
-        self.pool.new_step()
-
-    def take_events(self) -> list[Any]:
-        """The KV events the pool produced since the last call."""
-        return self.pool.take_events()
-
-    def computed(self, rid: str) -> int:
-        """The request's computed tokens as recorded here."""
-        return self.computed_tokens[rid]
-
-    def num_tokens(self, rid: str) -> int:
-        """The request's tokens as the pool last answered."""
-        return self.tokens[rid]
+        return self.add_prompt(tr.rid, tr.tokens())
 
 
 def pool_side(kind: str, args: argparse.Namespace) -> PoolSide:

@@ -27,10 +27,8 @@ Prints a table and writes bench/results/replication.json.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from datetime import datetime
@@ -40,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import percentile, print_table, write_results
-from bench_cluster import LAYERS, owner_target
-from cache_service.client import CacheClient, CacheError, ops
+from bench_cluster import LAYERS, kill_owners, owner_target
+from cache_service.client import CacheClient, ops
 from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
 
@@ -114,61 +112,12 @@ def bench_latency(etcd: EtcdServer, root: Path, steps: int, rounds: int) -> dict
             "ratio_p50": round(p50["sync"] / p50["none"], 3)}
 
 
-def _one_kill(client: CacheClient, pool: str, victim: ServerProcess
-              ) -> tuple[float | None, int]:
-    state = {"dead": 0.0, "back": 0.0, "stop": False, "again": 0}
-
-    def load() -> None:
-        i = 0
-        while not state["stop"]:
-            started = time.monotonic()
-            try:
-                client.step(pool, [ops.add(f"r{i}", [1, 2, 3]), ops.free(f"r{i}")])
-                if state["dead"] and started > state["dead"] and not state["back"]:
-                    state["back"] = time.monotonic()
-            except CacheError:
-                state["again"] += 1  # NOT_FOUND: the state was lost; register again
-                register(client, pool)
-            i += 1
-
-    worker = threading.Thread(target=load)
-    worker.start()
-    time.sleep(0.3)  # a steady stream of Steps before the kill
-    killed = time.monotonic()
-    victim.signal(signal.SIGKILL)
-    victim.proc.wait(10)
-    state["dead"] = time.monotonic()
-    while not state["back"] and time.monotonic() - killed < 30:
-        time.sleep(0.01)
-    state["stop"] = True
-    worker.join(30)
-    return (state["back"] - killed if state["back"] else None), int(state["again"])
-
-
 def bench_failover(etcd: EtcdServer, root: Path, kills: int) -> dict:
     """Failover times over ``kills`` SIGKILLs of a pool's owner with a synchronous standby."""
     cluster = f"fo-{uuid.uuid4().hex[:6]}"
-    replicas = [replica(etcd, cluster, root, "sync") for _ in range(3)]
-    samples: list[float] = []
-    again = 0
-    try:
-        for k in range(kills):
-            live = [r for r in replicas if r.returncode is None]
-            with CacheClient(",".join(r.target for r in live), default_timeout=30,
-                             backoff_base=0.02, backoff_max=0.1) as client:
-                pool = f"f{k}"
-                register(client, pool)
-                victim = next(r for r in live if r.target == owner_target(live, pool))
-                _wait_live(victim)
-                sample, lost = _one_kill(client, pool, victim)
-            again += lost
-            if sample is not None:
-                samples.append(sample)
-            victim.stop()
-            replicas.append(replica(etcd, cluster, root, "sync"))
-    finally:
-        for r in replicas:
-            r.stop()
+    # Each victim is killed only once its standby copy is live.
+    samples, again = kill_owners(lambda: replica(etcd, cluster, root, "sync"), kills,
+                                 _wait_live)
     xs = sorted(samples)
     return {"kills": kills, "samples_s": [round(x, 3) for x in samples],
             "p50_s": round(percentile(xs, 50), 3) if xs else None,

@@ -88,18 +88,22 @@ class RpcMetrics:
         handled.inc()
 
 
-class PoolCollector:
+class ScrapeTimeCollector:
+    """A collector whose series are known only at scrape time: it describes nothing up
+    front (an empty describe keeps the registry from calling collect() at registration)."""
+
+    def describe(self) -> list:
+        """Nothing up front (the label values are unknown until a scrape)."""
+        return []
+
+
+class PoolCollector(ScrapeTimeCollector):
     """Scrape-time gauges/counters of every pool, read from ``stats_of()``: an iterable of
     (pool_id, core ``PoolCounters``). Prefix-cache counts include re-admissions after
     preemption."""
 
     def __init__(self, stats_of: Callable[[], Iterable[tuple[str, Any]]]) -> None:
         self._stats_of = stats_of
-
-    def describe(self) -> list:
-        """Nothing up front: the series are known only at scrape time (an empty describe keeps
-        the registry from calling collect() at registration)."""
-        return []  # unknown label values up front; avoid a collect() at registration
 
     def collect(self) -> Iterable:
         """Every pool's gauges and counters, read now."""
@@ -194,7 +198,7 @@ class PoolCollector:
         yield misses
 
 
-class SessionCollector:
+class SessionCollector(ScrapeTimeCollector):
     """Scrape-time session counters, read from ``counters_of()`` (the state's
     ``SessionCounters``)."""
 
@@ -211,11 +215,6 @@ class SessionCollector:
     def __init__(self, counters_of: Callable[[], Any]) -> None:
         self._counters_of = counters_of
 
-    def describe(self) -> list:
-        """Nothing up front: the series are known only at scrape time (an empty describe keeps
-        the registry from calling collect() at registration)."""
-        return []
-
     def collect(self) -> Iterable:
         """The session counters, read now."""
         counters = self._counters_of()
@@ -225,18 +224,13 @@ class SessionCollector:
             yield fam
 
 
-class DurabilityCollector:
+class DurabilityCollector(ScrapeTimeCollector):
     """Scrape-time durability series of a state (``cache_service.state.ServiceState``):
     failed log writes, the last logged record, background snapshots by result. Read with
     ``getattr`` so that an in-memory server (no log, no snapshotter) exports zeros."""
 
     def __init__(self, state: Any) -> None:
         self._state = state
-
-    def describe(self) -> list:
-        """Nothing up front: the series are known only at scrape time (an empty describe keeps
-        the registry from calling collect() at registration)."""
-        return []
 
     def collect(self) -> Iterable:
         """Failed log writes, the last logged index and background snapshots by result, read
@@ -260,18 +254,13 @@ class DurabilityCollector:
         yield snapshots
 
 
-class ClusterCollector:
+class ClusterCollector(ScrapeTimeCollector):
     """Scrape-time cluster-mode series of a ``cache_service.cluster.node.ClusterNode``: whether
     this replica's etcd lease is certainly alive (0 = it cannot reach etcd, or could not
     renew in time, and serves no pool), the members and the pools it owns as it sees them."""
 
     def __init__(self, node: Any) -> None:
         self._node = node
-
-    def describe(self) -> list:
-        """Nothing up front: the series are known only at scrape time (an empty describe keeps
-        the registry from calling collect() at registration)."""
-        return []
 
     def collect(self) -> Iterable:
         """Whether the etcd lease is certainly alive, and the members and owned pools as this

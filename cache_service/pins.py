@@ -99,13 +99,21 @@ class PinRecords:
                            field="pin_id")
         return lease
 
+    def _timed_entry(self, record: wal_pb2.PinPrefix | wal_pb2.RenewPin) -> Any:
+        """The pool entry of a record that sets a pin's lease, after checking the lease:
+        NOT_FOUND for an unknown pool, INVALID_ARGUMENT for a TTL beyond the limit or an
+        expiry that is not finite."""
+        request = record.request
+        entry = self.state.registry.get(request.pool_id)
+        check_ttl(request.ttl_seconds, self.state.max_pin_ttl_seconds)
+        if not math.isfinite(record.expires_at):
+            raise InvalidArgument("expires_at must be finite", field="expires_at")
+        return entry
+
     def _prepare_pin(self, record: wal_pb2.PinPrefix) -> Callable[[], pb.PinPrefixResponse]:
         state = self.state
         request = record.request
-        entry = state.registry.get(request.pool_id)
-        check_ttl(request.ttl_seconds, state.max_pin_ttl_seconds)
-        if not math.isfinite(record.expires_at):
-            raise InvalidArgument("expires_at must be finite", field="expires_at")
+        entry = self._timed_entry(record)
         sid = request.session_id
         if sid:
             state.live_session(sid, tenant=state.record_tenant_name)
@@ -148,10 +156,7 @@ class PinRecords:
     def _prepare_renew(self, record: wal_pb2.RenewPin) -> Callable[[], pb.RenewPinResponse]:
         state = self.state
         request = record.request
-        entry = state.registry.get(request.pool_id)
-        check_ttl(request.ttl_seconds, state.max_pin_ttl_seconds)
-        if not math.isfinite(record.expires_at):
-            raise InvalidArgument("expires_at must be finite", field="expires_at")
+        entry = self._timed_entry(record)
         lease = self._lease(request.pool_id, request.pin_id)
         state.registry.fence(request.pool_id)
 

@@ -133,6 +133,18 @@ def _copy_states(meta: MambaMeta, states: tuple[Tensor, ...]) -> None:
             s[meta.copy_dst] = s[meta.copy_src]
 
 
+def _causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
+                 query_start_loc: Tensor, is_decode: bool, meta: MambaMeta) -> Tensor:
+    """A mixer's causal conv1d with SiLU over ``x``: one token per sequence when
+    ``is_decode``, else the packed prefill chunks (the conv state advances in place)."""
+    if is_decode:
+        return kernels.causal_conv1d_update(x, weight, bias, conv_states, meta.state_indices,
+                                            activation="silu")
+    return kernels.causal_conv1d(x, weight, bias, conv_states,
+                                 query_start_loc, meta.state_indices, meta.has_initial_state,
+                                 activation="silu")
+
+
 class Mamba2Mixer(nn.Module):
     """in_proj -> [z | xBC | dt]; causal conv1d on xBC; SSD scan; gated RMSNorm(y, z); out_proj."""
 
@@ -160,13 +172,8 @@ class Mamba2Mixer(nn.Module):
         _copy_states(meta, cache)
         z, xbc, dt = torch.split(self.in_proj(x), [d_ssm, cfg.mamba2_conv_dim, h], dim=-1)
         xbc = xbc.contiguous()
-        if is_decode:
-            xbc = kernels.causal_conv1d_update(xbc, self.conv_weight, self.conv_bias, conv_states,
-                                               meta.state_indices, activation="silu")
-        else:
-            xbc = kernels.causal_conv1d(xbc, self.conv_weight, self.conv_bias, conv_states,
-                                        query_start_loc, meta.state_indices, meta.has_initial_state,
-                                        activation="silu")
+        xbc = _causal_conv(xbc, self.conv_weight, self.conv_bias, conv_states, query_start_loc,
+                           is_decode, meta)
         xs, b, c = torch.split(xbc, [d_ssm, g * n, g * n], dim=-1)
         t = x.shape[0]
         # contiguous: the kernels may view their inputs (splits of one projection are strided)
@@ -220,13 +227,8 @@ class Mamba1Mixer(nn.Module):
         conv_states, ssm_states = cache
         _copy_states(meta, cache)
         xs, z = (p.contiguous() for p in self.in_proj(x).chunk(2, dim=-1))
-        if is_decode:
-            xs = kernels.causal_conv1d_update(xs, self.conv_weight, self.conv_bias, conv_states,
-                                              meta.state_indices, activation="silu")
-        else:
-            xs = kernels.causal_conv1d(xs, self.conv_weight, self.conv_bias, conv_states,
-                                       query_start_loc, meta.state_indices, meta.has_initial_state,
-                                       activation="silu")
+        xs = _causal_conv(xs, self.conv_weight, self.conv_bias, conv_states, query_start_loc,
+                          is_decode, meta)
         xs = xs.contiguous()
         dt, b, c = torch.split(self.x_proj(xs), [r, n, n], dim=-1)
         # Jamba's inner norms: all three or none (cfg.mamba1_inner_norms)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
+
+from kernels import reference
 
 IMPLS: tuple[str, ...] = ("reference", "torch", "triton")
 
@@ -55,3 +59,14 @@ def load_triton_module(name: str) -> ModuleType:
         if (exc.name or "").split(".")[0] != "triton":
             raise
         raise ImportError(f"kernels.{name} needs the 'triton' package, which cannot be imported: {exc}") from exc
+
+
+def run_impl(which: str, name: str, triton_module: str, torch_impl: Callable[..., torch.Tensor],
+             *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Run op ``name`` as ``which`` (an answer of :func:`select_impl`) says: ``kernels.reference.<name>``,
+    ``kernels.<triton_module>.<name>`` (imported on first use) or ``torch_impl``."""
+    if which == "reference":
+        return getattr(reference, name)(*args, **kwargs)
+    if which == "triton":
+        return getattr(load_triton_module(triton_module), name)(*args, **kwargs)
+    return torch_impl(*args, **kwargs)

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import reference
-from kernels._dispatch import load_triton_module, select_impl
+from kernels._dispatch import run_impl, select_impl
 from kernels.mamba_state import start_states, store_states
 from kernels.validation import check_packed_batch, check_state_indices, check_tensor
 
@@ -60,11 +59,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: T
     which = select_impl(impl, x, weight, bias, conv_states, query_start_loc, state_indices,
                         has_initial_state)
     args = (x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state)
-    if which == "reference":
-        return reference.causal_conv1d(*args, activation=activation)
-    if which == "triton":
-        return load_triton_module("triton_conv1d").causal_conv1d(*args, activation=activation)
-    return _causal_conv1d_torch(*args, activation=activation)
+    return run_impl(which, "causal_conv1d", "triton_conv1d", _causal_conv1d_torch, *args, activation=activation)
 
 
 def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_states: Tensor,
@@ -77,11 +72,8 @@ def causal_conv1d_update(x: Tensor, weight: Tensor, bias: Tensor | None, conv_st
     check_state_indices(state_indices, x.shape[0], conv_states.shape[0])
     which = select_impl(impl, x, weight, bias, conv_states, state_indices)
     args = (x, weight, bias, conv_states, state_indices)
-    if which == "reference":
-        return reference.causal_conv1d_update(*args, activation=activation)
-    if which == "triton":
-        return load_triton_module("triton_conv1d").causal_conv1d_update(*args, activation=activation)
-    return _causal_conv1d_update_torch(*args, activation=activation)
+    return run_impl(which, "causal_conv1d_update", "triton_conv1d", _causal_conv1d_update_torch, *args,
+                    activation=activation)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import reference
-from kernels._dispatch import load_triton_module, select_impl
+from kernels._dispatch import run_impl, select_impl
 from kernels.validation import check_tensor
 
 
@@ -34,11 +33,7 @@ def gated_rms_norm(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float = 
         raise ValueError(f"eps: must be >= 0, got {eps!r}")
     which = select_impl(impl, x, z, weight)
     kwargs: dict[str, Any] = dict(eps=eps, group_size=group_size, norm_before_gate=norm_before_gate)
-    if which == "reference":
-        return reference.gated_rms_norm(x, z, weight, **kwargs)
-    if which == "triton":
-        return load_triton_module("triton_norm").gated_rms_norm(x, z, weight, **kwargs)
-    return _gated_rms_norm_torch(x, z, weight, **kwargs)
+    return run_impl(which, "gated_rms_norm", "triton_norm", _gated_rms_norm_torch, x, z, weight, **kwargs)
 
 
 def _gated_rms_norm_torch(x: Tensor, z: Tensor | None, weight: Tensor, *, eps: float,

@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import reference
-from kernels._dispatch import load_triton_module, select_impl
+from kernels._dispatch import run_impl, select_impl
 from kernels.mamba_state import start_states, store_states
 from kernels.ssd import process_dt
 from kernels.validation import check_packed_batch, check_state_indices, check_tensor
@@ -61,11 +60,7 @@ def selective_scan(u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, ss
                         has_initial_state, D, z, delta_bias)
     args = (u, delta, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
     kwargs: dict[str, Any] = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
-    if which == "reference":
-        return reference.selective_scan(*args, **kwargs)
-    if which == "triton":
-        return load_triton_module("triton_selective_scan").selective_scan(*args, **kwargs)
-    return _selective_scan_torch(*args, **kwargs)
+    return run_impl(which, "selective_scan", "triton_selective_scan", _selective_scan_torch, *args, **kwargs)
 
 
 def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
@@ -78,11 +73,8 @@ def selective_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tenso
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, z, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
     kwargs: dict[str, Any] = dict(D=D, z=z, dt_bias=dt_bias, dt_softplus=dt_softplus)
-    if which == "reference":
-        return reference.selective_state_update(*args, **kwargs)
-    if which == "triton":
-        return load_triton_module("triton_selective_scan").selective_state_update(*args, **kwargs)
-    return _selective_state_update_torch(*args, **kwargs)
+    return run_impl(which, "selective_state_update", "triton_selective_scan", _selective_state_update_torch,
+                    *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import reference
-from kernels._dispatch import load_triton_module, select_impl
+from kernels._dispatch import run_impl, select_impl
 from kernels.mamba_state import start_states, store_states
 from kernels.validation import check_packed_batch, check_state_indices, check_tensor
 
@@ -85,11 +84,7 @@ def ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states:
     args = (x, dt, A, B, C, ssm_states, query_start_loc, state_indices, has_initial_state)
     kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
                   chunk_size=chunk_size)
-    if which == "reference":
-        return reference.ssd_scan(*args, **kwargs)
-    if which == "triton":
-        return load_triton_module("triton_ssd").ssd_scan(*args, **kwargs)
-    return _ssd_scan_torch(*args, **kwargs)
+    return run_impl(which, "ssd_scan", "triton_ssd", _ssd_scan_torch, *args, **kwargs)
 
 
 def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm_states: Tensor,
@@ -102,11 +97,7 @@ def ssd_state_update(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, ssm
     which = select_impl(impl, x, dt, A, B, C, ssm_states, state_indices, D, dt_bias)
     args = (x, dt, A, B, C, ssm_states, state_indices)
     kwargs: dict[str, Any] = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit))
-    if which == "reference":
-        return reference.ssd_state_update(*args, **kwargs)
-    if which == "triton":
-        return load_triton_module("triton_ssd").ssd_state_update(*args, **kwargs)
-    return _ssd_state_update_torch(*args, **kwargs)
+    return run_impl(which, "ssd_state_update", "triton_ssd", _ssd_state_update_torch, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------

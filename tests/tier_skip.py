@@ -1,11 +1,13 @@
 """A tier that needs something the machine may not have (a Docker engine, the etcd binary)
 skips every test with ONE line: :func:`skip_tier` marks the tier's tests skipped at
 collection, :func:`fold_skip` (called from the conftest's ``pytest_runtest_makereport``
-hookwrapper) reports them all at one location, so ``-ra`` folds them into one line."""
+hookwrapper, which :func:`fold_skips_at` makes) reports them all at one location, so ``-ra``
+folds them into one line."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import pytest
 
@@ -30,3 +32,14 @@ def fold_skip(item: pytest.Item, report: pytest.TestReport, location: str) -> No
     if report.skipped and isinstance(report.longrepr, tuple) \
             and any(report.longrepr[2].endswith(why) for why in reasons):
         report.longrepr = (location, 1, report.longrepr[2])
+
+
+def fold_skips_at(location: str) -> Callable[..., Generator[None, Any, None]]:
+    """A tier conftest's ``pytest_runtest_makereport`` hookwrapper (assign it to that name):
+    every skip of :func:`skip_tier` reported at ``location`` (the conftest's ``__file__``)."""
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item: pytest.Item,
+                                  call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+        outcome = yield
+        fold_skip(item, outcome.get_result(), location)
+    return pytest_runtest_makereport

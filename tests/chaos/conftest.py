@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvcache_common.etcd_launch import etcd_binary
-from tests.tier_skip import fold_skip, skip_tier
+from tests.tier_skip import fold_skips_at, skip_tier
 
 
 def _no_etcd_reason() -> str | None:
@@ -22,7 +22,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
               _no_etcd_reason)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    outcome = yield
-    fold_skip(item, outcome.get_result(), __file__)
+pytest_runtest_makereport = fold_skips_at(__file__)

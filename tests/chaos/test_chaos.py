@@ -44,29 +44,23 @@ def test_disk_full_loses_nothing_acknowledged(tmp_path: Path) -> None:
     assert verdict.exact, verdict.explain()
 
 
-@pytest.mark.cluster
-def test_sigkill_of_an_owner(tmp_path: Path) -> None:
-    _exact(SCENARIOS["sigkill_owner"](SEED, tmp_path))
+STORAGE = pytest.mark.parametrize("prefix", ["", "standby_"],
+                                  ids=["shared_storage", "without_shared_storage"])
 
 
 @pytest.mark.cluster
-def test_sigstop_of_an_owner_costs_a_bounded_stall(tmp_path: Path) -> None:
-    verdict = SCENARIOS["sigstop_owner"](SEED, tmp_path)
+@STORAGE
+def test_sigkill_of_an_owner(prefix: str, tmp_path: Path) -> None:
+    _exact(SCENARIOS[f"{prefix}sigkill_owner"](SEED, tmp_path))
+
+
+@pytest.mark.cluster
+@STORAGE
+def test_sigstop_of_an_owner_costs_a_bounded_stall(prefix: str, tmp_path: Path) -> None:
+    verdict = SCENARIOS[f"{prefix}sigstop_owner"](SEED, tmp_path)
     _exact(verdict)
     # The stopped owner held its pool's calls until its etcd lease ran out; then one
     # attempt's deadline (the clients' attempt_timeout, 1 s) and the next replica.
-    assert verdict.longest_step < LEASE_TTL + 1.0 + 3.0, verdict.explain()
-
-
-@pytest.mark.cluster
-def test_sigkill_of_an_owner_without_shared_storage(tmp_path: Path) -> None:
-    _exact(SCENARIOS["standby_sigkill_owner"](SEED, tmp_path))
-
-
-@pytest.mark.cluster
-def test_sigstop_of_an_owner_without_shared_storage(tmp_path: Path) -> None:
-    verdict = SCENARIOS["standby_sigstop_owner"](SEED, tmp_path)
-    _exact(verdict)
     assert verdict.longest_step < LEASE_TTL + 1.0 + 3.0, verdict.explain()
 
 

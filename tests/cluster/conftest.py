@@ -29,7 +29,7 @@ from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
 from kvcache_common.etcd_launch import EtcdServer, etcd_binary
 from kvcache_common.launch import ServerProcess, start_cache_service
-from tests.tier_skip import fold_skip, skip_tier
+from tests.tier_skip import fold_skips_at, skip_tier
 
 #: Short, so that failover tests take seconds (a dead owner is replaced within ~TTL), but not
 #: the shortest etcd grants (2 s): a replica renews every TTL/3, and on a loaded 2-core machine
@@ -53,11 +53,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_tier(config, items, "cluster", _no_etcd_reason)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Report every no-etcd skip at one location, so `-ra` folds them into ONE line."""
-    outcome = yield
-    fold_skip(item, outcome.get_result(), __file__)
+# Report every no-etcd skip at one location, so `-ra` folds them into ONE line.
+pytest_runtest_makereport = fold_skips_at(__file__)
 
 
 T = TypeVar("T")

@@ -149,3 +149,34 @@ def twin_pools(name: str, *, mixed: bool = False) -> tuple[Pool, Pool]:
     config, options = load_config(raw)
     options = dataclasses.replace(options, enable_events=True)
     return Pool(config, options), Pool(config, options)
+
+
+def prefill_chunks(p: Pool, rid: str, done: int, ends: Sequence[int]) -> None:
+    """Allocates ``rid`` from ``done`` computed tokens in chunks ending at ``ends`` (ends at
+    or below what is done are skipped), a step each, then starts the next step."""
+    for end in ends:
+        if end <= done:
+            continue
+        p.new_step()
+        assert p.allocate(rid, end - done).ok
+        done = end
+    p.new_step()
+
+
+def prefill(p: Pool, rid: str, prompt: list[int], ends: list[int]) -> int:
+    """Look up, then prefill in chunks ending at ``ends`` (after the hit), a step each;
+    returns the hit."""
+    p.add_request(rid, prompt)
+    hit = p.lookup(rid).hit_tokens
+    prefill_chunks(p, rid, hit, ends)
+    p.check_invariants()
+    return hit
+
+
+def allocate_some(pool: Pool, rid: str, want: int) -> Any:
+    """Allocates up to ``want`` of ``rid``'s tokens not yet computed (at least one), after
+    its lookup's hit when nothing is computed yet; the pool's answer."""
+    info = pool.request_info(rid)
+    hit = pool.lookup(rid).hit_tokens if not info.num_computed_tokens else 0
+    left = max(1, info.num_tokens - info.num_computed_tokens - hit)
+    return pool.allocate(rid, min(want, left))

@@ -16,7 +16,7 @@ from cache_service.core.pool import Pool
 from cache_service.core.specs import KVCacheSpec
 from cache_service.replay import ConfigFileError, load_config
 
-from builders import chunked, full, make_pool, mamba, swa
+from builders import chunked, full, make_pool, mamba, prefill, swa
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(300)]
 
@@ -24,23 +24,6 @@ PROMPT = [(7 * i + 3) % 1000 for i in range(300)]
 def pool(*specs: KVCacheSpec, eagle: bool = True, **options: Any) -> Pool:
     return make_pool(256, *(specs or (full(16),)), max_model_len=1024, use_eagle=eagle,
                      **options)
-
-
-def prefill(p: Pool, rid: str, prompt: list[int], ends: list[int]) -> int:
-    """Look up, then prefill in chunks ending at ``ends`` (after the hit), a step each;
-    returns the hit."""
-    p.add_request(rid, prompt)
-    hit = p.lookup(rid).hit_tokens
-    done = hit
-    for end in ends:
-        if end <= done:
-            continue
-        p.new_step()
-        assert p.allocate(rid, end - done).ok
-        done = end
-    p.new_step()
-    p.check_invariants()
-    return hit
 
 
 def cached_positions(p: Pool, rid: str, group: int) -> list[int]:

@@ -19,7 +19,7 @@ from cache_service.core.operations import AddRequest, Allocate, Free
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
 
-from builders import SMALL_MAX_LEN, full, make_pool, small_config
+from builders import SMALL_MAX_LEN, allocate_some, full, make_pool, small_config
 
 _QUEUE_OP = st.one_of(
     st.tuples(st.just("append"), st.integers(0, 3), st.integers(1, 4)),
@@ -141,11 +141,7 @@ def _drive(pool: Pool, ops, classes: bool) -> list[object]:
                                          eviction_class=cls)])
             n += 1
         elif kind == "alloc" and ids:
-            rid = ids[a % len(ids)]
-            info = pool.request_info(rid)
-            hit = pool.lookup(rid).hit_tokens if not info.num_computed_tokens else 0
-            left = max(1, info.num_tokens - info.num_computed_tokens - hit)
-            out.append(pool.allocate(rid, min(b, left)))
+            out.append(allocate_some(pool, ids[a % len(ids)], b))
         elif kind == "decode" and ids:
             rid = ids[a % len(ids)]
             info = pool.request_info(rid)

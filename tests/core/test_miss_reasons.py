@@ -7,6 +7,8 @@ with ``explain`` runs; ``lookup(explain_misses=True)`` is the Step ``lookup`` op
 
 from __future__ import annotations
 
+import pytest
+
 from cache_service.core.hashing import hash_request_tokens, sha256_pickle
 from cache_service.core.pool import Pool
 from cache_service.core.residency import MissReason
@@ -87,27 +89,22 @@ def test_different_lora() -> None:
         [(16, MissReason.NONE)]
 
 
-def test_cut_to_alignment() -> None:
+@pytest.mark.parametrize(("window", "expected"), [
     # Hit alignment 8 (scheduler block size) over 4-token blocks: 12 tokens held by
     # every group, but only 8 are usable.
-    pool = make_pool(32, full(4), swa(4, 8), scheduler_block_size=8)
-    serve(pool, "a", PROMPT)
-    r = pool.prefix_residency(PROMPT[:13], explain_misses=True)
-    assert r.hit_tokens == 8
-    assert [(g.tokens, g.reason) for g in r.groups] == \
-        [(12, MissReason.CUT_TO_ALIGNMENT), (12, MissReason.CUT_TO_ALIGNMENT)]
-
-
-def test_outside_sliding_window() -> None:
+    (8, [(12, MissReason.CUT_TO_ALIGNMENT), (12, MissReason.CUT_TO_ALIGNMENT)]),
     # Window 4 (1 block) under alignment 8: the sliding-window group keeps only the
     # block that ends each aligned segment, so the block at tokens 8-12 exists for the
     # full group only.
-    pool = make_pool(32, full(4), swa(4, 4), scheduler_block_size=8)
+    (4, [(12, MissReason.NONE), (8, MissReason.OUTSIDE_SLIDING_WINDOW)]),
+], ids=["cut_to_alignment", "outside_sliding_window"])
+def test_a_hit_under_alignment_8_names_why_each_group_stops(
+        window: int, expected: list[tuple[int, MissReason]]) -> None:
+    pool = make_pool(32, full(4), swa(4, window), scheduler_block_size=8)
     serve(pool, "a", PROMPT)
     r = pool.prefix_residency(PROMPT[:13], explain_misses=True)
     assert r.hit_tokens == 8
-    assert [(g.tokens, g.reason) for g in r.groups] == \
-        [(12, MissReason.NONE), (8, MissReason.OUTSIDE_SLIDING_WINDOW)]
+    assert [(g.tokens, g.reason) for g in r.groups] == expected
 
 
 def test_no_mamba_checkpoint() -> None:

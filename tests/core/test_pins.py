@@ -29,7 +29,7 @@ from cache_service.core.errors import (
 from cache_service.core.pool import Pool
 from cache_service.replay import load_config
 
-from builders import SMALL_MAX_LEN, full, make_pool, small_config
+from builders import SMALL_MAX_LEN, allocate_some, full, make_pool, small_config
 
 SYSTEM = list(range(1, 14))  # 13 tokens: a 12-token (3-block) prefix can hit
 
@@ -298,11 +298,7 @@ def _drive(pool: Pool, ops: list[tuple[str, int, int]]) -> list[object]:
             pool.add_request(f"r{n}", (PREFIXES[a] + [b] * b)[:SMALL_MAX_LEN - 16])
             n += 1
         elif kind == "alloc" and ids:
-            rid = ids[a % len(ids)]
-            info = pool.request_info(rid)
-            hit = pool.lookup(rid).hit_tokens if not info.num_computed_tokens else 0
-            left = max(1, info.num_tokens - info.num_computed_tokens - hit)
-            out.append(pool.allocate(rid, min(b, left)))
+            out.append(allocate_some(pool, ids[a % len(ids)], b))
         elif kind == "free" and ids:
             out.append(pool.free(ids[a % len(ids)]))
         elif kind == "step":

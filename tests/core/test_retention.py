@@ -20,7 +20,7 @@ from cache_service.core.errors import ConfigError
 from cache_service.core.pool import Pool
 from cache_service.core.specs import KVCacheSpec
 
-from builders import full, make_pool, mamba, swa
+from builders import full, make_pool, mamba, prefill, prefill_chunks, swa
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(300)]
 
@@ -28,23 +28,6 @@ PROMPT = [(7 * i + 3) % 1000 for i in range(300)]
 def hybrid(retention: int | None, *specs: KVCacheSpec, **options: Any) -> Pool:
     return make_pool(256, full(16), *(specs or (mamba(16),)), max_model_len=1024,
                      prefix_cache_retention_interval=retention, **options)
-
-
-def prefill(p: Pool, rid: str, prompt: list[int], ends: list[int]) -> int:
-    """Look up, then prefill in chunks ending at ``ends`` (after the hit), a step each;
-    returns the hit."""
-    p.add_request(rid, prompt)
-    hit = p.lookup(rid).hit_tokens
-    done = hit
-    for end in ends:
-        if end <= done:
-            continue
-        p.new_step()
-        assert p.allocate(rid, end - done).ok
-        done = end
-    p.new_step()
-    p.check_invariants()
-    return hit
 
 
 def mamba_checkpoints(p: Pool, rid: str, group: int = 1) -> list[int]:
@@ -193,14 +176,7 @@ def test_retained_checkpoints_are_exactly_the_boundaries_and_junctions(
             # vLLM's scheduler stops a chunk at the junction (block-floored).
             stop = junction // bs * bs
             ends = sorted({e for e in ends if e != stop} | {stop})
-        done = hit
-        for end in ends:
-            if end <= done:
-                continue
-            p.new_step()
-            assert p.allocate(rid, end - done).ok
-            done = end
-        p.new_step()
+        prefill_chunks(p, rid, hit, ends)
         reachable = {(len(prompt) - 1) // bs * bs, junction // bs * bs}
         written = {e for e in ends if e % bs == 0 and e > hit}
         expected = {e for e in written if e in reachable or (retention and e % retention == 0)}

@@ -29,7 +29,7 @@ from typing import Any
 import docker
 import pytest
 
-from tests.tier_skip import fold_skip, skip_tier
+from tests.tier_skip import fold_skips_at, skip_tier
 
 REPO = Path(__file__).resolve().parents[2]
 LOCAL_BASE_IMAGE = "kvcache-local/base:bookworm-py311"  # scripts/docker/base_image.sh
@@ -59,11 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_tier(config, items, "docker", _no_engine_reason)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """Report every no-engine skip at one location, so `-ra` folds them into ONE line."""
-    outcome = yield
-    fold_skip(item, outcome.get_result(), __file__)
+# Report every no-engine skip at one location, so `-ra` folds them into ONE line.
+pytest_runtest_makereport = fold_skips_at(__file__)
 
 
 @pytest.fixture(scope="session")
@@ -88,11 +85,8 @@ def base_image(docker_client) -> str:
     chosen = os.environ.get("KVCACHE_BASE_IMAGE")
     if chosen:
         return chosen
-    try:
-        docker_client.images.get(LOCAL_BASE_IMAGE)
-        return LOCAL_BASE_IMAGE
-    except docker.errors.ImageNotFound:
-        return REGISTRY_BASE_IMAGE
+    return LOCAL_BASE_IMAGE if _image_exists(docker_client, LOCAL_BASE_IMAGE) \
+        else REGISTRY_BASE_IMAGE
 
 
 @pytest.fixture(scope="session")

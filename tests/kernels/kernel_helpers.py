@@ -1,11 +1,16 @@
 """Plain helpers of the kernel tests (imported as ``from kernel_helpers import ...``; pytest puts
 tests/kernels on sys.path): the tolerance table, reproducible random tensors, and the Mamba ops'
-packed batches with the "untouched slots stay bit-identical" check. conftest.py wraps some of
-them as fixtures; test modules never import conftest or each other.
+packed batches with the "untouched slots stay bit-identical" check, the chunked-prefill and
+decode-after-prefill set-ups and the "a bad argument is refused and changes nothing" check.
+conftest.py wraps some of them as fixtures; test modules never import conftest or each other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 
 # (rtol, atol) per (kind, dtype). "recurrence": outputs and states of the Mamba ops vs their
@@ -88,3 +93,61 @@ def assert_only_slots_changed(before: torch.Tensor, after: torch.Tensor, slots: 
     keep = [s for s in range(before.shape[0]) if s not in set(slots)]
     b, a = before[keep].cpu().contiguous(), after[keep].cpu().contiguous()
     assert torch.equal(b.view(torch.uint8), a.view(torch.uint8)), f"slots outside {slots} changed"
+
+
+def assert_refused(op: Callable[..., Any], args: dict[str, Any], change: dict[str, Any],
+                              field: str, states: torch.Tensor) -> None:
+    """``op(**args)`` with ``change`` applied raises a ValueError naming ``field`` and leaves
+    ``states`` bit-identical (a bad argument is refused before anything is written)."""
+    before = states.clone()
+    with pytest.raises(ValueError, match=field):
+        op(**{**args, **change})
+    assert torch.equal(states, before)
+
+
+def in_pieces(run: Callable[[int, int, MambaBatch], torch.Tensor], length: int, cuts: list[int],
+                  one: MambaBatch, num_slots: int, *, generator: torch.Generator) -> torch.Tensor:
+    """The outputs of ``run(lo, hi, batch)`` over ``[0, length)`` cut at ``cuts`` (a chunked
+    prefill), concatenated: each piece is its own one-sequence batch of ``num_slots`` slots in
+    ``one``'s state slot, only the first one fresh."""
+    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
+    pieces = []
+    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        part = mamba_batch([hi - lo], num_slots, generator=generator, fresh=(0,) if k == 0 else ())
+        part.state_indices[:] = one.state_indices
+        pieces.append(run(lo, hi, part))
+    return torch.cat(pieces)
+
+
+def prefill_and_longer(lengths: list[int], extra: int, num_slots: int, *, generator: torch.Generator,
+                       device: str | torch.device) -> tuple[MambaBatch, MambaBatch]:
+    """A fresh prefill batch of ``lengths`` and the same sequences ``extra`` tokens longer, in
+    the same state slots (decode after prefill must equal the longer prefill)."""
+    fresh = tuple(range(len(lengths)))
+    batch = mamba_batch(lengths, num_slots, generator=generator, device=device, fresh=fresh)
+    longer = mamba_batch([n + extra for n in lengths], num_slots, generator=generator, device=device,
+                         fresh=fresh)
+    longer.state_indices[:] = batch.state_indices
+    return batch, longer
+
+
+def assert_chunked_equals_whole(run: Callable[[int, int, MambaBatch, torch.Tensor], torch.Tensor], length: int,
+                                cuts: list[int], states: torch.Tensor, num_slots: int, *,
+                                generator: torch.Generator) -> None:
+    """``run(lo, hi, batch, states)`` (one Mamba op over rows ``[lo, hi)``) as one prefill of
+    ``length`` tokens and as a chunked prefill cut at ``cuts`` (see :func:`in_pieces`) gives
+    the same outputs and the same final ``states``."""
+    one = mamba_batch([length], num_slots, generator=generator, fresh=(0,))
+    whole_states = states.clone()
+    whole = run(0, length, one, whole_states)
+    pieces = in_pieces(lambda lo, hi, part: run(lo, hi, part, states), length, cuts, one, num_slots,
+                       generator=generator)
+    assert_close(pieces, whole)
+    assert_close(states, whole_states)
+
+
+def two_sequences_of_5() -> dict[str, torch.Tensor]:
+    """The packed-batch arguments of 5 tokens as sequences of 1 and 4 in slots 0 and 2, both
+    with a prior state (the bad-argument tests' valid baseline)."""
+    return dict(query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
+                has_initial_state=torch.tensor([True, True]))

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from kernels import causal_conv1d, causal_conv1d_update
 
-from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
+import kernel_helpers
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -64,27 +65,18 @@ def test_final_state_holds_last_raw_inputs(device, gen):
 def test_chunked_prefill_equals_one_shot(length, cuts, width):
     gen = torch.Generator().manual_seed(length * 7 + width)
     x, weight, bias, states = conv_inputs(gen, "cpu", length, 6, width, 2)
-    one = mamba_batch([length], 2, generator=gen, fresh=(0,))
-    whole_states = states.clone()
-    whole = causal_conv1d(x, weight, bias, whole_states, *one.args)
 
-    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
-    pieces = []
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        part = mamba_batch([hi - lo], 2, generator=gen, fresh=(0,) if k == 0 else ())
-        part.state_indices[:] = one.state_indices
-        pieces.append(causal_conv1d(x[lo:hi], weight, bias, states, *part.args))
-    assert_close(torch.cat(pieces), whole)
-    assert_close(states, whole_states)
+    def run(lo, hi, batch, into):
+        return causal_conv1d(x[lo:hi], weight, bias, into, *batch.args)
+
+    kernel_helpers.assert_chunked_equals_whole(run, length, cuts, states, 2, generator=gen)
 
 
 def test_decode_after_prefill_equals_longer_prefill(device, gen):
     lengths, extra = [9, 3], 3
     x, weight, bias, states = conv_inputs(gen, device, sum(lengths) + 2 * extra, 16, 4, 4)
     decode_x = x[sum(lengths):].view(extra, 2, 16)
-    batch = mamba_batch(lengths, 4, generator=gen, device=device, fresh=(0, 1))
-    longer = mamba_batch([n + extra for n in lengths], 4, generator=gen, device=device, fresh=(0, 1))
-    longer.state_indices[:] = batch.state_indices
+    batch, longer = kernel_helpers.prefill_and_longer(lengths, extra, 4, generator=gen, device=device)
     longer_x = torch.cat([x[:9], decode_x[:, 0], x[9:12], decode_x[:, 1]])
     long_states = states.clone()
     expected = causal_conv1d(longer_x, weight, bias, long_states, *longer.args)
@@ -128,11 +120,7 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
     args = dict(x=x, weight=weight, bias=bias, conv_states=states,
                 query_start_loc=torch.tensor([0, 2, 6], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
                 has_initial_state=torch.tensor([True, False]))
-    args.update(change)
-    before = states.clone()
-    with pytest.raises(ValueError, match=field):
-        causal_conv1d(**args)
-    assert torch.equal(states, before)
+    assert_refused(causal_conv1d, args, change, field, states)
 
 
 @pytest.mark.triton

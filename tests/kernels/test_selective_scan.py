@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kernels import selective_scan, selective_state_update
 
-from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
+import kernel_helpers
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -96,27 +97,18 @@ def test_chunked_prefill_equals_one_shot(length, cuts):
     gen = torch.Generator().manual_seed(length)
     inp = scan_inputs(gen, "cpu", length, channels=8, state_size=4)
     states = states_for(gen, "cpu", 3, channels=8, state_size=4)
-    one = mamba_batch([length], 3, generator=gen, fresh=(0,))
-    whole_states = states.clone()
-    whole = selective_scan(*inp.rows(0, length), whole_states, *one.args, **inp.extras(0, length))
 
-    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
-    pieces = []
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        part = mamba_batch([hi - lo], 3, generator=gen, fresh=(0,) if k == 0 else ())
-        part.state_indices[:] = one.state_indices
-        pieces.append(selective_scan(*inp.rows(lo, hi), states, *part.args, **inp.extras(lo, hi)))
-    assert_close(torch.cat(pieces), whole)
-    assert_close(states, whole_states)
+    def run(lo, hi, batch, into):
+        return selective_scan(*inp.rows(lo, hi), into, *batch.args, **inp.extras(lo, hi))
+
+    kernel_helpers.assert_chunked_equals_whole(run, length, cuts, states, 3, generator=gen)
 
 
 def test_decode_after_prefill_equals_longer_prefill(device, gen):
     prompt, extra = 12, 3
     inp = scan_inputs(gen, device, prompt + extra)
     states = states_for(gen, device, 2)
-    batch = mamba_batch([prompt], 2, generator=gen, device=device, fresh=(0,))
-    longer = mamba_batch([prompt + extra], 2, generator=gen, device=device, fresh=(0,))
-    longer.state_indices[:] = batch.state_indices
+    batch, longer = kernel_helpers.prefill_and_longer([prompt], extra, 2, generator=gen, device=device)
     long_states = states.clone()
     expected = selective_scan(*inp.rows(0, prompt + extra), long_states, *longer.args, **inp.extras(0, prompt + extra))
 
@@ -170,13 +162,8 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
     inp = scan_inputs(gen, "cpu", 5)
     states = states_for(gen, "cpu", 3)
     args = dict(u=inp.u, delta=inp.delta, A=inp.A, B=inp.B, C=inp.C, ssm_states=states,
-                query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
-                has_initial_state=torch.tensor([True, True]))
-    args.update(change)
-    before = states.clone()
-    with pytest.raises(ValueError, match=field):
-        selective_scan(**args)
-    assert torch.equal(states, before)
+                **kernel_helpers.two_sequences_of_5())
+    assert_refused(selective_scan, args, change, field, states)
 
 
 @pytest.mark.triton

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from kernels import ssd_scan, ssd_state_update
 
-from kernel_helpers import assert_close, assert_only_slots_changed, mamba_batch, randn
+import kernel_helpers
+from kernel_helpers import assert_close, assert_only_slots_changed, assert_refused, mamba_batch, randn
 
 NAN = float("nan")
 
@@ -98,27 +99,18 @@ def test_chunked_prefill_equals_one_shot(length, cuts):
     gen = torch.Generator().manual_seed(length)
     inp = ssd_inputs(gen, "cpu", length)
     states = states_for(gen, "cpu", 3)
-    one = mamba_batch([length], 3, generator=gen, fresh=(0,))
-    whole_states = states.clone()
-    whole = ssd_scan(*inp.rows(0, length), whole_states, *one.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16)
 
-    bounds = sorted({0, length, *[c for c in cuts if c <= length]})
-    pieces = []
-    for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        part = mamba_batch([hi - lo], 3, generator=gen, fresh=(0,) if k == 0 else ())
-        part.state_indices[:] = one.state_indices
-        pieces.append(ssd_scan(*inp.rows(lo, hi), states, *part.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16))
-    assert_close(torch.cat(pieces), whole)
-    assert_close(states, whole_states)
+    def run(lo, hi, batch, into):
+        return ssd_scan(*inp.rows(lo, hi), into, *batch.args, D=inp.D, dt_bias=inp.dt_bias, chunk_size=16)
+
+    kernel_helpers.assert_chunked_equals_whole(run, length, cuts, states, 3, generator=gen)
 
 
 def test_decode_after_prefill_equals_longer_prefill(device, gen):
     prompt, extra = 20, 3
     inp = ssd_inputs(gen, device, prompt + extra)
     states = states_for(gen, device, 2)
-    batch = mamba_batch([prompt], 2, generator=gen, device=device, fresh=(0,))
-    longer = mamba_batch([prompt + extra], 2, generator=gen, device=device, fresh=(0,))
-    longer.state_indices[:] = batch.state_indices
+    batch, longer = kernel_helpers.prefill_and_longer([prompt], extra, 2, generator=gen, device=device)
     long_states = states.clone()
     kwargs = dict(D=inp.D, dt_bias=inp.dt_bias)
     expected = ssd_scan(*inp.rows(0, prompt + extra), long_states, *longer.args, chunk_size=8, **kwargs)
@@ -175,13 +167,8 @@ def test_bad_arguments_name_the_field_and_change_nothing(gen, change, field):
     inp = ssd_inputs(gen, "cpu", 5)
     states = states_for(gen, "cpu", 3)
     args = dict(x=inp.x, dt=inp.dt, A=inp.A, B=inp.B, C=inp.C, ssm_states=states,
-                query_start_loc=torch.tensor([0, 1, 5], dtype=torch.int32), state_indices=torch.tensor([0, 2]),
-                has_initial_state=torch.tensor([True, True]))
-    args.update(change)
-    before = states.clone()
-    with pytest.raises(ValueError, match=field):
-        ssd_scan(**args)
-    assert torch.equal(states, before)
+                **kernel_helpers.two_sequences_of_5())
+    assert_refused(ssd_scan, args, change, field, states)
 
 
 @pytest.mark.triton

@@ -163,6 +163,20 @@ def _finish_load(clients: list[LoadClient], threads: list[threading.Thread],
     assert not any(c.error for c in clients), [c.error for c in clients]
 
 
+def _check_on(server: ServerProcess, clients: list[LoadClient]) -> None:
+    """Every Step the clients saw acknowledged is in ``server``'s state (see
+    :func:`_check_acknowledged`)."""
+    with CacheClient(server.target) as admin:
+        _check_acknowledged(admin, clients)
+
+
+def _close(clients: list[LoadClient], server: ServerProcess) -> None:
+    """Closes the load clients, then stops the server (a test's cleanup)."""
+    for c in clients:
+        c.client.close()
+    server.stop()
+
+
 def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> None:
     """The load clients talk to the gate: one address across restarts (each restart
     listens on a port of its own, so none is reserved and released)."""
@@ -209,9 +223,7 @@ def test_sigkill_mid_load_loses_no_acknowledged_step(tmp_path: Path, gate) -> No
             assert _reachable(lambda: _state_of(admin, live)) == before
             assert admin.get_pool("p").incarnation == info.incarnation
     finally:
-        for c in clients:
-            c.client.close()
-        server.stop()
+        _close(clients, server)
     assert server.returncode == 0, server.output()
 
 
@@ -355,12 +367,9 @@ def test_sigkill_during_compaction_loses_no_acknowledged_step(tmp_path: Path, ga
         gate.open_to(server.target)
         _wait_progress(progress, 100)
         _finish_load(clients, threads, stop)
-        with CacheClient(server.target) as admin:
-            _check_acknowledged(admin, clients)
+        _check_on(server, clients)
     finally:
-        for c in clients:
-            c.client.close()
-        server.stop()
+        _close(clients, server)
 
 
 def test_a_failed_compaction_keeps_the_previous_snapshot_and_log(tmp_path: Path) -> None:
@@ -384,12 +393,9 @@ def test_a_failed_compaction_keeps_the_previous_snapshot_and_log(tmp_path: Path)
         server.signal(signal.SIGKILL)
         server.stop()
         server = _start(data_dir, *flags)
-        with CacheClient(server.target) as admin:
-            _check_acknowledged(admin, clients)
+        _check_on(server, clients)
     finally:
-        for c in clients:
-            c.client.close()
-        server.stop()
+        _close(clients, server)
 
 
 def test_lower_limits_at_restart_drop_no_logged_record(tmp_path: Path) -> None:

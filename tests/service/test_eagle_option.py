@@ -4,18 +4,15 @@ last block with it, and a restart (write-ahead log replay, snapshot) keeps it
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
 from cache_service import convert
 from cache_service.client import layers, ops, register_request
 from cache_service.core.errors import KVCacheError
-from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .test_state import Recorder
+from .builders import fresh_state, replayed_pool, snapshot_copy
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(64)]
 
@@ -38,11 +35,6 @@ def prefill_then_resend(state: ServiceState, pool: str = "p") -> int:
     return state.registry.get(pool).pool.lookup("b").hit_tokens
 
 
-def fresh_state() -> tuple[ServiceState, Recorder]:
-    recorder = Recorder()
-    return ServiceState(PoolRegistry(), durability=recorder), recorder
-
-
 @pytest.mark.parametrize(("use_eagle", "hit"), [(False, 48), (True, 32)])
 def test_the_option_reaches_the_pool_and_survives_log_replay_and_snapshot(
         use_eagle: bool, hit: int) -> None:
@@ -54,14 +46,10 @@ def test_the_option_reaches_the_pool_and_survives_log_replay_and_snapshot(
     assert echoed.use_eagle is use_eagle
     assert convert.options_from_proto(echoed)[0] == entry.pool.options
     assert prefill_then_resend(state) == hit
-    replayed, _ = fresh_state()
-    for record in log.records:
-        replayed.apply(record)
-    again = replayed.registry.get("p").pool
+    again = replayed_pool(log.records)
     assert again.options.use_eagle is use_eagle
     assert again.lookup("b").hit_tokens == hit
-    restored = pickle.loads(pickle.dumps(entry.pool))
-    assert restored.options == entry.pool.options
+    restored = snapshot_copy(entry.pool)
     restored.add_request("z", PROMPT)
     assert restored.lookup("z").hit_tokens == hit
 

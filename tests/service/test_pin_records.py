@@ -17,23 +17,13 @@ from cache_service.core.errors import KVCacheError
 from cache_service.pins import PinReaper
 from cache_service.registry import PoolRegistry
 from cache_service.snapshot import dumps_state
-from cache_service.state import NoDurability, ServiceState, WalRecord
+from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .builders import full_layers
+from .builders import Recorder, full_layers
 
 SYSTEM = list(range(1, 20))
-
-
-class Recorder(NoDurability):
-    keeps_records = True
-
-    def __init__(self) -> None:
-        self.records: list[WalRecord] = []
-
-    def append(self, record: WalRecord) -> None:
-        self.records.append(record)
 
 
 def _pin(pin_id: str, expires_at: float, *, sid: str = "", tokens: list[int] = SYSTEM,

@@ -5,18 +5,15 @@ them, and a restart (write-ahead log replay, snapshot) keeps them
 
 from __future__ import annotations
 
-import pickle
-
 import pytest
 
 from cache_service import convert
 from cache_service.client import layers, ops, register_request
 from cache_service.core.errors import KVCacheError
-from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .test_state import Recorder
+from .builders import fresh_state, replayed_pool, snapshot_copy
 
 PROMPT = [(7 * i + 3) % 1000 for i in range(200)]
 
@@ -46,11 +43,6 @@ def prefill_and_probe(state: ServiceState, pool: str = "p") -> int:
     return state.registry.get(pool).pool.peek_prefix(PROMPT[:150] + [999] * 10)
 
 
-def fresh_state() -> tuple[ServiceState, Recorder]:
-    recorder = Recorder()
-    return ServiceState(PoolRegistry(), durability=recorder), recorder
-
-
 @pytest.mark.parametrize(("retention", "hit"), [(None, 128), (0, 0), (128, 128)])
 def test_the_option_reaches_the_pool_and_survives_log_replay_and_snapshot(
         retention: int | None, hit: int) -> None:
@@ -63,15 +55,11 @@ def test_the_option_reaches_the_pool_and_survives_log_replay_and_snapshot(
     assert convert.options_from_proto(echoed)[0] == entry.pool.options
     assert prefill_and_probe(state) == hit
     # Recovery replays the logged records: the same option, the same decisions.
-    replayed, _ = fresh_state()
-    for record in log.records:
-        replayed.apply(record)
-    again = replayed.registry.get("p").pool
+    again = replayed_pool(log.records)
     assert again.options.prefix_cache_retention_interval == retention
     assert again.peek_prefix(PROMPT[:150] + [999] * 10) == hit
     # A snapshot pickles the pools whole.
-    restored = pickle.loads(pickle.dumps(entry.pool))
-    assert restored.options == entry.pool.options
+    restored = snapshot_copy(entry.pool)
     restored.add_request("z", PROMPT[:150] + [999] * 10)
     assert restored.lookup("z").hit_tokens == hit
 

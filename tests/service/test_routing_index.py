@@ -81,8 +81,12 @@ class RoutingMachine(RuleBasedStateMachine):
         self.applied.append(record.SerializeToString())
         return response
 
-    def _context(self, tenant: str) -> wal_pb2.TenantContext:
-        return wal_pb2.TenantContext(name=tenant)
+    def apply_as(self, tenant: str, **record: Any) -> Any:
+        """:meth:`apply` of the record with ``record``'s fields, under ``tenant``'s context."""
+        return self.apply(WalRecord(**record, tenant=wal_pb2.TenantContext(name=tenant)))
+
+    def _draw_pool(self, data: st.DataObject) -> str:
+        return data.draw(st.sampled_from(sorted(self.pools)))
 
     def _requests(self) -> list[tuple[str, str]]:
         return [(e.pool_id, rid) for e in self.state.registry for rid in e.pool.request_ids()]
@@ -98,15 +102,14 @@ class RoutingMachine(RuleBasedStateMachine):
                                    max_model_len=MAX_LEN,
                                    hash_algo=spec.get("hash_algo", "sha256"))
         # Small (prefills evict), but valid: a rejected registration would test nothing.
-        assert self.apply(WalRecord(register_pool=request, tenant=self._context(tenant)))
+        assert self.apply_as(tenant, register_pool=request)
         self.pools[pool_id] = layout
 
     @precondition(lambda self: self.pools)
     @rule(data=st.data())
     def delete(self, data: st.DataObject) -> None:
-        pool_id = data.draw(st.sampled_from(sorted(self.pools)))
-        self.apply(WalRecord(delete_pool=pb.DeletePoolRequest(pool_id=pool_id),
-                             tenant=self._context(tenant_of(pool_id))))
+        pool_id = self._draw_pool(data)
+        self.apply_as(tenant_of(pool_id), delete_pool=pb.DeletePoolRequest(pool_id=pool_id))
         del self.pools[pool_id]
 
     @precondition(lambda self: self.pools)
@@ -115,7 +118,7 @@ class RoutingMachine(RuleBasedStateMachine):
           in_session=st.booleans())
     def prefill(self, data: st.DataObject, prefix: list[int], suffix: list[int], keep: bool,
                 in_session: bool) -> None:
-        pool_id = data.draw(st.sampled_from(sorted(self.pools)))
+        pool_id = self._draw_pool(data)
         tenant = tenant_of(pool_id)
         tokens = (prefix + suffix)[:MAX_LEN - 4]
         self.prompts = (self.prompts + [tokens])[-6:]
@@ -131,24 +134,22 @@ class RoutingMachine(RuleBasedStateMachine):
             sid = data.draw(st.sampled_from(mine))
             seq = self.sessions[sid][1] + 1
             request.session_id, request.sequence = sid, seq
-            if self.apply(WalRecord(step=request, tenant=self._context(tenant))):
+            if self.apply_as(tenant, step=request):
                 self.sessions[sid] = (tenant, seq)
         else:
-            self.apply(WalRecord(step=request, tenant=self._context(tenant)))
+            self.apply_as(tenant, step=request)
 
     @precondition(lambda self: self._requests())
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         pool_id, rid = data.draw(st.sampled_from(self._requests()))
-        self.apply(WalRecord(step=StepBuilder(pool_id).free(rid).request,
-                             tenant=self._context(tenant_of(pool_id))))
+        self.apply_as(tenant_of(pool_id), step=StepBuilder(pool_id).free(rid).request)
 
     @rule(tenant=st.sampled_from(sorted(TENANTS)))
     def open_session(self, tenant: str) -> None:
         sid = f"s{self.n}"
         self.n += 1
-        if self.apply(WalRecord(open_session=wal_pb2.OpenSession(session_id=sid),
-                                tenant=self._context(tenant))):
+        if self.apply_as(tenant, open_session=wal_pb2.OpenSession(session_id=sid)):
             self.sessions[sid] = (tenant, 0)
 
     @precondition(lambda self: self.sessions)
@@ -168,15 +169,14 @@ class RoutingMachine(RuleBasedStateMachine):
     def close_session(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(sorted(self.sessions)))
         tenant, _ = self.sessions.pop(sid)
-        self.apply(WalRecord(close_session=pb.CloseSessionRequest(session_id=sid),
-                             tenant=self._context(tenant)))
+        self.apply_as(tenant, close_session=pb.CloseSessionRequest(session_id=sid))
 
     @precondition(lambda self: self.pools)
     @rule(data=st.data())
     def reset(self, data: st.DataObject) -> None:
-        pool_id = data.draw(st.sampled_from(sorted(self.pools)))
-        self.apply(WalRecord(reset_prefix_cache=pb.ResetPrefixCacheRequest(pool_id=pool_id),
-                             tenant=self._context(tenant_of(pool_id))))
+        pool_id = self._draw_pool(data)
+        self.apply_as(tenant_of(pool_id),
+                      reset_prefix_cache=pb.ResetPrefixCacheRequest(pool_id=pool_id))
 
     @rule()
     def restart_from_snapshot(self) -> None:

@@ -15,26 +15,11 @@ from cache_service.core.errors import KVCacheError, NotFound, UnknownRequest
 from cache_service.errors import Unavailable
 from cache_service.registry import PoolRegistry
 from cache_service.snapshot import dumps_state
-from cache_service.state import NoDurability, ServiceState, WalRecord
+from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .builders import full_layers
-
-
-class Recorder(NoDurability):
-    """Keeps every appended record; fails the next append when ``fail`` is set."""
-
-    keeps_records = True
-
-    def __init__(self) -> None:
-        self.records: list[WalRecord] = []
-        self.fail = False
-
-    def append(self, record: WalRecord) -> None:
-        if self.fail:
-            raise OSError("disk full")
-        self.records.append(record)
+from .builders import Recorder, full_layers
 
 
 def step(seq: int, *step_ops: pb.Op, sid: str = "s1", pool: str = "p") -> WalRecord:

@@ -14,26 +14,16 @@ from cache_service.client import ops, register_request
 from cache_service.core.errors import KVCacheError, ResourceExhausted
 from cache_service.pins import tenant_pinned_blocks
 from cache_service.registry import PoolRegistry
-from cache_service.state import NoDurability, ServiceState, WalRecord
+from cache_service.state import ServiceState, WalRecord
 from kvcache_common.api.kvcache.internal.v1 import wal_pb2
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
-from .builders import full_layers
+from .builders import Recorder, full_layers
 
 QUOTAS = {"a": 10, "b": 6}
 POOLS = {"a": ("a/p1", "a/p2"), "b": ("b/p1",)}
 ALL_POOLS = [p for pools in POOLS.values() for p in pools]
 LENGTHS = (9, 17, 33)  # prompts of 2, 4 and 8 blocks of 4 that can hit
-
-
-class Recorder(NoDurability):
-    keeps_records = True
-
-    def __init__(self) -> None:
-        self.records: list[WalRecord] = []
-
-    def append(self, record: WalRecord) -> None:
-        self.records.append(record)
 
 
 def _tenant(pool_id: str) -> wal_pb2.TenantContext:
