@@ -13,7 +13,7 @@ SCRIPT = REPO / "scripts" / "docstring_gaps.py"
 
 #: Public functions and methods without a docstring, at most (477 of 1,037 when counted
 #: first).
-CEILING = 101
+CEILING = 86
 
 
 def load_script():
