@@ -153,8 +153,9 @@ class PinTable:
 
     # -- changes -------------------------------------------------------------------------
     def check_new(self, pin_id: str, account: str, hashes: Sequence[bytes],
-                  max_len: int) -> Pin:
-        """The pin :meth:`add` would take (raises, changing nothing, if it is refused)."""
+                  max_len: int, prefix_field: str = "token_ids") -> Pin:
+        """The pin :meth:`add` would take (raises, changing nothing, if it is refused);
+        a refusal of the prefix names ``prefix_field`` (how the caller gave it)."""
         if type(pin_id) is not str or not pin_id or len(pin_id) > MAX_PIN_ID_LEN:
             raise InvalidArgument(f"pin_id must be 1-{MAX_PIN_ID_LEN} characters",
                                   field="pin_id")
@@ -165,7 +166,7 @@ class PinTable:
             raise InvalidArgument(
                 f"the prefix must be able to hit at least {self._align} tokens (a hit never "
                 f"covers the whole prompt: pin one token more than the prefix)",
-                field="token_ids")
+                field=prefix_field)
         bound = sum(max_len // m.block_size for m in self._coordinator.managers)
         pin = Pin(pin_id, account, list(hashes), max_len, bound)
         needed, hit, growing = self._resolve(pin)
@@ -177,7 +178,7 @@ class PinTable:
             self.refusals += 1
             raise ResourceExhausted(
                 f"pinning this prefix would take the pool's pinned blocks to {after}, beyond "
-                f"its limit (max_pinned_blocks) of {self.cap}", field="token_ids")
+                f"its limit (max_pinned_blocks) of {self.cap}", field=prefix_field)
         charge = bound if growing else sum(len(g) for g in needed)
         quota = self.account_quota
         if quota is not None and self.charged.get(account, 0) + charge > quota:
@@ -185,7 +186,7 @@ class PinTable:
             raise ResourceExhausted(
                 f"account {account!r:.80} has {self.charged.get(account, 0)} pinned blocks; "
                 f"this pin would add {charge}, beyond the limit (pinned_block_quota) of "
-                f"{quota}", field="token_ids")
+                f"{quota}", field=prefix_field)
         pin.held, pin.new_charge = [[] for _ in needed], charge
         return pin
 

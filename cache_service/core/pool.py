@@ -953,7 +953,9 @@ class Pool:
         hashes, max_len, _ = run_to_end(self.peek_input_in_slices(
             token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path)))
         assert hashes is not None
-        return self._pin_table().check_new(pin_id, account, hashes, max_len)
+        return self._pin_table().check_new(
+            pin_id, account, hashes, max_len,
+            "token_ids" if token_ids is not None else "block_hashes")
 
     def refuse_pin(self) -> None:
         """Counts a pin refused by a bound outside the pool (a tenant's quota): the

@@ -97,6 +97,14 @@ def test_the_cap_refuses_at_pin_time_and_changes_nothing() -> None:
     assert pool.num_free_blocks == free_before
     assert pool.stats() == dataclasses.replace(stats_before, pin_refusals=1)  # a statistic
     assert [p.pin_id for p in pool.pins()] == ["a"]
+    # Given as block hashes, the same refusal names the field the prefix came in.
+    pool.add_request("o", other)
+    hashes = pool.block_hashes("o")
+    pool.free("o")
+    with pytest.raises(ResourceExhausted) as err:
+        pool.pin_prefix("b", block_hashes=hashes)
+    assert err.value.field == "block_hashes"
+    assert [p.pin_id for p in pool.pins()] == ["a"]
     # A pin sharing the pinned blocks adds nothing to the pinned total.
     pool.pin_prefix("a2", SYSTEM)
     assert pool.num_pinned_blocks == 3
