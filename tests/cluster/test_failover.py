@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from cache_service.client import CacheClient, CacheError, ops
+from cache_service.cluster.keys import rendezvous_owner
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from tests.cluster.conftest import (
     LEASE_TTL,
@@ -94,19 +95,23 @@ def test_a_replica_partitioned_from_etcd_stops_accepting_writes(cluster: Cluster
     proxy = Partition(cluster.etcd.endpoint)
     try:
         # The first replica is the only member when the pool is placed: it owns it.
-        lonely = cluster.start_replica("--etcd-endpoints", proxy.endpoint)
+        lonely = cluster.start_replica("--etcd-endpoints", proxy.endpoint,
+                                       "--member-id", "m0")
         # No session: closing the client must not free the request (its state is checked
         # on the new owner below).
         with CacheClient(lonely.target, session=False) as client:
             register(client, "fenced")
             client.step("fenced", [ops.add("before", [1, 2, 3])])
-        cluster.start_replica()
-        cluster.start_replica()
+        cluster.start_replica("--member-id", "m1")
+        cluster.start_replica("--member-id", "m2")
         others = cluster.replicas[1:]
         # The pool's standby (--replication sync, the default) holds every write, and
-        # etcd names it in sync (what lets it promote its copy).
+        # etcd names it in sync (what lets it promote its copy). Wait for the record that
+        # names the standby of the full membership: the one that claims the pool below (an
+        # earlier record may name the first replica that joined, before the second did).
+        standby = rendezvous_owner("fenced", ["m1", "m2"])
         lonely.wait_for(lambda r: r.get("event") == "sync_standby_recorded"
-                        and r.get("pool_id") == "fenced", 30)
+                        and r.get("pool_id") == "fenced" and r.get("standby") == standby, 30)
         proxy.cut()
         # etcd expires the partitioned replica's lease; a replica that can reach etcd
         # claims the pool. The partitioned one hears nothing about it.
