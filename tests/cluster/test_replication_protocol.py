@@ -6,6 +6,7 @@ plain dictionaries."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -72,9 +73,27 @@ class Pair:
         self.state.durability = rep
         return rep
 
+    def register(self) -> None:
+        """Registers pool ``p`` on the owner's state (a logged record, so it replicates)."""
+        self.state.apply_call("register_pool", register_request(
+            "p", LAYERS, num_blocks=64, max_model_len=256))
+
     async def stop(self, rep: Replicator) -> None:
         await rep.close()
         await self.server.stop(0)
+
+
+def run(body: Callable[[Pair, Replicator], Awaitable[None]],
+        make: Callable[[], Pair] = Pair) -> None:
+    """Runs ``body`` with a started pair (owner + standby), stopping both afterwards."""
+    async def main() -> None:
+        pair = make()
+        rep = await pair.start()
+        try:
+            await body(pair, rep)
+        finally:
+            await pair.stop(rep)
+    asyncio.run(main())
 
 
 def step(rid: str, tokens: list[int]) -> pb.StepRequest:
@@ -94,51 +113,39 @@ def view(state: ServiceState) -> tuple:
 
 
 def test_a_standby_is_filled_then_follows_every_record_exactly() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            # Before the standby exists: it gets these through the snapshot.
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            pair.state.apply_call("step", step("a", list(range(40))))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        # Before the standby exists: it gets these through the snapshot.
+        pair.register()
+        pair.state.apply_call("step", step("a", list(range(40))))
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        # After: record by record, each acknowledged before sync() returns.
+        for i in range(5):
+            pair.state.apply_call("step", step(f"b{i}", list(range(i, i + 20))))
             await asyncio.wait_for(rep.sync(), 10)
-            # After: record by record, each acknowledged before sync() returns.
-            for i in range(5):
-                pair.state.apply_call("step", step(f"b{i}", list(range(i, i + 20))))
-                await asyncio.wait_for(rep.sync(), 10)
-            shadow = pair.standby.shadows["owner"]
-            assert shadow.index == rep.index == 7 and shadow.state is not None
-            assert view(shadow.state) == view(pair.state)  # the same state
-            named = await pair.named("p", "standby")
-            assert (named.owner, named.lease, named.epoch) == ("owner", OWNER_LEASE,
-                                                               rep.epoch)
-            assert pair.standby.take("p", "owner", named) is not None
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        shadow = pair.standby.shadows["owner"]
+        assert shadow.index == rep.index == 7 and shadow.state is not None
+        assert view(shadow.state) == view(pair.state)  # the same state
+        named = await pair.named("p", "standby")
+        assert (named.owner, named.lease, named.epoch) == ("owner", OWNER_LEASE,
+                                                           rep.epoch)
+        assert pair.standby.take("p", "owner", named) is not None
+    run(body)
 
 
 def test_a_record_under_an_older_token_is_refused_and_fails_the_write() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        # etcd now shows the pool owned under a newer token (another replica took
+        # it): the owner's next write must not be acknowledged.
+        pair.owners["p"] = ("standby", 9)
+        pair.state.apply_call("step", step("late", [1, 2, 3]))
+        with pytest.raises(Fenced):
             await asyncio.wait_for(rep.sync(), 10)
-            # etcd now shows the pool owned under a newer token (another replica took
-            # it): the owner's next write must not be acknowledged.
-            pair.owners["p"] = ("standby", 9)
-            pair.state.apply_call("step", step("late", [1, 2, 3]))
-            with pytest.raises(Fenced):
-                await asyncio.wait_for(rep.sync(), 10)
-            assert pair.standby.shadows["owner"].index == 1  # the record was not taken
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        assert pair.standby.shadows["owner"].index == 1  # the record was not taken
+    run(body)
 
 
 def test_a_sender_that_is_no_live_member_under_its_lease_is_refused() -> None:
@@ -146,8 +153,7 @@ def test_a_sender_that_is_no_live_member_under_its_lease_is_refused() -> None:
         pair = Pair(member_lease=OWNER_LEASE + 1)  # etcd shows another lease
         rep = await pair.start()
         try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
+            pair.register()
             rep.refresh()
             with pytest.raises(Fenced):
                 await asyncio.wait_for(rep.sync(), 10)
@@ -179,22 +185,16 @@ def test_a_stream_not_signed_with_the_cluster_key_is_refused_before_anything_is_
 
 
 def test_after_a_promotion_the_old_owner_gets_nothing_acknowledged() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        named = await pair.named("p", "standby")
+        assert pair.standby.take("p", "owner", named) is not None  # promoted
+        pair.state.apply_call("step", step("after", [1, 2, 3]))
+        with pytest.raises(Fenced):
             await asyncio.wait_for(rep.sync(), 10)
-            named = await pair.named("p", "standby")
-            assert pair.standby.take("p", "owner", named) is not None  # promoted
-            pair.state.apply_call("step", step("after", [1, 2, 3]))
-            with pytest.raises(Fenced):
-                await asyncio.wait_for(rep.sync(), 10)
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+    run(body)
 
 
 def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> None:
@@ -203,8 +203,7 @@ def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> N
         pair.members = {}  # e.g. the standby is still joining
         rep = await pair.start()
         try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
+            pair.register()
             rep.refresh()
             waiting = asyncio.ensure_future(rep.sync())
             done, _ = await asyncio.wait([waiting], timeout=0.5)
@@ -219,54 +218,42 @@ def test_a_sender_this_standby_does_not_know_yet_is_waited_for_not_fenced() -> N
 
 def test_a_write_answered_without_the_standby_is_recorded_first_so_it_never_promotes() \
         -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
-            await asyncio.wait_for(rep.sync(), 10)
-            named = await pair.named("p", "standby")
-            # The standby leaves the owner's view (its lease expired): the next write is
-            # answered without it, but only after etcd names no standby in sync.
-            del pair.members_of_owner["standby"]
-            rep.refresh()
-            pair.state.apply_call("step", step("alone", [1, 2, 3]))
-            await asyncio.wait_for(rep.sync(), 10)
-            assert pair.syncs["p"].standby is None
-            # Its copy lacks that write: with the current entry it is not promoted; the
-            # entry it was named by before is one only a fenced owner could bring back.
-            assert pair.standby.shadows["owner"].index < rep.index
-            assert pair.standby.take("p", "owner", pair.syncs["p"]) is None
-            assert pair.standby.take("p", "owner", None) is None
-            assert named.standby == "standby"
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        named = await pair.named("p", "standby")
+        # The standby leaves the owner's view (its lease expired): the next write is
+        # answered without it, but only after etcd names no standby in sync.
+        del pair.members_of_owner["standby"]
+        rep.refresh()
+        pair.state.apply_call("step", step("alone", [1, 2, 3]))
+        await asyncio.wait_for(rep.sync(), 10)
+        assert pair.syncs["p"].standby is None
+        # Its copy lacks that write: with the current entry it is not promoted; the
+        # entry it was named by before is one only a fenced owner could bring back.
+        assert pair.standby.shadows["owner"].index < rep.index
+        assert pair.standby.take("p", "owner", pair.syncs["p"]) is None
+        assert pair.standby.take("p", "owner", None) is None
+        assert named.standby == "standby"
+    run(body)
 
 
 def test_a_write_is_not_answered_when_etcd_cannot_record_the_missing_standby() -> None:
-    async def main() -> None:
-        pair = Pair()
-        rep = await pair.start()
-        try:
-            pair.state.apply_call("register_pool", register_request(
-                "p", LAYERS, num_blocks=64, max_model_len=256))
-            rep.refresh()
+    async def body(pair: Pair, rep: Replicator) -> None:
+        pair.register()
+        rep.refresh()
+        await asyncio.wait_for(rep.sync(), 10)
+        await pair.named("p", "standby")
+
+        async def unreachable(pool_id: str, token: int, value: bytes) -> bool:
+            raise ConnectionError("etcd unreachable")
+
+        rep.record = unreachable
+        del pair.members_of_owner["standby"]
+        rep.refresh()
+        pair.state.apply_call("step", step("alone", [1, 2, 3]))
+        with pytest.raises(Unavailable, match="in doubt"):
             await asyncio.wait_for(rep.sync(), 10)
-            await pair.named("p", "standby")
-
-            async def unreachable(pool_id: str, token: int, value: bytes) -> bool:
-                raise ConnectionError("etcd unreachable")
-
-            rep.record = unreachable
-            del pair.members_of_owner["standby"]
-            rep.refresh()
-            pair.state.apply_call("step", step("alone", [1, 2, 3]))
-            with pytest.raises(Unavailable, match="in doubt"):
-                await asyncio.wait_for(rep.sync(), 10)
-            assert pair.syncs["p"].standby == "standby"  # etcd unchanged
-        finally:
-            await pair.stop(rep)
-    asyncio.run(main())
+        assert pair.syncs["p"].standby == "standby"  # etcd unchanged
+    run(body)
