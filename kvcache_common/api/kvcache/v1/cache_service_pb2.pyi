@@ -100,7 +100,7 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
 
 class PoolOptions(_message.Message):
-    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle")
+    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle", "host_tier_blocks")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class PoolOptions(_message.Message):
     MAX_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SESSION_PINNED_BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
     USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     enable_caching: bool
     hash_algo: HashAlgo
@@ -135,7 +136,8 @@ class PoolOptions(_message.Message):
     max_pinned_blocks: int
     session_pinned_block_quota: int
     use_eagle: bool
-    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ..., use_eagle: _Optional[bool] = ...) -> None: ...
+    host_tier_blocks: int
+    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., host_tier_blocks: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options", "session_id", "sequence")
@@ -354,7 +356,7 @@ class FillPlaceholdersOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Op(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders", "reset_host_tier")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -364,6 +366,7 @@ class Op(_message.Message):
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     FILL_PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    RESET_HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestOp
     lookup: LookupOp
     allocate: AllocateOp
@@ -373,7 +376,8 @@ class Op(_message.Message):
     new_step: NewStepOp
     decode: DecodeOp
     fill_placeholders: FillPlaceholdersOp
-    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersOp, _Mapping]] = ...) -> None: ...
+    reset_host_tier: ResetHostTierOp
+    def __init__(self, add_request: _Optional[_Union[AddRequestOp, _Mapping]] = ..., lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., new_step: _Optional[_Union[NewStepOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersOp, _Mapping]] = ..., reset_host_tier: _Optional[_Union[ResetHostTierOp, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("pool_id", "begin_step", "ops", "session_id", "sequence")
@@ -479,6 +483,26 @@ class DecodeResult(_message.Message):
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     def __init__(self, ok: _Optional[_Iterable[bool]] = ..., grown: _Optional[_Iterable[int]] = ..., new_block_counts: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
+class ResetHostTierOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetHostTierResult(_message.Message):
+    __slots__ = ("num_dropped",)
+    NUM_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_dropped: int
+    def __init__(self, num_dropped: _Optional[int] = ...) -> None: ...
+
+class TierCopy(_message.Message):
+    __slots__ = ("group", "block_id", "host_slot")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    group: int
+    block_id: int
+    host_slot: int
+    def __init__(self, group: _Optional[int] = ..., block_id: _Optional[int] = ..., host_slot: _Optional[int] = ...) -> None: ...
+
 class FillPlaceholdersResult(_message.Message):
     __slots__ = ("num_filled",)
     NUM_FILLED_FIELD_NUMBER: _ClassVar[int]
@@ -486,7 +510,7 @@ class FillPlaceholdersResult(_message.Message):
     def __init__(self, num_filled: _Optional[int] = ...) -> None: ...
 
 class OpResult(_message.Message):
-    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders")
+    __slots__ = ("add_request", "lookup", "allocate", "append_tokens", "free", "preempt", "new_step", "decode", "fill_placeholders", "reset_host_tier")
     ADD_REQUEST_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
@@ -496,6 +520,7 @@ class OpResult(_message.Message):
     NEW_STEP_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     FILL_PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    RESET_HOST_TIER_FIELD_NUMBER: _ClassVar[int]
     add_request: AddRequestResult
     lookup: LookupResult
     allocate: AllocateResult
@@ -505,15 +530,20 @@ class OpResult(_message.Message):
     new_step: NewStepResult
     decode: DecodeResult
     fill_placeholders: FillPlaceholdersResult
-    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersResult, _Mapping]] = ...) -> None: ...
+    reset_host_tier: ResetHostTierResult
+    def __init__(self, add_request: _Optional[_Union[AddRequestResult, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., append_tokens: _Optional[_Union[AppendTokensResult, _Mapping]] = ..., free: _Optional[_Union[FreeResult, _Mapping]] = ..., preempt: _Optional[_Union[PreemptResult, _Mapping]] = ..., new_step: _Optional[_Union[NewStepResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ..., fill_placeholders: _Optional[_Union[FillPlaceholdersResult, _Mapping]] = ..., reset_host_tier: _Optional[_Union[ResetHostTierResult, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_free_blocks")
+    __slots__ = ("results", "num_free_blocks", "demotions", "promotions")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OpResult]
     num_free_blocks: int
-    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    demotions: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    promotions: _containers.RepeatedCompositeFieldContainer[TierCopy]
+    def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., promotions: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
 
 class PeekPrefixRequest(_message.Message):
     __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "explain")
@@ -536,7 +566,7 @@ class PeekPrefixRequest(_message.Message):
     def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., explain: _Optional[bool] = ...) -> None: ...
 
 class GroupResidency(_message.Message):
-    __slots__ = ("group_idx", "kind", "tokens", "blocks", "checkpoint_tokens", "miss_reason", "evicted_removals_ago")
+    __slots__ = ("group_idx", "kind", "tokens", "blocks", "checkpoint_tokens", "miss_reason", "evicted_removals_ago", "host_tokens")
     GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -544,6 +574,7 @@ class GroupResidency(_message.Message):
     CHECKPOINT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MISS_REASON_FIELD_NUMBER: _ClassVar[int]
     EVICTED_REMOVALS_AGO_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     group_idx: int
     kind: LayerKind
     tokens: int
@@ -551,19 +582,22 @@ class GroupResidency(_message.Message):
     checkpoint_tokens: _containers.RepeatedScalarFieldContainer[int]
     miss_reason: MissReason
     evicted_removals_ago: int
-    def __init__(self, group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., checkpoint_tokens: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., evicted_removals_ago: _Optional[int] = ...) -> None: ...
+    host_tokens: int
+    def __init__(self, group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., tokens: _Optional[int] = ..., blocks: _Optional[int] = ..., checkpoint_tokens: _Optional[_Iterable[int]] = ..., miss_reason: _Optional[_Union[MissReason, str]] = ..., evicted_removals_ago: _Optional[int] = ..., host_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolHit(_message.Message):
-    __slots__ = ("pool_id", "hit_tokens", "groups", "pinned_tokens")
+    __slots__ = ("pool_id", "hit_tokens", "groups", "pinned_tokens", "host_hit_tokens")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     PINNED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     hit_tokens: int
     groups: _containers.RepeatedCompositeFieldContainer[GroupResidency]
     pinned_tokens: int
-    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ..., pinned_tokens: _Optional[int] = ...) -> None: ...
+    host_hit_tokens: int
+    def __init__(self, pool_id: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupResidency, _Mapping]]] = ..., pinned_tokens: _Optional[int] = ..., host_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class PeekPrefixResponse(_message.Message):
     __slots__ = ("hits",)
@@ -612,7 +646,7 @@ class GroupStats(_message.Message):
     def __init__(self, index: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PoolStats(_message.Message):
-    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence", "num_pinned_blocks", "max_pinned_blocks", "num_pins", "pin_refusals", "pinned_blocks", "tenant_pinned_blocks")
+    __slots__ = ("num_blocks", "num_free_blocks", "num_cached_blocks", "usage", "num_requests", "prefix_cache_queries", "prefix_cache_hits", "evictions", "allocation_failures", "preemptions", "groups", "last_event_sequence", "num_pinned_blocks", "max_pinned_blocks", "num_pins", "pin_refusals", "pinned_blocks", "tenant_pinned_blocks", "host_tier_blocks", "host_tier_used_blocks", "host_demotions", "host_promotions", "host_evictions")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -631,6 +665,11 @@ class PoolStats(_message.Message):
     PIN_REFUSALS_FIELD_NUMBER: _ClassVar[int]
     PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TENANT_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_free_blocks: int
     num_cached_blocks: int
@@ -649,7 +688,12 @@ class PoolStats(_message.Message):
     pin_refusals: int
     pinned_blocks: _containers.RepeatedCompositeFieldContainer[PinnedBlocks]
     tenant_pinned_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., pin_refusals: _Optional[int] = ..., pinned_blocks: _Optional[_Iterable[_Union[PinnedBlocks, _Mapping]]] = ..., tenant_pinned_blocks: _Optional[int] = ...) -> None: ...
+    host_tier_blocks: int
+    host_tier_used_blocks: int
+    host_demotions: int
+    host_promotions: int
+    host_evictions: int
+    def __init__(self, num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., evictions: _Optional[int] = ..., allocation_failures: _Optional[int] = ..., preemptions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., last_event_sequence: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., max_pinned_blocks: _Optional[int] = ..., num_pins: _Optional[int] = ..., pin_refusals: _Optional[int] = ..., pinned_blocks: _Optional[_Iterable[_Union[PinnedBlocks, _Mapping]]] = ..., tenant_pinned_blocks: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_used_blocks: _Optional[int] = ..., host_demotions: _Optional[int] = ..., host_promotions: _Optional[int] = ..., host_evictions: _Optional[int] = ...) -> None: ...
 
 class PinnedBlocks(_message.Message):
     __slots__ = ("session_id_prefix", "blocks")
