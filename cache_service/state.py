@@ -428,6 +428,19 @@ class ServiceState:
     def _prepare_reset(self, request: pb.ResetPrefixCacheRequest
                        ) -> Callable[[], pb.ResetPrefixCacheResponse]:
         entry = self.registry.get(request.pool_id)
+        block_ids = list(request.block_ids)
+        if block_ids:
+            num_blocks = entry.pool.config.num_blocks
+            for i, b in enumerate(block_ids):
+                if not 0 <= b < num_blocks:
+                    raise InvalidArgument(f"block id {b} is outside [0, {num_blocks})",
+                                          field=f"block_ids[{i}]")
+
+            def evict() -> pb.ResetPrefixCacheResponse:
+                entry.pool.evict_blocks(block_ids)
+                entry.flush_events()
+                return pb.ResetPrefixCacheResponse(reset=True)
+            return evict
 
         def commit() -> pb.ResetPrefixCacheResponse:
             ok = entry.pool.reset_prefix_cache()

@@ -284,11 +284,14 @@ class CacheClient(ClientBase):
                              timeout, resend=False)
         return pin_from(resp.pin)
 
-    def reset_prefix_cache(self, pool_id: str, *, timeout: float | None = None) -> bool:
+    def reset_prefix_cache(self, pool_id: str, *, block_ids: Sequence[int] = (),
+                           timeout: float | None = None) -> bool:
         """Drops every cached block of the pool; False (nothing changed) while any
-        block is in use by a request."""
+        block is in use by a request. With ``block_ids``: drops only those device blocks'
+        cache entries (garbage data, e.g. a failed host-tier promotion), in use or not."""
         resp = self._mutate("ResetPrefixCache",
-                            pb.ResetPrefixCacheRequest(pool_id=pool_id), timeout)
+                            pb.ResetPrefixCacheRequest(pool_id=pool_id,
+                                                       block_ids=block_ids), timeout)
         return resp.reset
 
     def subscribe_events(self, pool_id: str, from_sequence: int | None = None,

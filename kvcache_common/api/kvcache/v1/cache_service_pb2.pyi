@@ -710,14 +710,16 @@ class GetPoolStatsResponse(_message.Message):
     def __init__(self, stats: _Optional[_Union[PoolStats, _Mapping]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
-    __slots__ = ("pool_id", "session_id", "sequence")
+    __slots__ = ("pool_id", "session_id", "sequence", "block_ids")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     session_id: str
     sequence: int
-    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, pool_id: _Optional[str] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ResetPrefixCacheResponse(_message.Message):
     __slots__ = ("reset",)
