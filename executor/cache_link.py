@@ -51,6 +51,7 @@ class PoolPlan:
     memory_bytes: int | None = None
     enable_caching: bool = True
     vocab_size: int = 0
+    host_tier_blocks: int = 0  # host-tier slots per group (0 = no host tier)
 
     def layer_protos(self) -> list[pb.LayerSpec]:
         """The LayerSpec message of each layer, in the plan's order."""
@@ -174,7 +175,9 @@ class CacheLink:
                 available_memory_bytes=(None if self.plan.num_blocks
                                         else int(self.plan.memory_bytes or 0)),
                 max_model_len=self.plan.max_model_len, enable_caching=self.plan.enable_caching,
-                vocab_size=self.plan.vocab_size or None)
+                vocab_size=self.plan.vocab_size or None,
+                **({"host_tier_blocks": self.plan.host_tier_blocks}
+                   if self.plan.host_tier_blocks else {}))
         except CacheError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CacheUnavailable(exc.message) from None
@@ -201,6 +204,19 @@ class CacheLink:
             self.call_seconds += end - start
             self.calls += 1
             self.intervals.append((start, end))
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Has the service drop these device blocks' cache entries (their data is garbage:
+        a failed host-tier promotion); raises CacheUnavailable / PoolLost like
+        :meth:`step`."""
+        try:
+            self.client.reset_prefix_cache(self.plan.pool_id, block_ids=block_ids)
+        except CacheError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND and exc.field in ("pool_id", "session_id"):
+                raise PoolLost(exc.message, field=exc.field) from None
+            if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise CacheUnavailable(exc.message) from None
+            raise
 
     def stats(self) -> PoolStats:
         """The pool's usage and counters."""

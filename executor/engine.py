@@ -126,6 +126,9 @@ class EngineMetrics:
     # these as preemptions too, because the engine undoes them with a preempt op
     finished: int = 0
     reregistrations: int = 0
+    # Host tier: requests preempted because a promotion into a block they read failed
+    # (they recompute; docs/executor.md#host-tier).
+    tier_recomputes: int = 0
 
 
 class Engine:
@@ -145,6 +148,9 @@ class Engine:
         self.metrics = EngineMetrics()
         self.scheduler = Scheduler(link, config, self.layout, self.metrics)
         check_engine_config(config, self.scheduler.mamba_align_block)
+        # A new executor's host tier is empty (a new tier incarnation): the service must
+        # forget what an earlier incarnation demoted, with our first Step.
+        self.scheduler.reset_host_tier = runner.tier is not None
         self.inflight: InflightForward | None = None
         self._worker: ThreadPoolExecutor | None = None
         self.inbox: queue.Queue[tuple[str, EngineRequest | str | None]] = queue.Queue()
@@ -259,9 +265,12 @@ class Engine:
         self.metrics.cache_call_seconds += self.link.call_seconds - secs0
         if self.inflight is not None:
             self._join()
-        # After the pass in flight (a copy's destination may be a block it still wrote)
-        # and before this step's: its tables may hold a copy's destination.
-        self.runner.copy_blocks(self.scheduler.block_copies)
+        # After the pass in flight (a copy's destination may be a block it still wrote,
+        # a demotion's source one it wrote) and before this step's: its tables may hold a
+        # copy's destination. Per answer, in order: demotions, promotions, block copies.
+        bad = self.runner.run_copies(self.scheduler.answers)
+        if bad:  # a failed copy: nothing reads those blocks; their requests recompute
+            scheduled = self.scheduler.drop_unreadable(scheduled, bad)
         done_at = overlapped.done_at if overlapped is not None else None
         self.metrics.cache_wait_seconds += exposed_wait(self.link.intervals, done_at)
         if self.config.async_cache_step:
@@ -402,6 +411,7 @@ class Engine:
         for req in scheduler.running:
             req.stats.num_preemptions += 1  # its computed tokens are gone: it is recomputed
         scheduler.requeue_all()
+        scheduler.reset_host_tier = self.runner.tier is not None
         self.metrics.reregistrations += 1
         while not self._stop.is_set():
             try:

@@ -35,7 +35,7 @@ makes that copy fail (its destination is scribbled over, as a torn copy would le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -62,6 +62,20 @@ def tier_copies(msgs: Iterable[object]) -> list[TierCopy]:
     ``block_id`` and ``host_slot``)."""
     return [TierCopy(int(m.group), int(m.block_id), int(m.host_slot))  # type: ignore[attr-defined]
             for m in msgs]
+
+
+def fail_nth(kind: str, n: int) -> Callable[[str, TierCopy], bool]:
+    """A :attr:`HostTier.fault` hook (fault injection, tests): the ``n``-th copy of
+    ``kind`` ("demotion" or "promotion"), counting from 1, fails; every other one runs."""
+    seen = 0
+
+    def fault(k: str, copy: TierCopy) -> bool:
+        nonlocal seen
+        if k != kind:
+            return False
+        seen += 1
+        return seen == n
+    return fault
 
 
 @dataclass
@@ -126,12 +140,16 @@ class HostTier:
         self.stats.resets += 1
 
     # ------------------------------------------------------------------ the copies
-    def demote(self, copies: Sequence[TierCopy]) -> list[tuple[int, int]]:
+    def demote(self, copies: Sequence[TierCopy],
+               suspect: Collection[tuple[int, int]] = ()) -> list[tuple[int, int]]:
         """Device block -> host slot for each copy (one answer's list, in order). Returns
-        the (group, host slot) pairs that failed (now in :attr:`bad`)."""
+        the (group, host slot) pairs that failed (now in :attr:`bad`); a copy from a
+        ``suspect`` (group, block) pair (garbage: a failed promotion's destination) fails."""
+        self.flush()  # an earlier demotion into the same slot must land first
         failed: list[tuple[int, int]] = []
         for group, batch in self._by_group(copies, "demotion", key=lambda c: c.host_slot):
-            bad = [c for c in batch if self._injected("demotion", c)]
+            bad = [c for c in batch
+                   if (group, c.block_id) in suspect or self._injected("demotion", c)]
             ok = [c for c in batch if c not in bad]
             try:
                 if ok:

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from executor.cache import CacheTensors
+from executor.host_tier import HostTier
 from executor.errors import InvalidArgument
 from executor.forward_meta import GroupLayout, SeqChunk, build_forward_meta
 from executor.model import HybridModel
 
+if TYPE_CHECKING:
+    from executor.scheduler import AnswerCopies
+
 
 class ModelRunner:
-    def __init__(self, model: HybridModel, cache: CacheTensors) -> None:
+    def __init__(self, model: HybridModel, cache: CacheTensors,
+                 tier: HostTier | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.tier = tier  # the host tier (None: the pool has none)
         self.lock = threading.Lock()  # one forward at a time: the cache tensors are shared
         self.device = cache.device
 
@@ -32,6 +39,35 @@ class ModelRunner:
         if copies:
             with self.lock:
                 self.cache.copy_blocks(copies)
+
+    def run_copies(self, answers: Sequence[AnswerCopies]) -> set[tuple[int, int]]:
+        """Every copy of the step's answers, answer by answer in the order received: the
+        host-tier reset, demotions, promotions, then block copies (before the step's
+        forward pass). Returns the (group, device block) pairs a failed copy left holding
+        garbage: a failed promotion's destination, and a block copy's destination whose
+        source was one. A block the service asks to demote while it holds garbage makes
+        its host slot bad (the tier fails a promotion from it)."""
+        bad: set[tuple[int, int]] = set()
+        tier = self.tier
+        for a in answers:
+            if tier is not None:
+                with self.lock:
+                    if a.reset:
+                        tier.reset()
+                    if a.demotions:
+                        tier.demote(a.demotions, suspect=bad)
+                    if a.promotions:
+                        bad.update(tier.promote(a.promotions))
+            elif a.demotions or a.promotions:
+                raise RuntimeError("the service sent host-tier copies but this executor "
+                                   "has no host tier (--host-tier-blocks)")
+            self.copy_blocks(a.block_copies)
+            for g, src, dst in a.block_copies:  # in order, as they ran
+                if (g, src) in bad:
+                    bad.add((g, dst))
+                else:
+                    bad.discard((g, dst))
+        return bad
 
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> Tensor:
         """``tokens[b]`` are request b's ``chunks[b].query_len`` new tokens. Returns fp32

@@ -52,6 +52,8 @@ from cache_service.client import AllocateResult, DecodeResult, LookupResult, Ste
 from executor.cache_link import CacheLink
 from executor.errors import CacheUnavailable
 from executor.forward_meta import GroupLayout
+from executor.host_tier import TierCopy, tier_copies
+from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 
 if TYPE_CHECKING:  # the engine owns the requests, its settings and its metrics
     from executor.engine import EngineConfig, EngineMetrics, EngineRequest
@@ -83,6 +85,19 @@ class Candidate:
 
     req: EngineRequest
     op_index: int
+
+
+@dataclass
+class AnswerCopies:
+    """The copies one Step answer asks for, in the order the executor runs them
+    (docs/protocol.md#host-tier): ``reset`` (this answer carried our ResetHostTierOp: the
+    host slots are forgotten first), every demotion, every promotion, then the block
+    copies; then the next answer's, and after the last one the forward pass."""
+
+    demotions: list[TierCopy] = field(default_factory=list)
+    promotions: list[TierCopy] = field(default_factory=list)
+    block_copies: list[tuple[int, int, int]] = field(default_factory=list)
+    reset: bool = False
 
 
 @dataclass
@@ -148,6 +163,14 @@ class Scheduler:
         # (group, src, dst) block copies the service answered during this step's calls
         # (partial prefix hits): run, in order, before the step's forward pass.
         self.block_copies: list[tuple[int, int, int]] = []
+        # Every answer of this step's calls with its copies, in the order received.
+        self.answers: list[AnswerCopies] = []
+        # Host tier: send a ResetHostTierOp with the next step's call 1 (set at start: a
+        # new executor's host tier is empty; and after a failed demotion: a bad host slot).
+        self.reset_host_tier = False
+        # Device blocks whose cache entries the service must drop (a failed promotion left
+        # garbage in them) before the next step's call 1 can look them up.
+        self.to_evict: list[int] = []
 
     @property
     def has_requests(self) -> bool:
@@ -201,6 +224,7 @@ class Scheduler:
         self.to_free = []
         self.to_preempt = []
         self.fill_queue = []
+        self.to_evict = []  # block ids of the forgotten pool
         for req in everyone:
             req.added = False
             req.num_computed = 0
@@ -234,7 +258,14 @@ class Scheduler:
         ``finish_inflight``: ends the forward pass in flight (its sampling included), when
         there is one: a preemption waits for it (see below)."""
         self.block_copies = []
-        step_ops = []
+        self.answers = []
+        if self.to_evict:  # before any lookup can hit them again; fails the step otherwise
+            self.link.evict_blocks(self.to_evict)
+            self.to_evict = []
+        step_ops: list[pb.Op] = []
+        reset = self.reset_host_tier
+        if reset:  # first: nothing of this batch may hit a host slot we no longer hold
+            step_ops.append(pb.Op(reset_host_tier=pb.ResetHostTierOp()))
         fill_queue = self.fill_queue
         if fill_queue:  # first: frees, preempts and decodes come after their fills
             rids: list[str] = []
@@ -255,10 +286,13 @@ class Scheduler:
         decoding, planned, budget = self._plan_running(step_ops, rollback, budget)
         candidates = self._plan_candidates(step_ops, rollback, budget)
         try:
-            result = self.link.step(step_ops, begin_step=True)
+            result = self._call(step_ops, begin_step=True)
         except Exception:
             rollback.restore(self)
             raise
+        if reset:
+            self.reset_host_tier = False
+            self.answers[-1].reset = True
         self.free_blocks_hint = result.num_free_blocks
 
         scheduled: list[ScheduledChunk] = []
@@ -404,7 +438,7 @@ class Scheduler:
                      for i, a in enumerate(survivors, start=len(round_ops))]
             round_ops += [ops.allocate(a.req.request_id, a.n) for a in retry]
             try:
-                result = self.link.step(round_ops)
+                result = self._call(round_ops)
             except CacheUnavailable as exc:
                 log.warning("preempt_call_failed", error=str(exc))
                 self.to_preempt.append(victim.request_id)
@@ -417,9 +451,37 @@ class Scheduler:
         order = {id(r): i for i, r in enumerate(self.running)}
         return sorted(scheduled, key=lambda c: order.get(id(c.req), 0))
 
+    def _call(self, step_ops: Sequence[pb.Op], *, begin_step: bool = False) -> StepResult:
+        """One Step call; its answer's host-tier copies are recorded (in ``answers``, in
+        the order received) before anything of it is used."""
+        result = self.link.step(step_ops, begin_step=begin_step)
+        self.answers.append(AnswerCopies(tier_copies(getattr(result, "demotions", ())),
+                                         tier_copies(getattr(result, "promotions", ()))))
+        return result
+
     def _note_copies(self, answer: AllocateResult | DecodeResult) -> None:
-        self.block_copies += [(c.group, c.src_block_id, c.dst_block_id)
-                              for c in answer.block_copies]
+        copies = [(c.group, c.src_block_id, c.dst_block_id) for c in answer.block_copies]
+        self.block_copies += copies
+        self.answers[-1].block_copies += copies  # the answer being read is the last one
+
+    def drop_unreadable(self, scheduled: list[ScheduledChunk],
+                        bad: set[tuple[int, int]]) -> list[ScheduledChunk]:
+        """A copy left garbage in the device blocks ``bad`` ((group, block) pairs): every
+        scheduled request whose tables hold one is preempted (it recomputes; no forward
+        pass reads them) and the blocks' cache entries are dropped on the service before
+        the next lookup. Returns the chunks still to run."""
+        self.to_evict += sorted({b for _, b in bad})
+        keep = []
+        for c in scheduled:
+            req = c.req
+            if any(b in req.tables[g] for g, b in bad if g < len(req.tables)):
+                log.warning("tier_copy_failed_recompute", request_id=req.request_id)
+                self.metrics.tier_recomputes += 1
+                self._to_waiting(req)
+                self.to_preempt.append(req.request_id)
+            else:
+                keep.append(c)
+        return keep
 
     def _to_waiting(self, req: EngineRequest) -> None:
         """Preempted: back to the front of the queue; everything is recomputed on re-admission."""
@@ -458,7 +520,7 @@ class Scheduler:
         if not plan:
             return []
         try:
-            result = self.link.step(admit_ops)
+            result = self._call(admit_ops)
         except CacheUnavailable as exc:  # admit next step; the running requests still run now
             log.warning("admission_call_failed", error=str(exc))
             return []
@@ -490,7 +552,7 @@ class Scheduler:
         if rollback:
             self.metrics.admission_rollbacks += len(rollback)
             try:
-                result = self.link.step([ops.preempt(r.request_id) for r in rollback])
+                result = self._call([ops.preempt(r.request_id) for r in rollback])
                 self.free_blocks_hint = result.num_free_blocks
             except CacheUnavailable as exc:  # they hold blocks until the next step's call 1
                 log.warning("admission_rollback_failed", error=str(exc))

@@ -50,6 +50,7 @@ from executor.errors import (
     RequestFailed,
 )
 from executor.forward_meta import SeqChunk
+from executor.host_tier import HostTier, fail_nth
 from executor.model import HybridModel
 from executor.model_config import ModelConfig
 from executor.presets import get_preset
@@ -147,7 +148,17 @@ def pool_plan(model: HybridModel, settings: ExecutorSettings) -> PoolPlan:
     return PoolPlan(pool_id=pool_id, specs=specs, max_model_len=cfg.max_model_len,
                     num_blocks=settings.num_blocks or None,
                     memory_bytes=int(settings.cache_memory_mb * 1024 * 1024),
-                    enable_caching=settings.enable_prefix_caching, vocab_size=cfg.vocab_size)
+                    enable_caching=settings.enable_prefix_caching, vocab_size=cfg.vocab_size,
+                    host_tier_blocks=settings.host_tier_blocks)
+
+
+def host_tier(cache: CacheTensors, settings: ExecutorSettings) -> HostTier | None:
+    """The host tier the settings ask for (None without --host-tier-blocks)."""
+    if not settings.host_tier_blocks:
+        return None
+    fault = (fail_nth("promotion", settings.host_tier_fail_promotion)
+             if settings.host_tier_fail_promotion else None)
+    return HostTier(cache, settings.host_tier_blocks, fault=fault)
 
 
 def engine_config(settings: ExecutorSettings) -> EngineConfig:
@@ -214,7 +225,8 @@ class Executor:
         try:  # a failure here must end the process, not leave it up and never SERVING
             cache = CacheTensors(self.model.config, cache_groups(info), info.num_blocks,
                                  info.layer_page_size_bytes, device=self.settings.device)
-            self.runner = ModelRunner(self.model, cache)
+            tier = host_tier(cache, self.settings)
+            self.runner = ModelRunner(self.model, cache, tier)
             self.engine = Engine(self.runner, self.link, engine_config(self.settings))
         except Exception as exc:
             log.exception("bring_up_failed")
@@ -225,7 +237,7 @@ class Executor:
         self._threads.append(t)
         log.info("registered", pool_id=self.plan.pool_id, num_blocks=info.num_blocks,
                  groups=len(info.groups), page_size_bytes=info.page_size_bytes,
-                 cache_bytes=cache.nbytes)
+                 cache_bytes=cache.nbytes, host_tier_bytes=tier.nbytes if tier else 0)
         self.ready.set()
         on_ready()
 

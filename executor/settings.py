@@ -55,6 +55,13 @@ class ExecutorSettings(BaseSettings):
     enable_prefix_caching: bool = Field(True, description="prefix caching in the pool")
     mamba_cache_mode: Literal["align", "none"] = Field(
         "align", description="Mamba prefix caching mode (align = checkpoints per block)")
+    host_tier_blocks: int = Field(0, ge=0, le=16777216, description="host-memory tier: "
+                                  "slots per KV-cache group for cached blocks the pool "
+                                  "evicts (pinned memory on CUDA); 0 = none "
+                                  "(docs/executor.md#host-tier)")
+    host_tier_fail_promotion: int = Field(0, ge=0, description="fault injection (tests): "
+                                          "the Nth host-tier promotion copy fails (its "
+                                          "requests recompute); 0 = never")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
     max_tokens_per_step: int = Field(256, ge=1, description="token budget of one forward pass")
     async_cache_step: bool = Field(True, description="send each step's cache call while the "
