@@ -325,6 +325,22 @@ def test_get_request_and_stats_and_reset(client: CacheClient, new_pool) -> None:
     assert err.value.code == grpc.StatusCode.NOT_FOUND
 
 
+def test_reset_with_block_ids_drops_only_those_entries_even_in_use(client: CacheClient,
+                                                                   new_pool) -> None:
+    """ResetPrefixCache(block_ids): an executor's failed copy left garbage in a block; its
+    cache entry goes (the holder keeps the block), the next lookup misses from there, the
+    other entries stay."""
+    info = new_pool()
+    prompt = list(range(200, 264))  # 4 blocks of 16
+    res = client.step(info.pool_id, [ops.add("a", prompt), ops.allocate("a", 64)])
+    blocks = res.result(1, AllocateResult).block_ids[0]
+    assert client.reset_prefix_cache(info.pool_id, block_ids=[blocks[2]]) is True
+    assert client.get_request(info.pool_id, "a").block_ids[0] == blocks  # still held
+    client.step(info.pool_id, [ops.free("a")])
+    assert client.peek_prefix([info.pool_id], prompt + [1]) == {info.pool_id: 32}
+    assert client.stats(info.pool_id).num_cached_blocks == 3  # blocks 0, 1 and 3 stay
+
+
 def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
     info = new_pool(hybrid_layers())
     prompt = list(range(64))
