@@ -7,6 +7,9 @@ It runs, in this order, each step guarded so that a failure is recorded and the 
 1. the kernel tests on CUDA: ``pytest tests/kernels`` with ``KERNELS_TEST_DEVICE=cuda`` (the
    Triton kernels compiled for real, checked against the references);
 2. device-to-device copy bandwidth (the ceiling for memory-bound kernels; ~4.3 TB/s expected);
+   2b. the host tier's batched demotions / promotions (executor/host_tier.py: device <-> pinned
+   host) in GB/s vs the host link's nominal peak (PCIe 5 x16, 64 GB/s a direction) and vs a raw
+   contiguous pinned copy of the same bytes (``of_copy``);
 3. paged decode attention over ~2.1 GB of bf16 K/V (64 requests x 8,192 tokens, 32 q / 8 kv heads,
    head 128, block 16, shuffled block table): GB/s, % of the copy bandwidth (target >= 70%) and of
    4.3 TB/s; plus the same bytes as 8 x 65,536 tokens, and SDPA on contiguous K/V for reference;
@@ -44,6 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 COPY_CEILING_GBPS = 4300.0    # measured H200 device-to-device copy (a 2 GiB bf16 copy on the H200)
 BF16_CEILING_TFLOPS = 790.0   # measured H200 bf16 matmul
+HOST_LINK_GBPS = 64.0         # nominal PCIe Gen5 x16, one direction (the H200's host link)
 DECODE_TARGET = 0.70          # of the copy bandwidth measured in the same run
 PREFILL_TARGET = 0.35         # of 790 TFLOP/s
 
@@ -147,6 +151,73 @@ def check_copy(device: torch.device, dry_run: bool) -> dict:
     return dict(check="copy_bandwidth", device=str(device), shape=f"{src.numel() * 2 / 2**30:.2f} GiB bf16",
                 ms=seconds * 1e3, value=gbps, unit="GB/s", fraction=gbps / COPY_CEILING_GBPS, ceiling="4.3 TB/s",
                 ok=ok)
+
+
+def check_host_tier(device: torch.device, dry_run: bool) -> list[dict]:
+    """The executor's host tier (executor/host_tier.py) on this device: one step's batched
+    demotions (device -> pinned host) and promotions (host -> device) of ``n`` blocks of an
+    8-layer group with 64 KiB pages (bf16, block 16, 8 KV heads of 128), timed end to end
+    (synchronized), in GB/s of pages moved and as a fraction of the nominal host link; plus a
+    raw contiguous pinned copy of the same bytes each way for reference. ``ok``: the blocks
+    round-trip bit-exactly."""
+    from executor.cache import CacheGroup, CacheTensors
+    from executor.forward_meta import GroupLayout
+    from executor.host_tier import HostTier, TierCopy
+    from executor.model import layer_name
+    from executor.model_config import ModelConfig
+
+    layers, kv_heads, head, block = (2, 1, 16, 4) if dry_run else (8, 8, 128, 16)
+    num_blocks, n = (64, 16) if dry_run else (4096, 512)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_heads=kv_heads,
+                      num_kv_heads=kv_heads, head_dim=head, max_model_len=64, pattern="F" * layers,
+                      dtype="bfloat16")
+    group = CacheGroup(tuple(layer_name(i, "full_attention") for i in range(layers)),
+                       GroupLayout("attention", block))
+    page = 2 * block * kv_heads * head * 2
+    cache = CacheTensors(cfg, [group], num_blocks, page, device=device)
+    for slot in cache.slots:
+        slot.random_(0, 256)
+    tier = HostTier(cache, n)
+    src = torch.randperm(num_blocks - 1)[:n] + 1
+    dst = torch.randperm(num_blocks - 1)[:n] + 1
+    demote = [TierCopy(0, int(b), i) for i, b in enumerate(src.tolist())]
+    promote = [TierCopy(0, int(b), i) for i, b in enumerate(dst.tolist())]
+    want = [s[src.to(device)].clone() for s in cache.slots]
+
+    def sync() -> None:
+        tier.flush()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        sync()
+        samples = []
+        for _ in range(3 if dry_run else 10):
+            begin = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - begin)
+        return sorted(samples)[len(samples) // 2]
+
+    t_demote = timed(lambda: tier.demote(demote))
+    t_promote = timed(lambda: tier.promote(promote))
+    ok = all(torch.equal(s[dst.to(device)], w) for s, w in zip(cache.slots, want))
+    moved = layers * n * page
+    host = torch.empty(moved, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    flat = torch.zeros(moved, dtype=torch.uint8, device=device)
+    t_d2h = timed(lambda: host.copy_(flat, non_blocking=True))
+    t_h2d = timed(lambda: flat.copy_(host, non_blocking=True))
+    shape = f"{n} blocks x {layers} layers x {page / 1024:g} KiB = {moved / 2**20:g} MiB"
+    rows = []
+    for name, seconds, raw in (("host_tier demote (device->host)", t_demote, t_d2h),
+                               ("host_tier promote (host->device)", t_promote, t_h2d)):
+        gbps = moved / seconds / 1e9
+        rows.append(dict(check=name, device=str(device), shape=shape, ms=seconds * 1e3, bytes=moved,
+                         value=gbps, unit="GB/s", fraction=gbps / HOST_LINK_GBPS,
+                         ceiling=f"{HOST_LINK_GBPS:.0f} GB/s (PCIe 5 x16, nominal)",
+                         raw_copy_GBps=moved / raw / 1e9, of_copy=raw / seconds, ok=ok))
+    return rows
 
 
 def check_decode(device: torch.device, dry_run: bool, batch: int, kv_len: int, copy_gbps: float | None) -> list[dict]:
@@ -355,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes, quick test subset (any machine)")
     parser.add_argument("--skip-tests", action="store_true", help="leave out step 1 (the pytest run)")
     parser.add_argument("--skip-mamba", action="store_true", help="leave out step 5")
+    parser.add_argument("--skip-host-tier", action="store_true", help="leave out step 2b (host-tier copies)")
     parser.add_argument("--skip-sweep", action="store_true", help="leave out the tile-size sweep (step 4b)")
     parser.add_argument("--tests-timeout", type=int, default=300, help="seconds for the whole pytest step")
     parser.add_argument("--out", type=Path, default=None,
@@ -374,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         rows += _guard("kernel_tests", lambda: run_tests(args.device, dry_run, args.tests_timeout), args.device)
     rows += _guard("copy_bandwidth", lambda: check_copy(device, dry_run), args.device)
+    if not args.skip_host_tier:
+        rows += _guard("host_tier", lambda: check_host_tier(device, dry_run), args.device)
     copy_gbps = next((r.get("value") for r in rows if r["check"] == "copy_bandwidth" and r.get("ok")), None)
     decode_shapes = [(2, 40)] if dry_run else [(64, 8192), (8, 65536)]
     for batch, kv_len in decode_shapes:

@@ -102,6 +102,17 @@ def test_bandwidth_and_flop_rates_match_the_bytes_and_times_reported(rows):
     assert prefill["value"] == prefill["TFLOPs"] and prefill["unit"] == "TFLOP/s"
 
 
+def test_the_host_tier_rows_time_the_executors_batched_copies(rows):
+    gpu_check = _load("gpu_check")
+    for name in ("host_tier demote (device->host)", "host_tier promote (host->device)"):
+        row = rows[name]
+        assert row["bytes"] == 2 * 16 * 256  # 16 blocks x 2 layers x 256-byte pages
+        assert row["value"] == pytest.approx(row["bytes"] / (row["ms"] / 1e3) / 1e9, rel=1e-9)
+        assert row["fraction"] == pytest.approx(row["value"] / gpu_check.HOST_LINK_GBPS, rel=1e-9)
+        assert row["of_copy"] == pytest.approx(row["value"] / row["raw_copy_GBps"], rel=1e-9)
+        assert row["ok"] is True  # the blocks round-tripped bit-exactly
+
+
 def test_each_verdict_follows_from_its_error(rows):
     checked = [row for row in rows.values() if row.get("rms_error") is not None]
     assert len(checked) >= 8
