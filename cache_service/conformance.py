@@ -26,8 +26,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from cache_service.client import CacheClient, CacheError, ops
-from cache_service.replay import load_config, make_pool, read_expected, replay, same_result
+from cache_service.client import CacheClient, CacheError, TierCopy, ops
+from cache_service.replay import (
+    load_config,
+    make_pool,
+    read_expected,
+    render_tier_copies,
+    replay,
+    same_result,
+)
 from cache_service.specs_proto import layer_spec_to_proto
 
 SAMPLES = Path(__file__).resolve().parent / "replay_samples"
@@ -41,10 +48,14 @@ class ServerReplayer:
         self.client = client
         self.pool = pool_id
         self.auto_step = True  # until the trace's first "step", every allocate begins one
+        self._copies: tuple[list[TierCopy], list[TierCopy]] = ([], [])  # of the last Step
 
     def step(self, op, *, begin_step: bool = False):
-        """Sends ``op`` as a one-op Step on the pool; answers its typed result."""
-        return self.client.step(self.pool, [op], begin_step=begin_step).results[0]
+        """Sends ``op`` as a one-op Step on the pool; answers its typed result (its host
+        tier copies are kept for :meth:`apply` to render)."""
+        answer = self.client.step(self.pool, [op], begin_step=begin_step)
+        self._copies = (answer.demotions, answer.promotions)
+        return answer.results[0]
 
     def apply(self, op: Any) -> dict[str, Any]:
         """One trace operation as RPCs; answers its outcome rendered as the replay tool renders
@@ -54,6 +65,7 @@ class ServerReplayer:
         out: dict[str, Any] = {"op": op.get("op")}
         if "req" in op:
             out["req"] = op["req"]
+        self._copies = ([], [])
         try:
             out.update(self._apply(op))
         except CacheError as exc:
@@ -62,6 +74,7 @@ class ServerReplayer:
             # Not expressible as a protocol message (unknown op, missing or ill-typed
             # field): the reference rejects it too.
             out["error"] = f"not representable: {exc!r}"
+        out.update(render_tier_copies(*self._copies))
         return out
 
     def _apply(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +122,8 @@ class ServerReplayer:
                     "num_cached_blocks_per_group": s.num_cached_blocks_per_group}
         if name == "reset":
             return {"ok": self.client.reset_prefix_cache(self.pool)}
+        if name == "reset_host_tier":
+            return {"num_dropped": self.step(ops.reset_host_tier()).num_dropped}
         if name == "blocks":
             state = self.client.get_request(self.pool, rid)
             return {"block_ids": state.block_ids, "num_computed_tokens": state.num_computed_tokens,
@@ -129,7 +144,7 @@ def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
         max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval,
         enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
-        use_eagle=options.use_eagle)
+        use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks)
 
 
 def parse_trace(text: str) -> list[Any]:

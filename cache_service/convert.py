@@ -18,6 +18,7 @@ from typing import Any
 from cache_service.core import events as ev
 from cache_service.core import grouping, operations
 from cache_service.core.hashing import DeclaredRecipe, external_block_hash
+from cache_service.core.host_tier import MAX_HOST_TIER_BLOCKS, TierCopy
 from cache_service.core.kv_cache_manager import BlockCopy
 from cache_service.core.pool import DecodeOutcome, PoolOptions
 from cache_service.core.residency import GroupResidency
@@ -58,6 +59,9 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         raise InvalidArgument(f"unknown hash_algo {opts.hash_algo}", field=f"{p}.hash_algo")
     # Absent = dense (docs/semantics.md#checkpoint-retention); whether a value fits the
     # pool's groups and scheduler block size is checked when the pool is built.
+    # Whether a tier fits the pool (it needs prefix caching) is checked when it is built.
+    host_tier = non_negative(opts.host_tier_blocks, f"{p}.host_tier_blocks",
+                             limit=MAX_HOST_TIER_BLOCKS)
     retention = None
     if opts.HasField("prefix_cache_retention_interval"):
         retention = non_negative(opts.prefix_cache_retention_interval,
@@ -78,6 +82,7 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         max_pinned_blocks=max_pinned,
         pinned_block_quota=opts.session_pinned_block_quota or None,
         use_eagle=opts.use_eagle,
+        host_tier_blocks=host_tier,
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -96,7 +101,7 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=opts.max_pinned_blocks,
         session_pinned_block_quota=opts.pinned_block_quota or 0,
-        use_eagle=opts.use_eagle)
+        use_eagle=opts.use_eagle, host_tier_blocks=opts.host_tier_blocks)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -211,7 +216,10 @@ def stats_to_proto(s: Any, last_sequence: int) -> pb.PoolStats:
         num_pinned_blocks=s.num_pinned_blocks, max_pinned_blocks=s.max_pinned_blocks,
         num_pins=s.num_pins, pin_refusals=s.pin_refusals,
         pinned_blocks=[pb.PinnedBlocks(session_id_prefix=a[:8], blocks=n)
-                       for a, n in sorted(s.pinned_blocks_by_account.items())])
+                       for a, n in sorted(s.pinned_blocks_by_account.items())],
+        host_tier_blocks=s.host_tier_blocks, host_tier_used_blocks=s.host_tier_used_blocks,
+        host_demotions=s.host_demotions, host_promotions=s.host_promotions,
+        host_evictions=s.host_evictions)
 
 
 def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
@@ -222,6 +230,8 @@ def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
         m.kind = LAYER_KINDS.value(g.kind)
         m.tokens = g.tokens
         m.blocks = g.blocks
+        if g.host_tokens:  # pools with a host tier
+            m.host_tokens = g.host_tokens
         if g.checkpoints:
             m.checkpoint_tokens.extend(g.checkpoints)
         if g.reason is not None:
@@ -324,6 +334,8 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
         return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":
         return operations.NewStep()
+    if kind == "reset_host_tier":
+        return operations.ResetHostTierOp()
     raise InvalidArgument(f"an op must set one of {_OP_KINDS}", field="")
 
 
@@ -345,6 +357,13 @@ def write_copies(out: Any, copies: Sequence[BlockCopy]) -> None:
     for c in copies:
         m = out.block_copies.add()
         m.group, m.src_block_id, m.dst_block_id = c.group_id, c.src_block_id, c.dst_block_id
+
+
+def write_tier_copies(out: Any, copies: Sequence[TierCopy]) -> None:
+    """Appends ``copies`` to a repeated ``TierCopy`` field (demotions or promotions)."""
+    for c in copies:
+        m = out.add()
+        m.group, m.block_id, m.host_slot = c.group, c.block_id, c.host_slot
 
 
 def write_decode(out: pb.DecodeResult, result: DecodeOutcome) -> None:
@@ -392,11 +411,20 @@ class BlockTableCache:
 
 
 def step_response(step_ops: Sequence[operations.Op], outcomes: Sequence[Any],
-                  table_cache: BlockTableCache, num_free_blocks: int) -> pb.StepResponse:
-    """The StepResponse of an applied batch: ``results[i]`` answers ``step_ops[i]``."""
+                  table_cache: BlockTableCache, num_free_blocks: int,
+                  tier_copies: tuple[Sequence[TierCopy], Sequence[TierCopy]] = ((), ())
+                  ) -> pb.StepResponse:
+    """The StepResponse of an applied batch: ``results[i]`` answers ``step_ops[i]``;
+    ``tier_copies`` are the (demotions, promotions) the batch planned
+    (``Pool.tier_copies``), answered in the order the executor must run them."""
     # Results are filled in place (add() + field writes): building submessages with
     # constructors copies them and costs ~2x on a 256-request decode step.
     response = pb.StepResponse(num_free_blocks=num_free_blocks)
+    demotions, promotions = tier_copies
+    if demotions:
+        write_tier_copies(response.demotions, demotions)
+    if promotions:
+        write_tier_copies(response.promotions, promotions)
     add_result = response.results.add
     for op, r in zip(step_ops, outcomes):
         if isinstance(op, operations.Decode):
@@ -437,6 +465,8 @@ def step_response(step_ops: Sequence[operations.Op], outcomes: Sequence[Any],
             add_result().preempt.num_free_blocks = r
         elif isinstance(op, operations.FillPlaceholders):
             add_result().fill_placeholders.num_filled = r
+        elif isinstance(op, operations.ResetHostTierOp):
+            add_result().reset_host_tier.num_dropped = r
         else:
             add_result().new_step.SetInParent()
     return response

@@ -135,6 +135,9 @@ class PoolCollector(ScrapeTimeCollector):
                 labels=["pool"]),
             "num_pins": GaugeMetricFamily("kvcache_pool_pins", "Live prefix pins.",
                                           labels=["pool"]),
+            "host_tier_used_blocks": GaugeMetricFamily(
+                "kvcache_host_tier_used_blocks", "Host tier slots holding a block, over "
+                "all groups (0 without a host tier).", labels=["pool"]),
         }
         counters = {
             "prefix_cache_queries": CounterMetricFamily(
@@ -157,6 +160,15 @@ class PoolCollector(ScrapeTimeCollector):
             "pin_refusals": CounterMetricFamily(
                 "kvcache_pool_pin_refusals", "PinPrefix calls refused by max_pinned_blocks, "
                 "a session's or the tenant's pinned-block quota.", labels=["pool"]),
+            "host_demotions": CounterMetricFamily(
+                "kvcache_host_demotions", "Blocks demoted from the device to the host tier "
+                "(device -> host copies planned).", labels=["pool"]),
+            "host_promotions": CounterMetricFamily(
+                "kvcache_host_promotions", "Blocks promoted from the host tier to the device "
+                "(host -> device copies planned).", labels=["pool"]),
+            "host_evictions": CounterMetricFamily(
+                "kvcache_host_evictions", "Blocks that fell out of the host tier (its LRU) "
+                "or were dropped by a ResetHostTierOp.", labels=["pool"]),
         }
         tenant_pools = GaugeMetricFamily("kvcache_tenant_pools", "Pools a tenant holds.",
                                          labels=["tenant"])

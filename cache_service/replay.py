@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
 from cache_service.core.operations import (
@@ -28,6 +28,7 @@ from cache_service.core.operations import (
     NewStep,
     Op,
     Preempt,
+    ResetHostTierOp,
 )
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import (
@@ -47,7 +48,7 @@ _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
 _CONFIG_KEYS = {"num_blocks", "max_model_len", "enable_caching", "hash_algo", "groups",
                 "scheduler_block_size", "hash_block_size", "watermark",
                 "max_in_flight_tokens", "prefix_cache_retention_interval",
-                "enable_mamba_shared_prefix_checkpoint", "use_eagle"}
+                "enable_mamba_shared_prefix_checkpoint", "use_eagle", "host_tier_blocks"}
 
 
 class ConfigFileError(ValueError):
@@ -129,10 +130,14 @@ def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:
     use_eagle = data.get("use_eagle", False)
     if not isinstance(use_eagle, bool):
         raise ConfigFileError("use_eagle must be true or false")
+    host_tier = data.get("host_tier_blocks", 0)
+    if type(host_tier) is not int:
+        raise ConfigFileError(f"host_tier_blocks must be an integer, got {host_tier!r}")
     options = PoolOptions(
         max_model_len=max_model_len, enable_caching=enable_caching,
         prefix_cache_retention_interval=retention,
         enable_mamba_shared_prefix_checkpoint=shared_prefix_checkpoint, use_eagle=use_eagle,
+        host_tier_blocks=host_tier,
         hash_algo=data.get("hash_algo", "sha256"),
         scheduler_block_size=data.get("scheduler_block_size"),
         hash_block_size=data.get("hash_block_size"),
@@ -157,11 +162,13 @@ class Replayer:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.auto_step = True  # until the first explicit "step"
+        self._copies: tuple[Sequence[Any], Sequence[Any]] = ([], [])  # of the last op
         self._ops: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "add": self._add, "lookup": self._lookup, "allocate": self._allocate,
             "append": self._append, "free": self._free, "preempt": self._preempt,
             "step": self._step, "usage": self._usage, "reset": self._reset,
             "blocks": self._blocks, "hashes": self._hashes,
+            "reset_host_tier": self._reset_host_tier,
         }
 
     @staticmethod
@@ -171,8 +178,11 @@ class Replayer:
         return op["req"]
 
     def _one(self, op: Op, *, begin_step: bool = False) -> Any:
-        """Every change goes through the pool's one entry point, as the service's do."""
-        return self.pool.apply_batch([op], begin_step=begin_step)[0]
+        """Every change goes through the pool's one entry point, as the service's do; the
+        host tier's copies of the batch are kept for :meth:`apply` to print."""
+        outcome = self.pool.apply_batch([op], begin_step=begin_step)[0]
+        self._copies = self.pool.tier_copies
+        return outcome
 
     def _add(self, op: dict[str, Any]) -> dict[str, Any]:
         info = self._one(AddRequest(self._req(op), op.get("tokens", []),
@@ -237,6 +247,9 @@ class Replayer:
         return {"block_ids": self.pool.block_ids(rid),
                 "num_computed_tokens": info.num_computed_tokens, "num_tokens": info.num_tokens}
 
+    def _reset_host_tier(self, op: dict[str, Any]) -> dict[str, Any]:
+        return {"num_dropped": self._one(ResetHostTierOp())}
+
     def _hashes(self, op: dict[str, Any]) -> dict[str, Any]:
         hashes = self.pool.block_hashes(self._req(op))
         return {"hash_block_size": self.pool.hash_block_size,
@@ -254,11 +267,24 @@ class Replayer:
         if handler is None:
             out["error"] = f"unknown op {name!r}"
             return out
+        self._copies = ([], [])
         try:
             out.update(handler(op))
         except KVCacheError as e:
             out["error"] = f"{type(e).__name__}: {e}"
+        out.update(render_tier_copies(*self._copies))
         return out
+
+
+def render_tier_copies(demotions: Sequence[Any], promotions: Sequence[Any]
+                       ) -> dict[str, list[list[int]]]:
+    """The host tier's copies of one operation as ``[group, block_id, host_slot]``
+    triples, in order; no key for an empty list (a pool without a tier prints none)."""
+    out = {}
+    for name, copies in (("demotions", demotions), ("promotions", promotions)):
+        if copies:
+            out[name] = [[c.group, c.block_id, c.host_slot] for c in copies]
+    return out
 
 
 def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:
@@ -316,13 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Ops: add(req, tokens, cache_salt?), lookup(req), allocate(req, "
                "num_new_tokens, num_lookahead_tokens?, full_sequence_must_fit?, use_lookup?), "
                "append(req, tokens), free(req), preempt(req), step, usage, reset, blocks(req), "
-               "hashes(req). Until the first 'step', every allocate starts a new step. "
-               "Exit status: 0, or 2 for a bad config.")
+               "hashes(req), reset_host_tier. Until the first 'step', every allocate starts a "
+               "new step. With a host tier (config host_tier_blocks), an operation that "
+               "planned copies prints its demotions / promotions as [group, block_id, "
+               "host_slot]. Exit status: 0, or 2 for a bad config.")
     parser.add_argument("--config", required=True, metavar="CONFIG.json",
                         help='pool config: {"num_blocks", "max_model_len", "groups": [{"type", '
                              '"block_size", "sliding_window", "attention_chunk_size", '
                              '"mamba_cache_mode"}], "enable_caching", "hash_algo", '
-                             '"scheduler_block_size", "hash_block_size", "watermark"}')
+                             '"scheduler_block_size", "hash_block_size", "watermark", '
+                             '"host_tier_blocks"}')
     parser.add_argument("--strict", action="store_true",
                         help="exit with status 1 if any operation failed")
     args = parser.parse_args(argv)

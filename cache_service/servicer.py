@@ -95,13 +95,15 @@ def _inner(ns: Namespace, pool_id: str, field: str = "pool_id") -> str:
 class _PeekPlan:
     """A PeekPrefix's pool list resolved: entries, internal and caller's ids, the pool that
     checks and hashes the prompt for each key space (None: pools without caching), by
-    token limit, and the first pool without sha256_cbor hashes (or None)."""
+    token limit, the first pool without sha256_cbor hashes (or None), and the positions
+    of the pools with a host tier (asked themselves, not the routing index)."""
 
     entries: list[PoolEntry]
     pool_ids: list[str]
     outer_ids: list[str]
     hashers: list[tuple[KeySpace | None, Pool]]
     first_not_cbor: int | None
+    tiered: list[int]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -441,6 +443,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 if space is not None:
                     inputs[space] = (hashed or [], max_len)
             answers = self.registry.index.peek(plan.pool_ids, inputs.__getitem__)
+            for i in plan.tiered:
+                # The index holds device keys only: a pool with a host tier answers its
+                # hit across both tiers itself (docs/protocol.md#host-tier).
+                answers[i] = yield from plan.entries[i].pool.prefix_residency_in_slices(
+                    tokens, block_hashes=hashes, cache_salt=keys.cache_salt,
+                    lora_name=keys.lora_name, lora_path=keys.lora_path,
+                    slice_blocks=PEEK_SLICE_BLOCKS)
         response = self._peek_response(plan, answers, cache=not request.explain)
         for i, entry in enumerate(plan.entries):
             if entry.pool.num_pinned_blocks:  # pins: PoolHit.pinned_tokens
@@ -462,6 +471,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if cached is None or cached[0] is not answer or cached[1] != outer:
                 one = pb.PeekPrefixResponse()
                 hit = one.hits.add(pool_id=outer, hit_tokens=answer.hit_tokens)
+                if answer.host_hit_tokens:  # pools with a host tier
+                    hit.host_hit_tokens = answer.host_hit_tokens
                 convert.write_residency(hit.groups, answer.groups)
                 cached = (answer, outer, one.SerializeToString())
                 if cache:
@@ -480,9 +491,13 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                                   "with explain)", field="token_ids")
         plan = self._peek_plan(ns, tuple(request.pool_ids))
         # The cost: the prompt is read once per key space (the routing index answers every
-        # pool of one from one pass), or once per pool with explain (each pool is asked).
-        passes, unit = ((len(plan.entries), "pools") if request.explain
-                        else (len(plan.hashers), "hash recipes"))
+        # pool of one from one pass) and once per pool with a host tier (asked itself), or
+        # once per pool with explain (each pool is asked).
+        if request.explain:
+            passes, unit = len(plan.entries), "pools"
+        else:
+            passes = len(plan.hashers) + len(plan.tiered)
+            unit = "hash recipes + pools with a host tier" if plan.tiered else "hash recipes"
         size = len(request.token_ids) or len(request.block_hashes)
         if size * passes > self.max_peek_tokens:
             field = "token_ids" if has_tokens else "block_hashes"
@@ -533,7 +548,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             entries, [e.pool_id for e in entries], [ns.outer(e.pool_id) for e in entries],
             sorted(hashers.items(), key=lambda item: item[1].token_limit),
             next((i for i, e in enumerate(entries)
-                  if e.pool.options.hash_algo != "sha256_cbor"), None))
+                  if e.pool.options.hash_algo != "sha256_cbor"), None),
+            [i for i, e in enumerate(entries) if e.pool.options.host_tier_blocks])
         if len(self._peek_plans) >= 64:
             self._peek_plans.clear()
         self._peek_plans[key] = (version, plan)

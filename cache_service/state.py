@@ -353,7 +353,10 @@ class ServiceState:
             tables = self._tables.get(pool_id)
             if tables is None:
                 tables = self._tables[pool_id] = convert.BlockTableCache()
-            return convert.step_response(step_ops, outcomes, tables, entry.pool.num_free_blocks)
+            # The tier's copies of this batch (empty without a tier); stored with the
+            # response below, so a session retry answers the same copies.
+            return convert.step_response(step_ops, outcomes, tables, entry.pool.num_free_blocks,
+                                         entry.pool.tier_copies)
         return commit
 
     def _check_step_cost(self, request: pb.StepRequest) -> None:

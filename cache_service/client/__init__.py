@@ -56,7 +56,9 @@ from cache_service.client._results import (
     PoolStats,
     PreemptResult,
     RequestState,
+    ResetHostTierResult,
     StepResult,
+    TierCopy,
     step_result,
 )
 from cache_service.client._sync import CacheClient, StepStream
@@ -67,6 +69,7 @@ __all__ = [
     "CacheClient", "CacheError", "DecodeResult", "Event", "FillResult", "FreeResult", "GroupInfo",
     "LookupResult", "NewStepResult", "OpResult", "PinInfo", "PoolInfo", "PoolStats",
     "PreemptResult",
-    "RequestState", "StepBuilder", "StepResult", "StepStream", "layers", "ops",
+    "RequestState", "ResetHostTierResult", "StepBuilder", "StepResult", "StepStream",
+    "TierCopy", "layers", "ops",
     "register_request", "step_result",
 ]

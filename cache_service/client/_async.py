@@ -198,7 +198,7 @@ class AsyncCacheClient(ClientBase):
         """A Step of one decode op (see :meth:`ops.decode`): the cheapest decode step."""
         resp = await self._mutate("Step", decode_request(
             pool_id, request_ids, token_ids, begin_step), timeout)
-        return DecodeResult(resp.results[0].decode)
+        return DecodeResult(resp.results[0].decode, resp)
 
     def step_stream(self, *, step_timeout: float | None = None,
                     on_retry: OnRetry | None = None) -> AsyncStepStream:
@@ -211,11 +211,13 @@ class AsyncCacheClient(ClientBase):
                           block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,
                           lora_name: str | None = None,
                           timeout: float | None = None,
-                          lora_path: str | None = None) -> dict[str, int]:
-        """Cached prefix length in tokens per pool (read-only)."""
+                          lora_path: str | None = None,
+                          include_host: bool = False) -> dict[str, int]:
+        """Cached prefix length in tokens per pool (read-only); ``include_host``: the hit
+        across the device and the host tier (``PoolHit.host_hit_tokens``)."""
         resp = await self._call("PeekPrefix", peek_request(
             pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
-        return hits_from(resp)
+        return hits_from(resp, include_host)
 
     async def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
                            block_hashes: Sequence[bytes] = (), cache_salt: str | None = None,

@@ -188,6 +188,11 @@ class StepBuilder:
         m.token_ids.extend(token_ids)
         return self
 
+    def reset_host_tier(self) -> StepBuilder:
+        """See :meth:`ops.reset_host_tier`."""
+        self._add().reset_host_tier.SetInParent()
+        return self
+
 
 class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     """Builders of single Step operations (``kvcache.v1.Op``); arguments as the methods of
@@ -267,6 +272,12 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         cached. Answered by a :class:`FillResult`."""
         return _one().fill(request_ids, token_ids).request.ops[0]
 
+    @staticmethod
+    def reset_host_tier() -> pb.Op:
+        """The executor's host tier is empty (it restarted): the pool forgets every host
+        slot (docs/protocol.md#host-tier). Answered by a :class:`ResetHostTierResult`."""
+        return _one().reset_host_tier().request.ops[0]
+
 
 def _one() -> StepBuilder:
     return StepBuilder("")
@@ -288,6 +299,7 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      max_pinned_blocks: int | None = None,
                      session_pinned_block_quota: int = 0,
                      use_eagle: bool = False,
+                     host_tier_blocks: int = 0,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -310,7 +322,7 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=max_pinned_blocks,
         session_pinned_block_quota=session_pinned_block_quota,
-        use_eagle=use_eagle)
+        use_eagle=use_eagle, host_tier_blocks=host_tier_blocks)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks

@@ -36,6 +36,17 @@ class BlockCopy:
     dst_block_id: int
 
 
+@dataclass(frozen=True)
+class TierCopy:
+    """One copy between the device pool and the host tier (docs/protocol.md#host-tier), in
+    every layer of group ``group``: a demotion copies device block ``block_id`` into host
+    slot ``host_slot``, a promotion host slot ``host_slot`` into device block ``block_id``."""
+
+    group: int
+    block_id: int
+    host_slot: int
+
+
 class _MessageView:
     """A read-only view over one result message; subclasses convert fields on access, so a
     scheduler pays only for what it reads."""
@@ -58,7 +69,8 @@ class LookupResult(_MessageView):
 
     @property
     def block_ids(self) -> list[list[int]]:
-        """The hit's blocks per group, in order."""
+        """The hit's blocks per group, in order; -1 where a position is held only in the
+        host tier (the allocate that uses the hit promotes it into a fresh block)."""
         return tables_from(self._m.block_ids)
 
     @property
@@ -120,9 +132,27 @@ class DecodeResult(_MessageView):
     """A decode op's outcome, a view over the packed response. ``ok[i]`` answers
     ``request_ids[i]`` (False = no room; nothing was allocated for it, its token stays
     appended); a successful request's computed tokens grew by one. ``new_block_ids`` maps
-    the index of each request that got blocks to its new blocks per group (usually few)."""
+    the index of each request that got blocks to its new blocks per group (usually few).
+    ``demotions`` / ``promotions``: the host tier's copies of the Step when this is the
+    answer of ``client.decode()`` (a Step of this one op); in a :class:`StepResult` they
+    are the StepResult's."""
 
-    __slots__ = ()
+    __slots__ = ("_step",)
+
+    def __init__(self, message: Any, step: pb.StepResponse | None = None) -> None:
+        super().__init__(message)
+        self._step = step
+
+    @property
+    def demotions(self) -> list[TierCopy]:
+        """Device -> host copies of ``client.decode()``'s Step, to run first (see
+        :class:`StepResult`); empty without a host tier or inside a StepResult."""
+        return tier_copies_from(self._step.demotions) if self._step is not None else []
+
+    @property
+    def promotions(self) -> list[TierCopy]:
+        """Host -> device copies of ``client.decode()``'s Step, after the demotions."""
+        return tier_copies_from(self._step.promotions) if self._step is not None else []
 
     @property
     def ok(self) -> list[bool]:
@@ -190,16 +220,27 @@ class FillResult:
     num_filled: int
 
 
+@dataclass(frozen=True)
+class ResetHostTierResult:
+    """Host slots that held a block and were dropped (0 on a pool without a tier)."""
+
+    num_dropped: int
+
+
 OpResult = (AddResult | LookupResult | AllocateResult | AppendResult | FreeResult
-            | PreemptResult | NewStepResult | DecodeResult | FillResult)
+            | PreemptResult | NewStepResult | DecodeResult | FillResult | ResetHostTierResult)
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """``results[i]`` answers ``ops[i]``."""
+    """``results[i]`` answers ``ops[i]``. With a host tier, ``demotions`` then
+    ``promotions`` are the copies to run, in order, before this step's block copies and
+    forward pass (docs/protocol.md#host-tier); both empty without a tier."""
 
     results: list[OpResult]
     num_free_blocks: int
+    demotions: list[TierCopy] = dataclasses.field(default_factory=list)
+    promotions: list[TierCopy] = dataclasses.field(default_factory=list)
 
     def result(self, index: int, kind: type[R]) -> R:
         """``results[index]`` as the answer kind the caller expects (typed); TypeError
@@ -276,6 +317,13 @@ class PoolStats:
     num_pins: int = 0
     pin_refusals: int = 0
     tenant_pinned_blocks: int = 0
+    #: The host tier (docs/protocol.md#host-tier): its slots per group (0 = none), the
+    #: slots holding a block (all groups), and blocks demoted, promoted and dropped from it.
+    host_tier_blocks: int = 0
+    host_tier_used_blocks: int = 0
+    host_demotions: int = 0
+    host_promotions: int = 0
+    host_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -315,6 +363,9 @@ class Event:
     incarnation: int = 0
     #: block_stored: the session whose Step added the storing request ("" = none).
     session_id: str = ""
+    #: Where the block is: "GPU" (the device pool) or "CPU" (the host tier); "" for
+    #: all_blocks_cleared.
+    medium: str = ""
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -325,6 +376,11 @@ def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
 def copies_from(copies: Iterable[pb.BlockCopy]) -> list[BlockCopy]:
     """The block copies of an answer, in the order to run them."""
     return [BlockCopy(c.group, c.src_block_id, c.dst_block_id) for c in copies]
+
+
+def tier_copies_from(copies: Iterable[pb.TierCopy]) -> list[TierCopy]:
+    """The demotions or promotions of a StepResponse, in the order to run them."""
+    return [TierCopy(c.group, c.block_id, c.host_slot) for c in copies]
 
 
 def op_result_from(r: pb.OpResult) -> OpResult:
@@ -346,12 +402,16 @@ def op_result_from(r: pb.OpResult) -> OpResult:
         return PreemptResult(r.preempt.num_free_blocks)
     if kind == "fill_placeholders":
         return FillResult(r.fill_placeholders.num_filled)
+    if kind == "reset_host_tier":
+        return ResetHostTierResult(r.reset_host_tier.num_dropped)
     return NewStepResult()
 
 
 def step_result(resp: pb.StepResponse) -> StepResult:
-    """The typed results of a StepResponse, one per op in order, and the free block count."""
-    return StepResult([op_result_from(r) for r in resp.results], resp.num_free_blocks)
+    """The typed results of a StepResponse, one per op in order, the free block count and
+    the host tier's copies."""
+    return StepResult([op_result_from(r) for r in resp.results], resp.num_free_blocks,
+                      tier_copies_from(resp.demotions), tier_copies_from(resp.promotions))
 
 
 def _mamba_cache_mode(group: pb.KVCacheGroup) -> str:
@@ -379,7 +439,8 @@ def stats_from(s: pb.PoolStats) -> PoolStats:
                      s.allocation_failures, s.preemptions,
                      [g.num_cached_blocks for g in s.groups], s.last_event_sequence,
                      s.num_pinned_blocks, s.max_pinned_blocks, s.num_pins, s.pin_refusals,
-                     s.tenant_pinned_blocks)
+                     s.tenant_pinned_blocks, s.host_tier_blocks, s.host_tier_used_blocks,
+                     s.host_demotions, s.host_promotions, s.host_evictions)
 
 
 def pin_from(p: pb.PinInfo) -> PinInfo:
@@ -401,10 +462,11 @@ def _event_from(e: pb.KVEvent) -> Event:
                      s.parent_block_hash if s.HasField("parent_block_hash") else None,
                      list(s.token_ids), s.block_size, s.group_idx,
                      LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name,
-                     list(s.prefix_lengths), s.start_token, session_id=s.session_id)
+                     list(s.prefix_lengths), s.start_token, session_id=s.session_id,
+                     medium=s.medium)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
-                     group_idx=e.block_removed.group_idx)
+                     group_idx=e.block_removed.group_idx, medium=e.block_removed.medium)
     return Event(e.sequence, "all_blocks_cleared", [])
 
 
@@ -415,6 +477,10 @@ def request_state_from(r: pb.GetRequestResponse) -> RequestState:
                         r.num_placeholder_tokens)
 
 
-def hits_from(resp: pb.PeekPrefixResponse) -> dict[str, int]:
-    """Pool id -> cached prefix length in tokens, for every pool asked."""
+def hits_from(resp: pb.PeekPrefixResponse, include_host: bool = False) -> dict[str, int]:
+    """Pool id -> cached prefix length in tokens, for every pool asked; ``include_host``:
+    the hit across both tiers (``host_hit_tokens``; a pool without a host tier answers
+    its device hit)."""
+    if include_host:
+        return {h.pool_id: max(h.hit_tokens, h.host_hit_tokens) for h in resp.hits}
     return {h.pool_id: h.hit_tokens for h in resp.hits}

@@ -4,6 +4,9 @@ Feed it every event of ``SubscribeEvents`` (in sequence order) and it answers, f
 sequence, the hit length ``PeekPrefix`` would answer, without asking the server. It is the
 reference for routers in other languages: it uses only the pool's ``PoolConfig``, the
 events and the hash recipe of docs/hashing.md, with the hit rules of docs/protocol.md#kv-events.
+Events of the host tier (``medium`` "CPU", docs/protocol.md#host-tier) are counted apart:
+a position is cached on the device when the device counts hold it, and in either tier when
+either count does (the same rules over "either tier", which is ``PoolHit.host_hit_tokens``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class EventIndex:
         self.alignment = (config.scheduler_block_size if len(self.groups) > 1
                           else self.groups[0].block_size if self.groups else 1)
         self.counts: list[Counter[int]] = [Counter() for _ in self.groups]
+        #: The host tier's keys per group (events with medium "CPU").
+        self.host_counts: list[Counter[int]] = [Counter() for _ in self.groups]
         # Groups with one spec are searched jointly; full attention first (stable).
         specs: dict[tuple, list[int]] = {}
         for g in self.groups:
@@ -50,16 +55,21 @@ class EventIndex:
         counts."""
         kind = event.WhichOneof("event")
         if kind == "block_stored":
-            self.counts[event.block_stored.group_idx].update(event.block_stored.block_hashes)
+            stored = event.block_stored
+            self._tier(stored.medium)[stored.group_idx].update(stored.block_hashes)
         elif kind == "block_removed":
-            counts = self.counts[event.block_removed.group_idx]
-            for h in event.block_removed.block_hashes:
+            removed = event.block_removed
+            counts = self._tier(removed.medium)[removed.group_idx]
+            for h in removed.block_hashes:
                 counts[h] -= 1
                 if counts[h] <= 0:
                     del counts[h]
-        else:
+        else:  # ResetPrefixCache: the device cache (the host tier is reset on its own)
             for counts in self.counts:
                 counts.clear()
+
+    def _tier(self, medium: str) -> list[Counter[int]]:
+        return self.host_counts if medium == "CPU" else self.counts
 
     def num_cached_keys(self) -> int:
         """Distinct (group, block hash) keys cached now, over all groups."""
@@ -67,8 +77,10 @@ class EventIndex:
 
     # -- hits ----------------------------------------------------------------------------
     def hit_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
-                   lora_name: str | None = None, lora_path: str | None = None) -> int:
-        """The hit a request with this prompt would get (capped at ``len - 1`` tokens)."""
+                   lora_name: str | None = None, lora_path: str | None = None,
+                   include_host: bool = False) -> int:
+        """The hit a request with this prompt would get from the device (capped at
+        ``len - 1`` tokens); ``include_host``: across both tiers."""
         if not self.enabled or len(token_ids) < 2:
             return 0
         fine = [external_block_hash(h) for h in hash_request_tokens(
@@ -82,7 +94,7 @@ class EventIndex:
                 if ids[0] in searched:
                     cur = min(cur, searched[ids[0]])
                     continue
-                cur = self._search(ids, fine, cur)
+                cur = self._search(ids, fine, cur, include_host)
                 if self._is_full(ids[0]):
                     searched[ids[0]] = cur
             if cur >= limit:
@@ -91,15 +103,18 @@ class EventIndex:
             if len(self.spec_groups) == 2 and self._is_full(self.spec_groups[0][0]):
                 return limit
 
-    def _search(self, ids: list[int], fine: list[int], limit: int) -> int:
+    def _search(self, ids: list[int], fine: list[int], limit: int, include_host: bool) -> int:
         group = self.groups[ids[0]]
         bs = group.block_size
         k = bs // self.hash_block_size
         n = min(limit // bs, len(fine) // k)
+        counts, host = self.counts, self.host_counts
 
         def present(i: int) -> bool:
             h = fine[(i + 1) * k - 1]
-            return all(h in self.counts[g] for g in ids)
+            if include_host:
+                return all(h in counts[g] or h in host[g] for g in ids)
+            return all(h in counts[g] for g in ids)
 
         kind = self.kinds[ids[0]]
         if kind not in _CACHEABLE:
