@@ -176,8 +176,7 @@ class CacheLink:
                                         else int(self.plan.memory_bytes or 0)),
                 max_model_len=self.plan.max_model_len, enable_caching=self.plan.enable_caching,
                 vocab_size=self.plan.vocab_size or None,
-                **({"host_tier_blocks": self.plan.host_tier_blocks}
-                   if self.plan.host_tier_blocks else {}))
+                host_tier_blocks=self.plan.host_tier_blocks)
         except CacheError as exc:
             if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise CacheUnavailable(exc.message) from None

@@ -265,7 +265,7 @@ class Scheduler:
         step_ops: list[pb.Op] = []
         reset = self.reset_host_tier
         if reset:  # first: nothing of this batch may hit a host slot we no longer hold
-            step_ops.append(pb.Op(reset_host_tier=pb.ResetHostTierOp()))
+            step_ops.append(ops.reset_host_tier())
         fill_queue = self.fill_queue
         if fill_queue:  # first: frees, preempts and decodes come after their fills
             rids: list[str] = []
@@ -455,8 +455,8 @@ class Scheduler:
         """One Step call; its answer's host-tier copies are recorded (in ``answers``, in
         the order received) before anything of it is used."""
         result = self.link.step(step_ops, begin_step=begin_step)
-        self.answers.append(AnswerCopies(tier_copies(getattr(result, "demotions", ())),
-                                         tier_copies(getattr(result, "promotions", ()))))
+        self.answers.append(AnswerCopies(tier_copies(result.demotions),
+                                         tier_copies(result.promotions)))
         return result
 
     def _note_copies(self, answer: AllocateResult | DecodeResult) -> None:
