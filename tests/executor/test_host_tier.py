@@ -6,17 +6,33 @@ with and without the tier, recomputing fewer prompt tokens with it."""
 
 from __future__ import annotations
 
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from executor.cache import CacheGroup, CacheTensors
+from cache_service.client import CacheClient, PoolStats
+from executor.cache import CacheGroup, CacheTensors, model_layer_specs
+from executor.cache_link import CacheLink, PoolPlan, cache_groups
+from executor.engine import Engine, EngineConfig, EngineRequest
 from executor.forward_meta import GroupLayout
 from executor.host_tier import SCRIBBLE, HostTier, TierCopy, fail_nth
+from executor.launch import start_executor
+from executor.model import HybridModel
 from executor.model_config import ModelConfig
+from executor.presets import get_preset
 from executor.runner import ModelRunner
-from executor.scheduler import AnswerCopies
+from executor.scheduler import AnswerCopies, Scheduler
+
+from paged_helpers import run_concurrently
+from test_engine import assert_views_agree, collect_into
+
+pytestmark = pytest.mark.timeout(300)
 
 # Two groups: group 0 has three attention layers (slots 0-2), group 1 one (slot 0 only).
 CFG = ModelConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -149,3 +165,139 @@ def test_copies_without_a_tier_are_an_error_not_ignored() -> None:
     runner = ModelRunner(None, make_cache())  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="no host tier"):
         runner.run_copies([AnswerCopies(demotions=[TierCopy(0, 1, 0)])])
+
+
+# ---------------------------------------------------------------------------------------
+# End to end: the engine in process against the session's real cache service
+# ---------------------------------------------------------------------------------------
+
+PROMPT_PREFIX, NUM_PREFIXES, DEVICE_BLOCKS = 64, 6, 20
+
+
+@pytest.fixture(scope="module")
+def tier_model() -> HybridModel:
+    """Every group kind at once (full, sliding window, Mamba-2 in align mode)."""
+    return HybridModel(get_preset("hybrid-fsm").replace(max_model_len=256))
+
+
+def waves(vocab: int) -> list[list[list[int]]]:
+    """Nine waves of two requests over six 64-token prefixes, round robin: the working set
+    (six prefixes) is several device pools (DEVICE_BLOCKS holds about two), so without a
+    tier a prefix is evicted before it comes back."""
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(vocab) for _ in range(PROMPT_PREFIX)] for _ in range(NUM_PREFIXES)]
+    return [[prefixes[(2 * w + i) % NUM_PREFIXES] + [rng.randrange(vocab) for _ in range(5)]
+             for i in range(2)] for w in range(9)]
+
+
+@dataclass
+class TierRun:
+    outputs: list[list[int]]
+    engine: Engine
+    stats: PoolStats
+    tier: HostTier | None
+
+
+def run_waves(target: str, model: HybridModel, host_tier_blocks: int, *,
+              fault: Callable[[str, TierCopy], bool] | None = None,
+              async_cache_step: bool = False) -> TierRun:
+    """The waves one after the other (each to completion), the engine stepped in this
+    thread; the engine's and the service's views are compared after every step."""
+    cfg = model.config
+    plan = PoolPlan(pool_id=f"tier-test-{uuid.uuid4().hex[:8]}", specs=model_layer_specs(cfg),
+                    max_model_len=cfg.max_model_len, num_blocks=DEVICE_BLOCKS,
+                    vocab_size=cfg.vocab_size, host_tier_blocks=host_tier_blocks)
+    link = CacheLink(target, plan)
+    info = link.register()
+    cache = CacheTensors(cfg, cache_groups(info), info.num_blocks, info.layer_page_size_bytes)
+    tier = HostTier(cache, host_tier_blocks, fault=fault) if host_tier_blocks else None
+    engine = Engine(ModelRunner(model, cache, tier), link,
+                    EngineConfig(max_num_seqs=4, async_cache_step=async_cache_step))
+    outputs: list[list[int]] = []
+    try:
+        for wave in waves(cfg.vocab_size):
+            outs: list[list[int]] = [[] for _ in wave]
+            for prompt, out in zip(wave, outs):
+                engine.submit(EngineRequest(engine.new_request_id(), prompt, 4,
+                                            sink=collect_into(out)))
+            engine._drain_inbox(block=False)
+            while engine.has_work:
+                engine.step()
+                assert_views_agree(engine, link)
+            outputs += outs
+        stats = link.client.stats(plan.pool_id)
+    finally:
+        link.close()
+    return TierRun(outputs, engine, stats, tier)
+
+
+@pytest.mark.parametrize("async_cache_step", [False, True], ids=["sequential", "overlapped"])
+def test_a_working_set_beyond_the_pool_hits_the_host_tier_with_identical_outputs(
+        cache_service, tier_model, async_cache_step: bool) -> None:
+    none = run_waves(cache_service.target, tier_model, 0, async_cache_step=async_cache_step)
+    tier = run_waves(cache_service.target, tier_model, 4 * DEVICE_BLOCKS,
+                     async_cache_step=async_cache_step)
+    assert tier.outputs == none.outputs and all(len(o) == 4 for o in tier.outputs)
+    assert none.stats.evictions > 0 and none.engine.metrics.cached_tokens == 0
+    # the tier turns those evictions into hits: fewer prompt tokens recomputed
+    assert tier.engine.metrics.cached_tokens > 0
+    assert tier.engine.metrics.computed_tokens < none.engine.metrics.computed_tokens
+    assert tier.tier is not None
+    assert tier.tier.stats.demotions == tier.stats.host_demotions > 0
+    assert tier.tier.stats.promotions == tier.stats.host_promotions > 0
+    assert tier.tier.stats.resets == 1  # the first Step told the service the tier is empty
+
+
+def test_a_failed_promotion_recomputes_its_request_never_reads_the_garbage(
+        cache_service, tier_model) -> None:
+    """The first promotion copy fails (its device block is scribbled over): the request
+    that would read it is preempted before the forward pass, the block's cache entry is
+    dropped on the service, and the request recomputes; its greedy output is unchanged."""
+    none = run_waves(cache_service.target, tier_model, 0)
+    faulty = run_waves(cache_service.target, tier_model, 4 * DEVICE_BLOCKS,
+                       fault=fail_nth("promotion", 1))
+    assert faulty.outputs == none.outputs
+    assert faulty.tier is not None and faulty.tier.stats.failed_promotions == 1
+    assert faulty.engine.metrics.tier_recomputes >= 1
+    assert faulty.engine.metrics.preemptions >= faulty.engine.metrics.tier_recomputes
+
+
+def test_without_the_eviction_the_garbage_would_be_read(cache_service, tier_model,
+                                                        monkeypatch) -> None:
+    """The fault test is not vacuous: if the engine ran the forward pass over the failed
+    block anyway, the outputs would change."""
+    none = run_waves(cache_service.target, tier_model, 0)
+    monkeypatch.setattr(Scheduler, "drop_unreadable", lambda self, scheduled, bad: scheduled)
+    broken = run_waves(cache_service.target, tier_model, 4 * DEVICE_BLOCKS,
+                       fault=fail_nth("promotion", 1))
+    assert broken.outputs != none.outputs
+
+
+# ---------------------------------------------------------------------------------------
+# The executor process: --host-tier-blocks, and a restart is a new tier incarnation
+# ---------------------------------------------------------------------------------------
+
+def test_a_restarted_executor_tells_the_service_its_host_tier_is_empty(cache_service) -> None:
+    pool_id = f"tier-restart-{uuid.uuid4().hex[:6]}"
+    flags = ("--preset", "hybrid-fsm", "--max-model-len", "256", "--num-blocks",
+             str(DEVICE_BLOCKS), "--host-tier-blocks", str(4 * DEVICE_BLOCKS), "--pool-id", pool_id)
+    prompts = [p for wave in waves(1000) for p in wave]
+    first = start_executor(cache_service.target, *flags)
+    try:
+        for p in prompts[:8]:  # one at a time: each prefix evicted before it returns
+            run_concurrently(first.target, [p], 4)
+    finally:
+        first.stop()
+    with CacheClient(cache_service.target) as cc:
+        before = cc.stats(pool_id)
+    assert before.host_tier_blocks == 4 * DEVICE_BLOCKS and before.host_tier_used_blocks > 0
+    second = start_executor(cache_service.target, *flags)
+    try:
+        got = run_concurrently(second.target, prompts[8:9], 4)
+    finally:
+        second.stop()
+    assert len(got[0].token_ids) == 4
+    with CacheClient(cache_service.target) as cc:
+        after = cc.stats(pool_id)
+    # its first Step dropped every slot the first incarnation had demoted
+    assert after.host_evictions >= before.host_evictions + before.host_tier_used_blocks
