@@ -383,6 +383,19 @@ class EngineCollector:
             c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
             c.add_metric([], float(value))
             yield c
+        tier = engine.runner.tier
+        if tier is not None:
+            ts = tier.stats
+            for name, value, doc in (
+                    ("host_tier_demotions", ts.demotions, "host-tier demotion copies run"),
+                    ("host_tier_promotions", ts.promotions, "host-tier promotion copies run"),
+                    ("host_tier_failed_copies", ts.failed_demotions + ts.failed_promotions,
+                     "host-tier copies that failed (their requests recompute)"),
+                    ("host_tier_recomputes", m.tier_recomputes,
+                     "requests preempted to recompute after a failed promotion")):
+                c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
+                c.add_metric([], float(value))
+                yield c
         for name, value in (("running_requests", len(engine.scheduler.running)),
                             ("waiting_requests", len(engine.scheduler.waiting))):
             g = GaugeMetricFamily(f"kvcache_executor_{name}", name.replace("_", " "))
