@@ -35,6 +35,7 @@ makes that copy fail (its destination is scribbled over, as a torn copy would le
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -145,6 +146,7 @@ class HostTier:
         """Device block -> host slot for each copy (one answer's list, in order). Returns
         the (group, host slot) pairs that failed (now in :attr:`bad`); a copy from a
         ``suspect`` (group, block) pair (garbage: a failed promotion's destination) fails."""
+        t0 = time.perf_counter()
         self.flush()  # an earlier demotion into the same slot must land first
         failed: list[tuple[int, int]] = []
         for group, batch in self._by_group(copies, "demotion", key=lambda c: c.host_slot):
@@ -164,12 +166,14 @@ class HostTier:
             failed += [(group, c.host_slot) for c in bad]
         self.stats.demotions += len(copies) - len(failed)
         self.stats.failed_demotions += len(failed)
+        self.stats.copy_seconds += time.perf_counter() - t0
         return failed
 
     def promote(self, copies: Sequence[TierCopy]) -> list[tuple[int, int]]:
         """Host slot -> device block for each copy (one answer's list, in order, after its
         demotions). Returns the (group, device block) pairs that failed: their content is
         garbage and no forward pass may read them."""
+        t0 = time.perf_counter()
         self.flush()  # a slot demoted by an earlier answer must be in host memory first
         failed: list[tuple[int, int]] = []
         for group, batch in self._by_group(copies, "promotion", key=lambda c: c.block_id):
@@ -186,6 +190,7 @@ class HostTier:
             failed += [(group, c.block_id) for c in bad]
         self.stats.promotions += len(copies) - len(failed)
         self.stats.failed_promotions += len(failed)
+        self.stats.copy_seconds += time.perf_counter() - t0
         return failed
 
     def flush(self) -> None:

@@ -392,7 +392,9 @@ class EngineCollector:
                     ("host_tier_failed_copies", ts.failed_demotions + ts.failed_promotions,
                      "host-tier copies that failed (their requests recompute)"),
                     ("host_tier_recomputes", m.tier_recomputes,
-                     "requests preempted to recompute after a failed promotion")):
+                     "requests preempted to recompute after a failed promotion"),
+                    ("host_tier_copy_seconds", ts.copy_seconds,
+                     "time the engine spent running (CUDA: issuing) host-tier copies")):
                 c = CounterMetricFamily(f"kvcache_executor_{name}", doc)
                 c.add_metric([], float(value))
                 yield c
