@@ -10,8 +10,9 @@ device pool (``--host-tier-blocks``) and one without, running the same workload:
   ``timestamp``, ``input_length``, ``output_length``, ``hash_ids`` of 512-token blocks; the
   files live in ../shared/data/mooncake-traces/, never committed): each trace block becomes
   ``--trace-block-tokens`` tokens (the same tokens for the same hash id), outputs are capped
-  at ``--max-tokens``, requests longer than ``--max-trace-blocks`` blocks are left out, and the
-  device pool is a quarter of the blocks the kept requests' distinct prefixes need.
+  at ``--max-tokens``, requests longer than ``--max-trace-blocks`` blocks (or, scaled, than
+  ``--max-model-len``) are left out, and the device pool is a quarter of the working set (the
+  distinct blocks the kept requests' prefixes fill).
 
 Per executor: prefix hit rate (prompt tokens served from the cache, device or host), prompt
 tokens recomputed, TTFT p50/p99, tokens/s, the host tier's demotions/promotions (the pool's
@@ -50,7 +51,6 @@ from cache_service.client import CacheClient, PoolInfo
 from executor.cache import model_layer_specs
 from executor.cache_link import PoolPlan
 from executor.client import ExecutorClient
-from executor.demo import run_workload
 from executor.launch import start_cache_service, start_executor
 from executor.presets import DEFAULT_PRESET, PRESETS
 
@@ -78,6 +78,21 @@ def probe_groups(target: str, preset: str, max_model_len: int) -> PoolInfo:
                                 max_model_len=max_model_len)
         cc.delete_pool(plan.pool_id)
     return info
+
+
+def working_set_blocks(prompts: list[list[int]], info: PoolInfo) -> int:
+    """Distinct full blocks the prompts can leave cached, over every group: the blocks a
+    pool holding every prefix it ever computed would keep (the working set)."""
+    total = 0
+    for g in info.groups:
+        seen: set[int] = set()
+        for p in prompts:
+            h = 0
+            for k in range(len(p) // g.block_size):
+                h = hash((h, tuple(p[k * g.block_size:(k + 1) * g.block_size])))
+                seen.add(h)
+        total += len(seen)
+    return total
 
 
 def blocks_for(tokens: int, info: PoolInfo) -> int:
@@ -112,9 +127,12 @@ def trace_workload(args: argparse.Namespace, vocab: int) -> tuple[list[list[int]
         if not ids or len(ids) > args.max_trace_blocks or int(r["input_length"]) <= 0:
             continue
         n_in = max(1, -(-int(r["input_length"]) * per // TRACE_BLOCK))
+        n_out = min(args.max_tokens, max(1, int(r.get("output_length", 1))))
+        if n_in + n_out > args.max_model_len:
+            continue
         tokens = [random.Random(h * 7919 + j).randrange(vocab) for h in ids for j in range(per)]
         prompts.append(tokens[:n_in])
-        outputs.append(min(args.max_tokens, max(1, int(r.get("output_length", 1)))))
+        outputs.append(n_out)
         distinct.update(tuple(ids[:k + 1]) for k in range(len(ids)))
         if len(prompts) >= args.max_requests:
             break
@@ -196,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--trace", type=Path, default=None, help="a Mooncake trace (JSON lines)")
-    ap.add_argument("--max-requests", type=int, default=200, help="trace requests kept")
+    ap.add_argument("--max-requests", type=int, default=400, help="trace requests kept")
     ap.add_argument("--trace-block-tokens", type=int, default=16,
                     help="tokens per 512-token trace block (the scale-down)")
     ap.add_argument("--max-trace-blocks", type=int, default=24,
@@ -215,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         info = probe_groups(cache.target, args.preset, args.max_model_len)
         floor = blocks_for(args.max_model_len, info) + 2  # one request of max_model_len fits
         if args.trace is not None:
-            prompts, outputs, distinct = trace_workload(args, vocab)
-            working_set = distinct * blocks_for(args.trace_block_tokens, info)
+            prompts, outputs, _ = trace_workload(args, vocab)
+            working_set = working_set_blocks(prompts, info)
             workload = (f"Mooncake trace {args.trace.name}: {len(prompts)} requests, "
                         f"{args.trace_block_tokens} tokens per trace block")
         else:
@@ -226,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.num_prefixes = max(2, round(args.working_set * pool / per_prefix))
             prompts = prefix_workload(args, vocab)
             outputs = [args.max_tokens] * len(prompts)
-            working_set = args.num_prefixes * per_prefix
+            working_set = working_set_blocks(prompts, info)
             workload = (f"{args.num_prefixes} prefixes of {args.prefix_len} tokens round robin x "
                         f"{args.rounds}")
         device = args.device_blocks or max(floor, round(working_set / args.working_set))
@@ -300,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                  ratio(on["tokens_per_s"], off["tokens_per_s"]), "", "", ""])
     print_table(f"host tier end to end ({args.preset}; {workload}; device pool {device} blocks, "
                 f"working set {working_set / device:.1f}x)",
-                ["run (fastest of {})".format(args.repeats), "requests", "hit rate", "prompt tokens recomputed", "TTFT p50 ms",
+                [f"run (fastest of {args.repeats})", "requests", "hit rate", "prompt tokens recomputed", "TTFT p50 ms",
                  "TTFT p99 ms", "tokens/s", "device evictions", "demotions", "promotions"], rows)
     for label, r in runs.items():
         print(f"{label}: {r['steps']:.0f} steps, forward {r['forward_s']:.2f} s, cache calls "

@@ -11,9 +11,9 @@ import torch
 from torch import Tensor
 
 from executor.cache import CacheTensors
-from executor.host_tier import HostTier
 from executor.errors import InvalidArgument
 from executor.forward_meta import GroupLayout, SeqChunk, build_forward_meta
+from executor.host_tier import HostTier
 from executor.model import HybridModel
 
 if TYPE_CHECKING:

@@ -259,6 +259,12 @@ REGISTRY: dict[str, Entry] = {
     "python3 bench/bench_executor.py --simulated-forward-ms 5 2 --requests 128 --concurrency 64 "
     "--max-tokens 32": _bench("executor_simulated", "--requests 16 --repeats 1 --max-tokens 4"),
     "python3 bench/bench_routing.py": _bench("routing", "--quick"),
+    "python3 bench/bench_tier.py --quick": _bench("tier"),
+    "python3 bench/bench_tier.py": _bench("tier", "--quick"),
+    "python3 bench/bench_tier.py --trace "
+    "../shared/data/mooncake-traces/conversation_trace.jsonl": Gated(
+        "the Mooncake trace files beside the checkout (../shared/data, never committed)",
+        "tests/bench/test_bench_tier.py runs the bench on a generated trace of the format"),
     "python3 bench/bench_service.py --sizes 256 --clients 1 --steps 300 --baseline-tree ../main":
         Gated("a second checkout at ../main", "the before side of a before/after comparison; "
               "`python3 bench/bench_service.py` runs in tests/bench"),

@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import assert_views_agree, collect_into
 
 from cache_service.client import CacheClient, PoolStats
 from executor.cache import CacheGroup, CacheTensors, model_layer_specs
@@ -30,7 +31,6 @@ from executor.runner import ModelRunner
 from executor.scheduler import AnswerCopies, Scheduler
 
 from paged_helpers import run_concurrently
-from test_engine import assert_views_agree, collect_into
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,16 +103,15 @@ def test_one_answers_copies_run_demotions_then_promotions_then_block_copies() ->
     evicted and reused): the demotion reads the old bytes first. A block copy of the answer
     then sees the promoted bytes; the next answer's demotion sees the copy's."""
     cache = make_cache()
-    runner = ModelRunner(None, cache, HostTier(cache, 4))  # type: ignore[arg-type]
+    tier = HostTier(cache, 4)
+    runner = ModelRunner(None, cache, tier)  # type: ignore[arg-type]
     old4 = group_block(cache, 0, 4)
-    runner.tier.demote([TierCopy(0, 6, 1)])  # slot 1 holds block 6's bytes  # type: ignore[union-attr]
+    tier.demote([TierCopy(0, 6, 1)])  # slot 1 holds block 6's bytes
     old6 = group_block(cache, 0, 6)
     answers = [AnswerCopies(demotions=[TierCopy(0, 4, 0)], promotions=[TierCopy(0, 4, 1)],
                             block_copies=[(0, 4, 8)]),
                AnswerCopies(demotions=[TierCopy(0, 8, 2)])]
     assert runner.run_copies(answers) == set()
-    tier = runner.tier
-    assert tier is not None
     assert all(torch.equal(tier.slots[0][j][0], d) for j, d in enumerate(old4))
     for j in range(3):
         assert torch.equal(cache.slots[j][4], old6[j])
