@@ -51,6 +51,7 @@ from cache_service.core.operations import (
     Lookup,
     NewStep,
     Preempt,
+    ResetHostTierOp,
     op_cost,
 )
 from cache_service.core.request import Request
@@ -408,6 +409,10 @@ class BatchCheck:
     def _check_new_step(self, op: NewStep) -> None:
         return None
 
+    def _check_reset_host_tier(self, op: ResetHostTierOp) -> None:
+        # A pending hit may name host slots this drops: later allocates look up again.
+        self.blocks_moved = True
+
     def _adopts_hit(self, op: Allocate) -> bool:
         """Whether an allocate of 0 new tokens adopts a prefix hit known now (see the
         module docstring)."""
@@ -521,6 +526,7 @@ _CHECKS: dict[type, Callable[[BatchCheck, Any], Any]] = {
     Free: BatchCheck._check_free,
     Preempt: BatchCheck._check_preempt,
     NewStep: BatchCheck._check_new_step,
+    ResetHostTierOp: BatchCheck._check_reset_host_tier,
 }
 
 

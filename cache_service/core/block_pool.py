@@ -28,6 +28,7 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
 from cache_service.core.hashing import external_block_hash
+from cache_service.core.host_tier import HostTier
 from cache_service.core.release_hints import release_to_front
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ class CachedBlockLookup(Protocol):
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class BlockPool:
     """``num_blocks`` blocks including the null block 0, so ``num_blocks - 1`` usable."""
+
+    #: The host tier (core/host_tier.py) cached blocks are demoted to when they are
+    #: evicted for reuse; None = none (a class default: pools pickled before tiers
+    #: existed load without one).
+    host_tier: HostTier | None = None
 
     def __init__(self, num_blocks: int, enable_caching: bool, hash_block_size: int, *,
                  num_groups: int = 1, enable_events: bool = False) -> None:
@@ -218,6 +224,10 @@ class BlockPool:
             raise ValueError(f"Cannot get {n} free blocks from the pool")
         blocks = self.free_block_queue.popleft_n(n)
         if self.enable_caching:
+            tier = self.host_tier
+            if tier is not None:
+                self._demote_and_evict(blocks, tier)
+                return blocks
             evict = self._evict
             for block in blocks:
                 if block.block_hash is not None and evict(block):
@@ -227,6 +237,19 @@ class BlockPool:
             for block in blocks:
                 block.ref_cnt = 1
         return blocks
+
+    def _demote_and_evict(self, blocks: list[KVCacheBlock], tier: HostTier) -> None:
+        """:meth:`get_new_blocks`' eviction with a host tier: each cached block's primary
+        key is demoted (its extra keys are dropped), after the device removal is
+        announced."""
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is not None:
+                gid, num_tokens = block.group_id, block.hash_num_tokens
+                if self._evict(block):
+                    self.num_evictions += 1
+                tier.demote(block.block_id, block_hash, gid, num_tokens, self.events)
+            block.ref_cnt = 1
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on hit blocks; free ones leave the queue (still cached)."""
@@ -420,6 +443,8 @@ class BlockPool:
             else:
                 assert block.block_id not in self._extra, \
                     f"block {block.block_id} has extra keys but no hash"
+        if self.host_tier is not None:
+            self.host_tier.check_invariants()
         for gid, m in enumerate(self._maps):
             for block_hash, entry in m.items():
                 members = list(entry.values()) if isinstance(entry, dict) else [entry]

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, TypedDict, Unpack
 from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
-from cache_service.core.block_pool import BlockPool
+from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 from cache_service.core.errors import ConfigError
+from cache_service.core.host_tier import MAX_HOST_TIER_BLOCKS, HostTier, TwoTierView
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import (
     ChunkedLocalAttentionManager,
@@ -64,6 +65,11 @@ class CoordinatorOptions(TypedDict):
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class KVCacheCoordinator:
     """Fans group operations out to the managers; subclasses define the hit search."""
+
+    #: What lookups probe when not told otherwise: both tiers with a host tier
+    #: (host_tier.TwoTierView), else None = the block pool (a class default: coordinators
+    #: pickled before tiers existed load without one).
+    host_view: CachedBlockLookup | None = None
 
     def __init__(self, config: KVCacheConfig, *, max_model_len: int,
                  max_in_flight_tokens: int | None, enable_caching: bool, enable_events: bool,
@@ -174,10 +180,32 @@ class KVCacheCoordinator:
             manager.use_eagle = use_eagle
             manager.eagle_unit = self.scheduler_block_size
 
+    def configure_host_tier(self, host_tier_blocks: int) -> None:
+        """A host tier of ``host_tier_blocks`` slots per group (docs/semantics.md#host-tier);
+        0 = none. Needs prefix caching. Call before any request is allocated."""
+        n = host_tier_blocks
+        if type(n) is not int or not 0 <= n <= MAX_HOST_TIER_BLOCKS:
+            raise ConfigError(f"host_tier_blocks must be an integer in [0, "
+                              f"{MAX_HOST_TIER_BLOCKS}], got {n!r}", field="host_tier_blocks")
+        if n and not self.enable_caching:
+            raise ConfigError("a host tier needs prefix caching (enable_caching)",
+                              field="host_tier_blocks")
+        if not n:
+            self.pool.host_tier = None
+            self.host_view = None
+            return
+        tier = HostTier(n, [m.block_size for m in self.managers], self.pool.enable_events)
+        self.pool.host_tier = tier
+        self.host_view = TwoTierView(self.pool, tier)
+
     # -- hits --------------------------------------------------------------------------
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
-        """(hit blocks per group, hit tokens, uncached common-prefix tokens)."""
+                               max_cache_hit_length: int,
+                               source: CachedBlockLookup | None = None
+                               ) -> tuple[HitBlocks, int, int]:
+        """(hit blocks per group, hit tokens, uncached common-prefix tokens), probing
+        ``source`` (None: both tiers with a host tier, else the block pool; pass the
+        block pool for a device-only hit)."""
         raise NotImplementedError
 
     # -- fan-out -----------------------------------------------------------------------
@@ -338,7 +366,9 @@ class NoPrefixCacheCoordinator(KVCacheCoordinator):
     """Caching disabled: never a hit, nothing hashed; works for 0..n groups."""
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+                               max_cache_hit_length: int,
+                               source: CachedBlockLookup | None = None
+                               ) -> tuple[HitBlocks, int, int]:
         return tuple([] for _ in self.managers), 0, 0
 
 
@@ -366,13 +396,17 @@ class UnitaryCoordinator(KVCacheCoordinator):
         self._group_ids = [0]
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+                               max_cache_hit_length: int,
+                               source: CachedBlockLookup | None = None
+                               ) -> tuple[HitBlocks, int, int]:
         manager = self._manager
+        if source is None:
+            source = self.pool if self.host_view is None else self.host_view
         if self.use_eagle:
             blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids,
-                                     self.pool, manager.spec, manager.block_size, True)
+                                     source, manager.spec, manager.block_size, True)
             return blocks, hit, 0
-        blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids, self.pool,
+        blocks, hit = self._find(block_hashes, max_cache_hit_length, self._group_ids, source,
                                  manager.spec, manager.block_size)
         return blocks, hit, 0
 
@@ -449,9 +483,13 @@ class HybridCoordinator(KVCacheCoordinator):
             for m in self.managers)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],
-                               max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+                               max_cache_hit_length: int,
+                               source: CachedBlockLookup | None = None
+                               ) -> tuple[HitBlocks, int, int]:
+        if source is None:
+            source = self.pool if self.host_view is None else self.host_view
         if self.use_eagle:
-            return self._find_eagle(block_hashes, max_cache_hit_length)
+            return self._find_eagle(block_hashes, max_cache_hit_length, source)
         num_groups = len(self.managers)
         alignment = self._hit_alignment
         hit_length = max_cache_hit_length
@@ -468,7 +506,7 @@ class HybridCoordinator(KVCacheCoordinator):
                         curr = length_by_group[first]
                     continue
                 found, new_len = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, curr, sg.group_ids, self.pool, sg.spec, alignment)
+                    block_hashes, curr, sg.group_ids, source, sg.spec, alignment)
                 curr = new_len
                 for gid, blocks in zip(sg.group_ids, found):
                     blocks_by_group[gid] = blocks
@@ -492,8 +530,8 @@ class HybridCoordinator(KVCacheCoordinator):
         return result, hit_length, longest - hit_length
 
 
-    def _find_eagle(self, block_hashes: Sequence[bytes],
-                    max_cache_hit_length: int) -> tuple[HitBlocks, int, int]:
+    def _find_eagle(self, block_hashes: Sequence[bytes], max_cache_hit_length: int,
+                    source: CachedBlockLookup) -> tuple[HitBlocks, int, int]:
         """The fixed point of :meth:`find_longest_cache_hit` with EAGLE: a spec group
         (Mamba aside) looks one drop unit past the candidate (its block, or a hash
         block when it may hit inside blocks) and drops that unit, at most once per
@@ -523,7 +561,7 @@ class HybridCoordinator(KVCacheCoordinator):
                                      and bs > hbs) else bs
                     max_length = min(curr + margin, limit)
                 found, new_len = sg.manager_cls.find_longest_cache_hit(
-                    block_hashes, max_length, sg.group_ids, self.pool, sg.spec, alignment, drop)
+                    block_hashes, max_length, sg.group_ids, source, sg.spec, alignment, drop)
                 if drop:
                     dropped.add(idx)
                 elif new_len < curr:

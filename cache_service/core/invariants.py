@@ -38,6 +38,8 @@ def check_pool_invariants(kv: KVCacheManager, requests: Mapping[str, Request],
             for block in table:
                 if block.is_null:
                     continue
+                assert block.block_id >= 0, \
+                    f"a host placeholder (slot {-block.block_id - 1}) in request {rid!r}'s table"
                 assert block.block_id not in seen, \
                     f"block {block.block_id} twice in request {rid!r}'s group-{gid} table"
                 seen.add(block.block_id)

@@ -18,6 +18,8 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
 from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
+from cache_service.core.hashing import external_block_hash
+from cache_service.core.host_tier import HostTier
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks, MambaManager
@@ -91,12 +93,16 @@ _ADMISSION_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 class KVCacheManager:
     """vLLM 0.33's KVCacheManager semantics over one coordinator."""
 
+    #: The block pool's host tier (core/host_tier.py), None = none (a class default:
+    #: managers pickled before tiers existed load without one).
+    host_tier: HostTier | None = None
+
     def __init__(self, config: KVCacheConfig, *, max_model_len: int, scheduler_block_size: int,
                  hash_block_size: int, max_in_flight_tokens: int | None = None,
                  enable_caching: bool = True, enable_events: bool = False,
                  watermark: float = 0.0, prefix_cache_retention_interval: int | None = None,
                  enable_mamba_shared_prefix_checkpoint: bool = False,
-                 use_eagle: bool = False) -> None:
+                 use_eagle: bool = False, host_tier_blocks: int = 0) -> None:
         if watermark < 0:
             raise ConfigError("watermark must be non-negative", field="watermark")
         self.config = config
@@ -109,6 +115,8 @@ class KVCacheManager:
         self.coordinator.configure_retention(prefix_cache_retention_interval)
         self.coordinator.configure_eagle(use_eagle)
         self.use_eagle = use_eagle
+        self.coordinator.configure_host_tier(host_tier_blocks)
+        self.host_tier = self.coordinator.pool.host_tier
         # vLLM narrows the flag to EAGLE pools with partial hits (a junction inside a
         # block is only reachable by a hit that drops back from the block past it);
         # elsewhere it is accepted and has no effect.
@@ -285,8 +293,11 @@ class KVCacheManager:
             self.refused_by_quota = True
             return None
         if hits is not self.empty_blocks or num_external_computed_tokens > 0:
-            coordinator.allocate_new_computed_blocks(rid, hits, num_local,
-                                                     num_external_computed_tokens)
+            if self.host_tier is not None and hits is not self.empty_blocks:
+                self._adopt_with_promotions(rid, hits, num_local, num_external_computed_tokens)
+            else:
+                coordinator.allocate_new_computed_blocks(rid, hits, num_local,
+                                                         num_external_computed_tokens)
         new_blocks = coordinator.allocate_new_blocks(rid, need_slots, main, num_encoder_tokens,
                                                      total_computed)
         if delay_cache_blocks or not self.enable_caching:
@@ -297,6 +308,64 @@ class KVCacheManager:
             n_cache = num_tokens  # draft tokens beyond the sequence are never cached
         coordinator.cache_blocks(request, n_cache)
         return new_blocks
+
+    def _adopt_with_promotions(self, rid: str, hits: HitBlocks, num_local: int,
+                               num_external: int) -> None:
+        """``allocate_new_computed_blocks`` of hits that may hold host placeholders
+        (block id < 0), after the room check passed: each placeholder the request keeps
+        is promoted into a fresh device block that takes its key.
+
+        Invariant relied on: the room check counted every kept placeholder and every
+        free device hit as one free block to take (``ref_cnt == 0``), so the touches and
+        pops below take exactly that many blocks and ``allocate_new_blocks`` still finds
+        the rest. Order: the placeholders' slots are reserved (the pops below may demote
+        other blocks, never into them), the device hits are touched (popping fresh blocks
+        cannot evict a hit that sits in the free queue), then one block per placeholder is
+        popped and keyed. ``allocate_new_computed_blocks`` then touches every kept block
+        once more, so our own references are dropped afterwards: device hits end with the
+        request's reference, promoted blocks with exactly one (the request's)."""
+        tier = self.host_tier
+        assert tier is not None
+        coordinator = self.coordinator
+        pool = self.pool
+        total = num_local + num_external
+        targets: list[tuple[int, int, KVCacheBlock]] = []
+        device: list[KVCacheBlock] = []
+        if not any(rid in m.num_cached_block for m in coordinator.managers):
+            for gid, (manager, hit) in enumerate(zip(coordinator.managers, hits)):
+                # The blocks add_local_computed_blocks keeps (it skips out-of-window ones).
+                skipped = manager.get_num_skipped_tokens(total) // manager.block_size
+                for idx in range(max(skipped, 0), len(hit)):
+                    block = hit[idx]
+                    if block.block_id < 0:
+                        assert tier.is_live(block), "a stale host placeholder in a hit"
+                        targets.append((gid, idx, block))
+                    elif not block.is_null:
+                        device.append(block)
+        if not targets:
+            coordinator.allocate_new_computed_blocks(rid, hits, num_local, num_external)
+            return
+        for _, _, placeholder in targets:
+            tier.reserve(placeholder)
+        pool.touch(device)
+        fresh = pool.get_new_blocks(len(targets))
+        adopted = tuple(list(hit) for hit in hits)
+        events = pool.enable_events
+        for (gid, idx, placeholder), block in zip(targets, fresh):
+            key = placeholder.block_hash
+            assert key is not None
+            pool._insert_key(key, gid, block, placeholder.hash_num_tokens)
+            adopted[gid][idx] = block
+            tier.promoted(placeholder, block)
+            if events:
+                # The key is cached on the device again (a router follows GPU events).
+                pool.events.append(BlockStored(
+                    block_hashes=[external_block_hash(key)], parent_block_hash=None,
+                    token_ids=[], block_size=coordinator.managers[gid].block_size,
+                    group_idx=gid, prefix_lengths=[placeholder.hash_num_tokens or 0]))
+        coordinator.allocate_new_computed_blocks(rid, adopted, num_local, num_external)
+        # Our references: every device hit's touch above and every promoted block's pop.
+        pool.free_blocks(device + fresh)
 
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies queued by allocations since the last call, in order. Their source

@@ -135,11 +135,20 @@ class FillPlaceholders:
     token_ids: Sequence[int]
 
 
+@dataclass(slots=True)
+class ResetHostTierOp:
+    """The executor's host tier lost its contents (it restarted): forget every host slot
+    (docs/semantics.md#host-tier); the device pool is untouched. A no-op without a tier."""
+
+    KIND: ClassVar[str] = "reset_host_tier"
+
+
 Op = (AddRequest | Lookup | Allocate | AppendTokens | Free | Preempt | NewStep | Decode
-      | FillPlaceholders)
+      | FillPlaceholders | ResetHostTierOp)
 #: One outcome per op: RequestInfo (add, append), PrefixHit (lookup), Allocation
 #: (allocate), int = free blocks after the op (free, preempt), None (new_step),
-#: DecodeOutcome (decode), int = placeholders filled (fill_placeholders).
+#: DecodeOutcome (decode), int = placeholders filled (fill_placeholders), int = host
+#: slots dropped (reset_host_tier).
 OpOutcome = Any
 
 #: Token ids per unit of work: checking, copying and hashing (one hash block at the usual
@@ -158,6 +167,7 @@ OP_SIZE_FIELDS: dict[str, tuple[str | None, str | None]] = {
     NewStep.KIND: (None, None),
     Decode.KIND: ("request_ids", "token_ids"),
     FillPlaceholders.KIND: ("request_ids", "token_ids"),
+    ResetHostTierOp.KIND: (None, None),
 }
 
 

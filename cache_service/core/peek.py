@@ -123,22 +123,31 @@ class PrefixPeek:
         if hashes is None:
             return Residency(0, group_residency(coordinator.managers, (), 0,
                                                 self._manager.pool) if groups else [])
-        _, hit, _ = coordinator.find_longest_cache_hit(hashes, max_len)
+        block_pool = self._manager.pool
+        _, hit, _ = coordinator.find_longest_cache_hit(hashes, max_len, block_pool)
+        host_hit: int | None = None
+        if coordinator.host_view is not None:
+            _, host_hit, _ = coordinator.find_longest_cache_hit(hashes, max_len)
         if not groups and not explain_misses:
-            return Residency(hit, [])
+            return Residency(hit, [], host_hit)
         return self.residency(hashes, max_len, hit, tokens, keys,
                               client_hashes=block_hashes is not None,
-                              explain_misses=explain_misses)
+                              explain_misses=explain_misses, host_hit=host_hit)
 
     def residency(self, hashes: Sequence[bytes], max_len: int, hit: int,
                   tokens: Sequence[int] | None, keys: ExtraKeys, *, client_hashes: bool,
-                  explain_misses: bool) -> Residency:
+                  explain_misses: bool, host_hit: int | None = None) -> Residency:
         """Every group's reach of ``hashes`` (capped at ``max_len``) beside the pool's
-        ``hit``; with ``explain_misses`` (and caching on) every group's miss reason."""
-        managers = self._manager.coordinator.managers
+        ``hit`` (and ``host_hit``, across both tiers, with a host tier); with
+        ``explain_misses`` (and caching on) every group's miss reason."""
+        coordinator = self._manager.coordinator
+        managers = coordinator.managers
         block_pool = self._manager.pool
-        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool))
+        view = coordinator.host_view
+        result = Residency(hit, group_residency(managers, hashes, max_len, block_pool, view),
+                           host_hit if view is not None else None)
         if explain_misses and self._hash_fn is not None:
-            explain(result, ExplainContext(managers, block_pool, self._log, self._hash_fn,
+            probe = block_pool if view is None else view
+            explain(result, ExplainContext(managers, probe, self._log, self._hash_fn,
                                            hashes, max_len, keys, tokens, client_hashes))
         return result

@@ -245,7 +245,8 @@ class PinTable:
     def _resolve(self, pin: Pin) -> tuple[list[list[int]], int, bool]:
         """(blocks a hit of the prefix takes now, per group; hit tokens; whether the hit
         can still grow)."""
-        blocks, hit, _ = self._coordinator.find_longest_cache_hit(pin.hashes, pin.max_len)
+        blocks, hit, _ = self._coordinator.find_longest_cache_hit(
+            pin.hashes, pin.max_len, self._block_pool)  # device blocks only: pins hold them
         needed = [[b.block_id for b in g if not b.is_null] for g in blocks]
         # Whole when no further aligned hit fits under the cap.
         return needed, hit, hit + self._align <= pin.max_len

@@ -54,6 +54,7 @@ from cache_service.core.hashing import (
     none_hash,
     none_hash_seed,
 )
+from cache_service.core.host_tier import TierCopy
 from cache_service.core.invariants import check_pool_invariants
 from cache_service.core.kv_cache_manager import BlockCopy, KVCacheManager, resolve_block_sizes
 from cache_service.core.operations import (
@@ -67,6 +68,7 @@ from cache_service.core.operations import (
     Op,
     OpOutcome,
     Preempt,
+    ResetHostTierOp,
     op_cost,
 )
 from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
@@ -113,6 +115,8 @@ class PoolOptions(RebuiltFromFields):
     #: vLLM's ``use_eagle`` (docs/semantics.md#eagle): hits drop their last block for
     #: the drafter, checkpoints are kept where such hits land. False = off.
     use_eagle: bool = False
+    #: Host-tier slots per KV-cache group (docs/semantics.md#host-tier); 0 = no tier.
+    host_tier_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -136,6 +140,9 @@ class PrefixHit:
     shared_prefix_boundary: int = 0
     #: Per-group reach and miss reason; only when the lookup was asked to explain.
     groups: list[GroupResidency] | None = None
+    #: The hit across both tiers (docs/semantics.md#host-tier): a lookup's hit already
+    #: counts host slots (block id -1 in ``block_ids``), so this equals ``hit_tokens``.
+    host_hit_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -196,6 +203,13 @@ class PoolCounters:
     num_pins: int = 0
     pin_refusals: int = 0
     pinned_blocks_by_account: dict[str, int] = field(default_factory=dict)
+    #: The host tier (core/host_tier.py): slots per group (0 = none), slots in use
+    #: (summed over groups), demotions and promotions planned, entries dropped.
+    host_tier_blocks: int = 0
+    host_tier_used_blocks: int = 0
+    host_demotions: int = 0
+    host_promotions: int = 0
+    host_evictions: int = 0
 
 
 class PreparedBatch:
@@ -210,6 +224,8 @@ class PreparedBatch:
     def apply(self) -> list[OpOutcome]:
         """Applies the batch (cannot fail); one outcome per op."""
         pool = self._pool
+        if pool._manager.host_tier is not None:
+            pool._manager.host_tier.begin_batch()
         if self._begin_step:
             pool._manager.new_step_starts()
         apply = pool._apply
@@ -226,6 +242,8 @@ class PreparedBatch:
         exactly :meth:`apply`'s, provided nothing else touches this pool between the slices
         (the caller's duty)."""
         pool = self._pool
+        if pool._manager.host_tier is not None:
+            pool._manager.host_tier.begin_batch()
         if self._begin_step:
             pool._manager.new_step_starts()
         apply = pool._apply
@@ -295,7 +313,7 @@ class Pool:
             watermark=options.watermark,
             prefix_cache_retention_interval=options.prefix_cache_retention_interval,
             enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
-            use_eagle=options.use_eagle)
+            use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks)
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
@@ -420,13 +438,16 @@ class Pool:
     @overload
     def _apply_one(self, op: Decode) -> DecodeOutcome: ...
     @overload
-    def _apply_one(self, op: Free | Preempt | FillPlaceholders) -> int: ...
+    def _apply_one(self, op: Free | Preempt | FillPlaceholders | ResetHostTierOp) -> int: ...
 
     def _apply_one(self, op: Op) -> OpOutcome:
         """One op as a batch of one, errors naming fields relative to the op."""
         check = self._checker()
         check.last = True  # nothing reads the simulation after the only op
-        outcome = self._apply(op, check.check(op))
+        prepared = check.check(op)
+        if self._manager.host_tier is not None:
+            self._manager.host_tier.begin_batch()
+        outcome = self._apply(op, prepared)
         self._manager.release_copied_blocks()
         if self._pins is not None:
             self._pins_after_batch()
@@ -483,7 +504,13 @@ class Pool:
             # As vLLM's scheduler does: the junction's checkpoint is then retained.
             req.shared_prefix_boundary = boundary
             self._pending[op.request_id] = (blocks, hit, self._epoch)
-            result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary)
+            if self._manager.host_tier is None:
+                result = PrefixHit(hit, [[b.block_id for b in g] for g in blocks], boundary,
+                                   None, hit)
+            else:
+                # A block held only in host memory (a placeholder) answers -1.
+                result = PrefixHit(hit, [[b.block_id if b.block_id >= 0 else -1 for b in g]
+                                         for g in blocks], boundary, None, hit)
             if op.explain:
                 result.groups = self._peek.residency(
                     req.block_hashes, req.num_tokens - 1, hit, req.all_token_ids,
@@ -526,8 +553,33 @@ class Pool:
             self._preemptions += 1
             self._pending.pop(op.request_id, None)
             return self.num_free_blocks
+        if isinstance(op, ResetHostTierOp):
+            return self._reset_host_tier()
         self._manager.new_step_starts()  # NewStep: the checker let no other kind through
         return None
+
+    def _reset_host_tier(self) -> int:
+        """Drops every host slot (a pending hit naming one is looked up again)."""
+        tier = self._manager.host_tier
+        if tier is None:
+            return 0
+        self._epoch += 1
+        return tier.reset(self._manager.pool.events)
+
+    # -- host tier (core/host_tier.py) ----------------------------------------------------
+    @property
+    def tier_copies(self) -> tuple[list[TierCopy], list[TierCopy]]:
+        """(demotions, promotions) the last batch planned, in order (empty without a
+        host tier). Run every demotion, then every promotion, before the batch's block
+        copies and forward pass (docs/semantics.md#host-tier)."""
+        tier = self._manager.host_tier
+        if tier is None:
+            return [], []
+        return list(tier.demotions), list(tier.promotions)
+
+    def reset_host_tier(self) -> int:
+        """:class:`ResetHostTierOp` as a batch of one: host slots dropped."""
+        return self._apply_one(ResetHostTierOp())
 
     # -- requests -------------------------------------------------------------------------
     # The single-op methods below are batches of one (same checks, same outcome); the
@@ -848,7 +900,15 @@ class Pool:
             num_requests=len(self._requests),
             num_cached_blocks_per_group=pool.num_cached_keys_per_group(),
             miss_reasons=dict(self._log.misses), **self._quota_counters(),
-            **self._pin_counters())
+            **self._pin_counters(), **self._tier_counters())
+
+    def _tier_counters(self) -> dict[str, Any]:
+        tier = self._manager.host_tier
+        if tier is None:
+            return {}
+        return dict(host_tier_blocks=tier.slots, host_tier_used_blocks=tier.used_blocks(),
+                    host_demotions=tier.num_demotions, host_promotions=tier.num_promotions,
+                    host_evictions=tier.num_evictions)
 
     def _pin_counters(self) -> dict[str, Any]:
         pins = self._pins

@@ -47,7 +47,7 @@ from cache_service.core.single_type_managers import (
 )
 
 if TYPE_CHECKING:
-    from cache_service.core.block_pool import BlockPool
+    from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 
 #: Recently removed keys remembered per pool (split evenly between its groups).
 DEFAULT_EVICTION_RECORD = 4096
@@ -80,10 +80,17 @@ class GroupResidency:
     checkpoints: list[int] = field(default_factory=list)
     reason: MissReason | None = None
     evicted_removals_ago: int = 0
+    #: With a host tier: the reach counting host slots too (None = ``tokens``).
+    host_reach: int | None = None
 
     @property
     def blocks(self) -> int:
         return self.tokens // self.block_size
+
+    @property
+    def host_tokens(self) -> int:
+        """The reach across both tiers (>= ``tokens``; ``tokens`` without a host tier)."""
+        return self.tokens if self.host_reach is None else self.host_reach
 
 
 @dataclass(slots=True)
@@ -92,6 +99,14 @@ class Residency:
 
     hit_tokens: int
     groups: list[GroupResidency]
+    #: With a host tier: the hit across both tiers (None = ``hit_tokens``).
+    host_hit: int | None = None
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """The hit across both tiers (>= ``hit_tokens``, which counts device blocks
+        only; ``hit_tokens`` without a host tier): what a lookup would answer now."""
+        return self.hit_tokens if self.host_hit is None else self.host_hit
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +194,7 @@ class PrefixLog:
 
 
 def standalone_reach(manager: SingleTypeKVCacheManager, hashes: Sequence[Any], max_len: int,
-                     pool: BlockPool) -> int:
+                     pool: CachedBlockLookup) -> int:
     """The hit length ``manager``'s group alone would give (its own block size as the
     alignment). ``pool`` may be any object with the block pool's lookup interface."""
     cls = type(manager)
@@ -204,14 +219,19 @@ def mamba_checkpoints(manager: SingleTypeKVCacheManager, hashes: Sequence[Any], 
 
 
 def group_residency(managers: Sequence[SingleTypeKVCacheManager], hashes: Sequence[Any],
-                    max_len: int, pool: BlockPool) -> list[GroupResidency]:
-    """Every group's reach, probing the block pool directly (the per-pool answer)."""
+                    max_len: int, pool: BlockPool,
+                    two_tiers: CachedBlockLookup | None = None) -> list[GroupResidency]:
+    """Every group's reach, probing the block pool directly (the per-pool answer); with
+    ``two_tiers`` (a pool's host-tier view) also its reach across both tiers."""
     out = []
     for m in managers:
         reach = standalone_reach(m, hashes, max_len, pool) if m.enable_caching else 0
         checkpoints = (mamba_checkpoints(m, hashes, max_len, pool)
                        if isinstance(m, MambaManager) and m.enable_caching else [])
-        out.append(GroupResidency(m.group_id, m.spec.kind, m.block_size, reach, checkpoints))
+        g = GroupResidency(m.group_id, m.spec.kind, m.block_size, reach, checkpoints)
+        if two_tiers is not None and m.enable_caching:
+            g.host_reach = max(reach, standalone_reach(m, hashes, max_len, two_tiers))
+        out.append(g)
     return out
 
 
@@ -220,7 +240,7 @@ class ExplainContext:
     """What :func:`explain` needs besides the residency."""
 
     managers: Sequence[SingleTypeKVCacheManager]
-    pool: BlockPool
+    pool: CachedBlockLookup  # the block pool, or both tiers' view with a host tier
     log: PrefixLog
     hash_fn: HashFn
     hashes: Sequence[bytes]  # the request's hashes at the pool's hash block size
@@ -299,19 +319,22 @@ def explain(residency: Residency, ctx: ExplainContext) -> Residency:
     groups = residency.groups
     if not groups:
         return residency
-    hit = residency.hit_tokens
+    hit = residency.host_hit_tokens  # = hit_tokens without a host tier
     mismatch = _recipe_mismatch(ctx)
-    all_past = all(g.tokens > hit for g in groups)
+    all_past = all(g.host_tokens > hit for g in groups)
     for g, manager in zip(groups, ctx.managers):
         cap = ctx.max_len // g.block_size * g.block_size
         if type(manager) is CrossAttentionManager or not manager.enable_caching:
             g.reason = MissReason.NEVER_CACHED
-        elif all_past and g.tokens > hit:
+        elif all_past and g.host_tokens > hit:
             g.reason = MissReason.CUT_TO_ALIGNMENT
-        elif g.tokens >= cap:
+        elif g.host_tokens >= cap:
             g.reason = MissReason.NONE
         else:
-            g.reason, g.evicted_removals_ago = _classify(ctx, manager, g.tokens, mismatch)
+            # With a host tier the reach explained is both tiers' (a key held in host
+            # memory is no miss): EVICTED then means evicted from both tiers.
+            g.reason, g.evicted_removals_ago = _classify(ctx, manager, g.host_tokens,
+                                                         mismatch)
         key = (g.group_idx, g.reason.value)
         ctx.log.misses[key] = ctx.log.misses.get(key, 0) + 1
     return residency
