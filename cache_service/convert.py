@@ -230,8 +230,8 @@ def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
         m.kind = LAYER_KINDS.value(g.kind)
         m.tokens = g.tokens
         m.blocks = g.blocks
-        if g.host_tokens:  # pools with a host tier
-            m.host_tokens = g.host_tokens
+        if g.host_reach is not None:  # pools with a host tier only (the proto's rule)
+            m.host_tokens = g.host_reach
         if g.checkpoints:
             m.checkpoint_tokens.extend(g.checkpoints)
         if g.reason is not None:
