@@ -14,7 +14,17 @@ import grpc
 import pytest
 
 from cache_service import convert
-from cache_service.client import CacheClient, CacheError, StepBuilder, StepResult, TierCopy, ops
+from cache_service.client import (
+    AllocateResult,
+    CacheClient,
+    CacheError,
+    LookupResult,
+    ResetHostTierResult,
+    StepBuilder,
+    StepResult,
+    TierCopy,
+    ops,
+)
 from cache_service.conformance import reference_answers, run_trace
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.registry import PoolDescription, build_config
@@ -63,13 +73,13 @@ def register(client: CacheClient, pool_id: str, tier: int = TIER, **kwargs) -> N
 
 
 def admit(client: CacheClient, pool_id: str, rid: str, tokens: list[int]
-          ) -> tuple[pb.LookupResult, StepResult]:
+          ) -> tuple[LookupResult, StepResult]:
     """add + lookup, then the allocate of the rest (as the scheduler guide does it):
     (the lookup's answer, the allocate's Step answer)."""
     looked = client.step(pool_id, [ops.add(rid, tokens), ops.lookup(rid)],
-                         begin_step=True).results[1]
+                         begin_step=True).result(1, LookupResult)
     allocated = client.step(pool_id, [ops.allocate(rid, len(tokens) - looked.hit_tokens)])
-    assert allocated.results[0].ok
+    assert allocated.result(0, AllocateResult).ok
     return looked, allocated
 
 
@@ -89,7 +99,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     pool = "tier-main"
     register(client, pool)
     _, a = admit(client, pool, "a", prompt(1))
-    a_blocks = a.results[0].block_ids[0]
+    a_blocks = a.result(0, AllocateResult).block_ids[0]
     assert a.demotions == [] and a.promotions == []  # nothing evicted yet
     client.step(pool, [ops.free("a")])
     for tag in (2, 3, 4):
@@ -99,7 +109,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     # them, and each is demoted, not dropped.
     with client.step_stream() as stream:
         looked = stream.step(pool, [ops.add("r5", prompt(5)), ops.lookup("r5")],
-                             begin_step=True).results[1]
+                             begin_step=True).result(1, LookupResult)
         assert looked.hit_tokens == 0
         five = stream.step(pool, [ops.allocate("r5", 64)])
     assert five.promotions == []
@@ -120,7 +130,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     looked, allocated = admit(client, pool, "a2", again)
     assert looked.hit_tokens == 64
     assert looked.block_ids == [[-1, -1, -1, -1]]
-    answer = allocated.results[0]
+    answer = allocated.result(0, AllocateResult)
     assert answer.hit_tokens_used == 64
     table = answer.block_ids[0]
     assert all(b > 0 for b in table)
@@ -153,7 +163,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
 
     # The executor restarted: its host tier is empty.
     reset = client.step(pool, [ops.reset_host_tier()])
-    assert reset.results[0].num_dropped == 9
+    assert reset.result(0, ResetHostTierResult).num_dropped == 9
     assert reset.demotions == [] and reset.promotions == []
     stats = client.stats(pool)
     assert (stats.host_tier_used_blocks, stats.host_evictions) == (0, 9)
@@ -192,7 +202,8 @@ def test_without_a_tier_nothing_changes(client: CacheClient) -> None:
         _, r = admit(client, pool, f"r{tag}", prompt(tag))
         assert r.demotions == [] and r.promotions == []
         client.step(pool, [ops.free(f"r{tag}")])
-    assert client.step(pool, [ops.reset_host_tier()]).results[0].num_dropped == 0
+    reset = client.step(pool, [ops.reset_host_tier()])
+    assert reset.result(0, ResetHostTierResult).num_dropped == 0
     stats = client.stats(pool)
     assert (stats.host_tier_blocks, stats.host_tier_used_blocks, stats.host_demotions,
             stats.host_promotions, stats.host_evictions) == (0, 0, 0, 0, 0)
@@ -348,7 +359,7 @@ def test_the_tier_survives_a_sigkill_and_a_restart_on_the_data_dir(
             stub = pb_grpc.CacheServiceStub(ch)
             register(c, pool)
             _, a = admit(c, pool, "a", prompt(1))
-            a_blocks = a.results[0].block_ids[0]
+            a_blocks = a.result(0, AllocateResult).block_ids[0]
             c.step(pool, [ops.free("a")])
             for tag in (2, 3, 4, 5):
                 _, r = admit(c, pool, f"r{tag}", prompt(tag))
@@ -377,7 +388,7 @@ def test_the_tier_survives_a_sigkill_and_a_restart_on_the_data_dir(
             assert _host_view(stub, pool, prompt(1) + [7]) == view
             looked, allocated = admit(c, pool, "a2", prompt(1) + [7])
             assert looked.block_ids == [[-1, -1, -1, -1]]
-            table = allocated.results[0].block_ids[0]
+            table = allocated.result(0, AllocateResult).block_ids[0]
             assert allocated.promotions == [TierCopy(0, table[i], a_slots[i])
                                             for i in range(4)]
     finally:
