@@ -195,6 +195,29 @@ def test_the_tier_lru_drops_its_oldest_entries(client: CacheClient) -> None:
     client.delete_pool(pool)
 
 
+def test_a_miss_reason_says_evicted_only_when_gone_from_both_tiers(
+        client: CacheClient) -> None:
+    pool = "tier-explain"
+    register(client, pool)
+    admit(client, pool, "a", prompt(1))
+    client.step(pool, [ops.free("a")])
+    for tag in (2, 3, 4, 5):  # r5 evicts a's blocks from the device: demoted
+        admit(client, pool, f"r{tag}", prompt(tag))
+    probe = prompt(1) + [7]
+
+    def explained() -> pb.PoolHit:
+        return client.routing_view([pool], probe, explain=True).hits[0]
+
+    hit = explained()
+    assert (hit.hit_tokens, hit.host_hit_tokens) == (0, 64)
+    assert hit.groups[0].miss_reason == pb.MISS_REASON_NONE  # all of it in host memory
+    assert client.step(pool, [ops.reset_host_tier()]).demotions == []
+    hit = explained()
+    assert (hit.hit_tokens, hit.host_hit_tokens, hit.groups[0].host_tokens) == (0, 0, 0)
+    assert hit.groups[0].miss_reason == pb.MISS_REASON_EVICTED
+    client.delete_pool(pool)
+
+
 def test_without_a_tier_nothing_changes(client: CacheClient) -> None:
     pool = "tier-off"
     register(client, pool, tier=0)
