@@ -6,6 +6,7 @@ the conformance kit and a SIGKILL + restart on the data dir all agree."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 from cache_service import convert
 from cache_service.client import (
     AllocateResult,
+    AsyncCacheClient,
     CacheClient,
     CacheError,
     LookupResult,
@@ -174,6 +176,29 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     page = scrape(server.metrics_port)
     assert value(page, "kvcache_host_tier_used_blocks", pool=pool) == 0
     assert value(page, "kvcache_host_evictions_total", pool=pool) == 9
+    client.delete_pool(pool)
+
+
+def test_both_clients_answer_the_copies_of_a_decode(client: CacheClient,
+                                                    server: ServerProcess) -> None:
+    """A decode that grows a block evicts a cached one: ``client.decode()``'s answer and
+    the async client's Step answer carry the demotion."""
+    pool = "tier-decode"
+    register(client, pool)
+    for tag in (1, 2):  # 8 cached free blocks
+        admit(client, pool, f"c{tag}", prompt(tag))
+        client.step(pool, [ops.free(f"c{tag}")])
+    for tag in (3, 4):  # the rest live
+        admit(client, pool, f"r{tag}", prompt(tag))
+    d = client.decode(pool, ["r3"], [5], begin_step=True)  # token 65: a new block
+    assert d.all_ok and len(d.demotions) == 1 and d.promotions == []
+    assert d.demotions[0].block_id == d.new_block_ids[0][0][0]
+
+    async def other() -> list[TierCopy]:
+        async with AsyncCacheClient(server.target) as c:
+            answer = await c.step(pool, [ops.decode(["r4"], [5])], begin_step=True)
+            return answer.demotions
+    assert len(asyncio.run(other())) == 1
     client.delete_pool(pool)
 
 
