@@ -57,11 +57,12 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
                               field=f"{p}.watermark")
     if opts.hash_algo and not HASH_ALGOS.name(opts.hash_algo):
         raise InvalidArgument(f"unknown hash_algo {opts.hash_algo}", field=f"{p}.hash_algo")
-    # Absent = dense (docs/semantics.md#checkpoint-retention); whether a value fits the
-    # pool's groups and scheduler block size is checked when the pool is built.
-    # Whether a tier fits the pool (it needs prefix caching) is checked when it is built.
+    # Whether a host tier fits the pool (it needs prefix caching) is checked when the pool
+    # is built.
     host_tier = non_negative(opts.host_tier_blocks, f"{p}.host_tier_blocks",
                              limit=MAX_HOST_TIER_BLOCKS)
+    # Absent = dense (docs/semantics.md#checkpoint-retention); whether a value fits the
+    # pool's groups and scheduler block size is checked when the pool is built.
     retention = None
     if opts.HasField("prefix_cache_retention_interval"):
         retention = non_negative(opts.prefix_cache_retention_interval,
@@ -230,8 +231,8 @@ def write_residency(out: Any, groups: Sequence[GroupResidency]) -> None:
         m.kind = LAYER_KINDS.value(g.kind)
         m.tokens = g.tokens
         m.blocks = g.blocks
-        if g.host_tokens:  # pools with a host tier
-            m.host_tokens = g.host_tokens
+        if g.host_reach is not None:  # pools with a host tier only (the proto's rule)
+            m.host_tokens = g.host_reach
         if g.checkpoints:
             m.checkpoint_tokens.extend(g.checkpoints)
         if g.reason is not None:

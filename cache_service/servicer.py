@@ -471,8 +471,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
             if cached is None or cached[0] is not answer or cached[1] != outer:
                 one = pb.PeekPrefixResponse()
                 hit = one.hits.add(pool_id=outer, hit_tokens=answer.hit_tokens)
-                if answer.host_hit_tokens:  # pools with a host tier
-                    hit.host_hit_tokens = answer.host_hit_tokens
+                if answer.host_hit is not None:  # pools with a host tier only
+                    hit.host_hit_tokens = answer.host_hit
                 convert.write_residency(hit.groups, answer.groups)
                 cached = (answer, outer, one.SerializeToString())
                 if cache:

@@ -22,7 +22,7 @@ from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool, CachedBlockLookup
-from cache_service.core.errors import ConfigError
+from cache_service.core.errors import Checked, ConfigError
 from cache_service.core.host_tier import MAX_HOST_TIER_BLOCKS, HostTier, TwoTierView
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import (
@@ -180,7 +180,7 @@ class KVCacheCoordinator:
             manager.use_eagle = use_eagle
             manager.eagle_unit = self.scheduler_block_size
 
-    def configure_host_tier(self, host_tier_blocks: int) -> None:
+    def configure_host_tier(self, host_tier_blocks: Checked[int]) -> None:
         """A host tier of ``host_tier_blocks`` slots per group (docs/semantics.md#host-tier);
         0 = none. Needs prefix caching. Call before any request is allocated."""
         n = host_tier_blocks

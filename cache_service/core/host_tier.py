@@ -30,6 +30,7 @@ from mypy_extensions import mypyc_attr
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import BlockRemoved, BlockStored, KVEvent
 from cache_service.core.hashing import external_block_hash
+from cache_service.core.restore import RebuiltFromFields
 
 if TYPE_CHECKING:
     from cache_service.core.block_pool import BlockPool
@@ -39,7 +40,7 @@ MAX_HOST_TIER_BLOCKS = 16777216
 
 
 @dataclass(frozen=True, slots=True)
-class TierCopy:
+class TierCopy(RebuiltFromFields):
     """One copy between the device pool and the host tier of group ``group``: a demotion
     copies device block ``block_id`` into host slot ``host_slot``; a promotion copies host
     slot ``host_slot`` into device block ``block_id``.

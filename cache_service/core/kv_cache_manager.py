@@ -16,7 +16,7 @@ from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
-from cache_service.core.errors import ConfigError, InvalidArgument
+from cache_service.core.errors import Checked, ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.hashing import external_block_hash
 from cache_service.core.host_tier import HostTier
@@ -102,7 +102,7 @@ class KVCacheManager:
                  enable_caching: bool = True, enable_events: bool = False,
                  watermark: float = 0.0, prefix_cache_retention_interval: int | None = None,
                  enable_mamba_shared_prefix_checkpoint: bool = False,
-                 use_eagle: bool = False, host_tier_blocks: int = 0) -> None:
+                 use_eagle: bool = False, host_tier_blocks: Checked[int] = 0) -> None:
         if watermark < 0:
             raise ConfigError("watermark must be non-negative", field="watermark")
         self.config = config

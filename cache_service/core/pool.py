@@ -116,7 +116,7 @@ class PoolOptions(RebuiltFromFields):
     #: the drafter, checkpoints are kept where such hits land. False = off.
     use_eagle: bool = False
     #: Host-tier slots per KV-cache group (docs/semantics.md#host-tier); 0 = no tier.
-    host_tier_blocks: int = 0
+    host_tier_blocks: Checked[int] = 0
 
 
 @dataclass(slots=True)

@@ -95,6 +95,12 @@ def test_output_format() -> None:
     ({"num_blocks": 8, "max_model_len": 64, "groups": [
         {"type": "full_attention", "block_size": 4},
         {"type": "mamba", "block_size": 4, "mamba_cache_mode": "none"}]}, "mamba_cache_mode"),
+    ({"num_blocks": 8, "max_model_len": 64, "host_tier_blocks": "8",
+      "groups": [{"type": "full_attention", "block_size": 4}]}, "host_tier_blocks"),
+    ({"num_blocks": 8, "max_model_len": 64, "host_tier_blocks": -1,
+      "groups": [{"type": "full_attention", "block_size": 4}]}, "host_tier_blocks"),
+    ({"num_blocks": 8, "max_model_len": 64, "host_tier_blocks": 8, "enable_caching": False,
+      "groups": [{"type": "full_attention", "block_size": 4}]}, "host_tier_blocks"),
 ])
 def test_bad_config_is_a_clear_error(config, message) -> None:
     with pytest.raises(ConfigFileError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -71,6 +71,14 @@ class Subscriber:
 def check_stored_event(e: pb.BlockStored) -> None:
     """The documented shape of a BlockStored."""
     assert e.block_hashes, "never empty"
+    if e.medium == "CPU" or not e.token_ids:
+        # The host tier's: a demotion into host memory ("CPU") or a promotion back to the
+        # device ("GPU"): one key, no tokens.
+        assert len(e.block_hashes) == len(e.prefix_lengths) == 1
+        assert e.prefix_lengths[0] % e.block_size == 0 and e.prefix_lengths[0] > 0
+        assert not e.token_ids and not e.HasField("parent_block_hash") and not e.lora_name
+        return
+    assert e.medium == "GPU"
     assert len(e.prefix_lengths) == len(e.block_hashes)
     assert e.start_token % e.block_size == 0 and len(e.token_ids) % e.block_size == 0
     assert all(length % e.block_size == 0 for length in e.prefix_lengths)
@@ -80,8 +88,10 @@ def check_stored_event(e: pb.BlockStored) -> None:
     assert e.HasField("parent_block_hash") == (e.start_token > 0)
 
 
-def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
-    """A random scheduler; returns how many probes were compared."""
+def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int,
+          tier: bool = False) -> int:
+    """A random scheduler; returns how many probes were compared (with ``tier``, the hit
+    across both tiers too)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(500) for _ in range(rng.choice([40, 64, 100, 130]))]
                 for _ in range(3)]
@@ -143,6 +153,10 @@ def drive(client: CacheClient, sub: Subscriber, pool_id: str, seed: int) -> int:
             want = client.peek_prefix([pool_id], probe)[pool_id]
             assert sub.index.hit_tokens(probe) == want, (step, probe[:8], len(probe), want)
             compared += 1
+            if tier:
+                want = client.peek_prefix([pool_id], probe, include_host=True)[pool_id]
+                got = sub.index.hit_tokens(probe, include_host=True)
+                assert got == want, ("host", step, probe[:8], len(probe), want)
     return compared
 
 
@@ -158,3 +172,18 @@ def test_event_index_answers_like_peek_prefix(client: CacheClient, stub, new_poo
     # The run really exercised stores, evictions and resets.
     assert sub.kinds == {"block_stored", "block_removed", "all_blocks_cleared"}
     assert client.stats(info.pool_id).evictions > 0
+
+
+@pytest.mark.parametrize("name", ["full", "full_swa", "full_swa_mamba"])
+def test_with_a_host_tier_the_index_answers_both_tiers(client: CacheClient, stub, new_pool,
+                                                       name: str) -> None:
+    """Events of medium "CPU" (demotions, the tier's LRU) counted apart give the device hit
+    and the hit across both tiers (``PoolHit.host_hit_tokens``), as PeekPrefix answers
+    them; a prefix-cache reset clears the device only."""
+    info = new_pool(POOLS[name], num_blocks=24, max_model_len=512, skip_capacity_check=True,
+                    host_tier_blocks=16)
+    sub = Subscriber(stub, client, info.pool_id, info.raw)
+    compared = drive(client, sub, info.pool_id, seed=sorted(POOLS).index(name), tier=True)
+    assert compared > 300
+    stats = client.stats(info.pool_id)
+    assert stats.host_demotions > 0 and stats.host_evictions > 0 and stats.host_promotions > 0

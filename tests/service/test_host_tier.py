@@ -6,6 +6,7 @@ the conformance kit and a SIGKILL + restart on the data dir all agree."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,11 +15,21 @@ import grpc
 import pytest
 
 from cache_service import convert
-from cache_service.client import CacheClient, CacheError, StepBuilder, StepResult, TierCopy, ops
-from cache_service.conformance import run_trace
+from cache_service.client import (
+    AllocateResult,
+    AsyncCacheClient,
+    CacheClient,
+    CacheError,
+    LookupResult,
+    ResetHostTierResult,
+    StepBuilder,
+    StepResult,
+    TierCopy,
+    ops,
+)
+from cache_service.conformance import reference_answers, run_trace
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.registry import PoolDescription, build_config
-from cache_service.replay import reference_answers
 from cache_service.specs_proto import layer_spec_from_proto
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
 from kvcache_common.api.kvcache.v1 import cache_service_pb2_grpc as pb_grpc
@@ -64,13 +75,13 @@ def register(client: CacheClient, pool_id: str, tier: int = TIER, **kwargs) -> N
 
 
 def admit(client: CacheClient, pool_id: str, rid: str, tokens: list[int]
-          ) -> tuple[pb.LookupResult, StepResult]:
+          ) -> tuple[LookupResult, StepResult]:
     """add + lookup, then the allocate of the rest (as the scheduler guide does it):
     (the lookup's answer, the allocate's Step answer)."""
     looked = client.step(pool_id, [ops.add(rid, tokens), ops.lookup(rid)],
-                         begin_step=True).results[1]
+                         begin_step=True).result(1, LookupResult)
     allocated = client.step(pool_id, [ops.allocate(rid, len(tokens) - looked.hit_tokens)])
-    assert allocated.results[0].ok
+    assert allocated.result(0, AllocateResult).ok
     return looked, allocated
 
 
@@ -90,7 +101,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     pool = "tier-main"
     register(client, pool)
     _, a = admit(client, pool, "a", prompt(1))
-    a_blocks = a.results[0].block_ids[0]
+    a_blocks = a.result(0, AllocateResult).block_ids[0]
     assert a.demotions == [] and a.promotions == []  # nothing evicted yet
     client.step(pool, [ops.free("a")])
     for tag in (2, 3, 4):
@@ -100,7 +111,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     # them, and each is demoted, not dropped.
     with client.step_stream() as stream:
         looked = stream.step(pool, [ops.add("r5", prompt(5)), ops.lookup("r5")],
-                             begin_step=True).results[1]
+                             begin_step=True).result(1, LookupResult)
         assert looked.hit_tokens == 0
         five = stream.step(pool, [ops.allocate("r5", 64)])
     assert five.promotions == []
@@ -121,7 +132,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     looked, allocated = admit(client, pool, "a2", again)
     assert looked.hit_tokens == 64
     assert looked.block_ids == [[-1, -1, -1, -1]]
-    answer = allocated.results[0]
+    answer = allocated.result(0, AllocateResult)
     assert answer.hit_tokens_used == 64
     table = answer.block_ids[0]
     assert all(b > 0 for b in table)
@@ -129,9 +140,10 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     # block the table has there; the allocation's own evictions are demoted first, into
     # other slots (the promoted ones stay reserved until the next Step).
     assert allocated.promotions == [TierCopy(0, table[i], a_slots[i]) for i in range(4)]
-    assert len(allocated.demotions) == 5  # 4 promoted + 1 new block took cached blocks
+    # Every free device block held a cached one: the 5 blocks taken (4 promotion targets
+    # and 1 new) are each demoted before being overwritten.
+    assert sorted(c.block_id for c in allocated.demotions) == sorted(table)
     assert {c.host_slot for c in allocated.demotions}.isdisjoint(a_slots)
-    assert not {c.block_id for c in allocated.demotions} & set(table[4:])
 
     stats = client.stats(pool)
     assert (stats.host_tier_blocks, stats.host_demotions, stats.host_promotions,
@@ -153,7 +165,7 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
 
     # The executor restarted: its host tier is empty.
     reset = client.step(pool, [ops.reset_host_tier()])
-    assert reset.results[0].num_dropped == 9
+    assert reset.result(0, ResetHostTierResult).num_dropped == 9
     assert reset.demotions == [] and reset.promotions == []
     stats = client.stats(pool)
     assert (stats.host_tier_used_blocks, stats.host_evictions) == (0, 9)
@@ -164,6 +176,29 @@ def test_demote_hit_from_host_promote_from_the_same_slots(client: CacheClient,
     page = scrape(server.metrics_port)
     assert value(page, "kvcache_host_tier_used_blocks", pool=pool) == 0
     assert value(page, "kvcache_host_evictions_total", pool=pool) == 9
+    client.delete_pool(pool)
+
+
+def test_both_clients_answer_the_copies_of_a_decode(client: CacheClient,
+                                                    server: ServerProcess) -> None:
+    """A decode that grows a block evicts a cached one: ``client.decode()``'s answer and
+    the async client's Step answer carry the demotion."""
+    pool = "tier-decode"
+    register(client, pool)
+    for tag in (1, 2):  # 8 cached free blocks
+        admit(client, pool, f"c{tag}", prompt(tag))
+        client.step(pool, [ops.free(f"c{tag}")])
+    for tag in (3, 4):  # the rest live
+        admit(client, pool, f"r{tag}", prompt(tag))
+    d = client.decode(pool, ["r3"], [5], begin_step=True)  # token 65: a new block
+    assert d.all_ok and len(d.demotions) == 1 and d.promotions == []
+    assert d.demotions[0].block_id == d.new_block_ids[0][0][0]
+
+    async def other() -> list[TierCopy]:
+        async with AsyncCacheClient(server.target) as c:
+            answer = await c.step(pool, [ops.decode(["r4"], [5])], begin_step=True)
+            return answer.demotions
+    assert len(asyncio.run(other())) == 1
     client.delete_pool(pool)
 
 
@@ -185,6 +220,29 @@ def test_the_tier_lru_drops_its_oldest_entries(client: CacheClient) -> None:
     client.delete_pool(pool)
 
 
+def test_a_miss_reason_says_evicted_only_when_gone_from_both_tiers(
+        client: CacheClient) -> None:
+    pool = "tier-explain"
+    register(client, pool)
+    admit(client, pool, "a", prompt(1))
+    client.step(pool, [ops.free("a")])
+    for tag in (2, 3, 4, 5):  # r5 evicts a's blocks from the device: demoted
+        admit(client, pool, f"r{tag}", prompt(tag))
+    probe = prompt(1) + [7]
+
+    def explained() -> pb.PoolHit:
+        return client.routing_view([pool], probe, explain=True).hits[0]
+
+    hit = explained()
+    assert (hit.hit_tokens, hit.host_hit_tokens) == (0, 64)
+    assert hit.groups[0].miss_reason == pb.MISS_REASON_NONE  # all of it in host memory
+    assert client.step(pool, [ops.reset_host_tier()]).demotions == []
+    hit = explained()
+    assert (hit.hit_tokens, hit.host_hit_tokens, hit.groups[0].host_tokens) == (0, 0, 0)
+    assert hit.groups[0].miss_reason == pb.MISS_REASON_EVICTED
+    client.delete_pool(pool)
+
+
 def test_without_a_tier_nothing_changes(client: CacheClient) -> None:
     pool = "tier-off"
     register(client, pool, tier=0)
@@ -192,7 +250,8 @@ def test_without_a_tier_nothing_changes(client: CacheClient) -> None:
         _, r = admit(client, pool, f"r{tag}", prompt(tag))
         assert r.demotions == [] and r.promotions == []
         client.step(pool, [ops.free(f"r{tag}")])
-    assert client.step(pool, [ops.reset_host_tier()]).results[0].num_dropped == 0
+    reset = client.step(pool, [ops.reset_host_tier()])
+    assert reset.result(0, ResetHostTierResult).num_dropped == 0
     stats = client.stats(pool)
     assert (stats.host_tier_blocks, stats.host_tier_used_blocks, stats.host_demotions,
             stats.host_promotions, stats.host_evictions) == (0, 0, 0, 0, 0)
@@ -348,7 +407,7 @@ def test_the_tier_survives_a_sigkill_and_a_restart_on_the_data_dir(
             stub = pb_grpc.CacheServiceStub(ch)
             register(c, pool)
             _, a = admit(c, pool, "a", prompt(1))
-            a_blocks = a.results[0].block_ids[0]
+            a_blocks = a.result(0, AllocateResult).block_ids[0]
             c.step(pool, [ops.free("a")])
             for tag in (2, 3, 4, 5):
                 _, r = admit(c, pool, f"r{tag}", prompt(tag))
@@ -377,7 +436,7 @@ def test_the_tier_survives_a_sigkill_and_a_restart_on_the_data_dir(
             assert _host_view(stub, pool, prompt(1) + [7]) == view
             looked, allocated = admit(c, pool, "a2", prompt(1) + [7])
             assert looked.block_ids == [[-1, -1, -1, -1]]
-            table = allocated.results[0].block_ids[0]
+            table = allocated.result(0, AllocateResult).block_ids[0]
             assert allocated.promotions == [TierCopy(0, table[i], a_slots[i])
                                             for i in range(4)]
     finally:

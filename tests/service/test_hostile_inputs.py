@@ -202,8 +202,8 @@ CASES = [
          register(options=lambda r: setattr(r.options, "host_tier_blocks", 2**24 + 1)),
          Code.INVALID_ARGUMENT, "options.host_tier_blocks"),
     Case("host tier without prefix caching", "RegisterPool",
-         register(options=lambda r: (setattr(r.options, "host_tier_blocks", 64),
-                                     setattr(r.options, "enable_caching", False))),
+         register(options=lambda r: r.options.MergeFrom(
+             pb.PoolOptions(host_tier_blocks=64, enable_caching=False))),
          Code.INVALID_ARGUMENT, "options.host_tier_blocks"),
     Case("max_model_len missing", "RegisterPool",
          register(options=lambda r: setattr(r.options, "max_model_len", 0)),

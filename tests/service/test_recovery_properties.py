@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from cache_service.client import StepBuilder, layers
 from cache_service.client._builders import register_request
 from cache_service.core.errors import KVCacheError
+from cache_service.core.host_tier import slot_of
 from cache_service.durability import open_data_dir
 from cache_service.registry import PoolRegistry
 from cache_service.state import ServiceState, WalRecord
@@ -58,6 +59,7 @@ def fingerprint(state: ServiceState) -> dict[str, Any]:
                                                       else [v])]) for h, v in m.items()]
                            for m in bp._maps],
             "events": (entry.feed.next_sequence, entry.feed.read(entry.feed.oldest, 10**6)),
+            "host_tier": _host_tier(pool),
         }
     sessions = {sid: (s.client_name, s.last_sequence, s.expiring,
                       state.ownership.requests_of(sid),
@@ -67,19 +69,38 @@ def fingerprint(state: ServiceState) -> dict[str, Any]:
     return {"pools": pools, "sessions": sessions, "counters": state.counters}
 
 
+def _host_tier(pool: Any) -> Any:
+    """A pool's host tier (docs/protocol.md#host-tier): per group its entries in LRU order
+    with their slots, the free slots and the reserved ones (None without a tier)."""
+    tier = pool.manager.host_tier
+    if tier is None:
+        return None
+    return [([(key, slot_of(p)) for key, p in lru.items()], tier._next_fresh[g],
+             list(tier._freed[g]), sorted(tier.reserved[g]))
+            for g, lru in enumerate(tier.lru)]
+
+
 @st.composite
 def records(draw: st.DrawFn) -> list[WalRecord]:
     """A plausible client history: mostly valid records (a model tracks request ids and
-    session sequence numbers), some invalid ones (rejected, never logged)."""
-    out = [WalRecord(register_pool=register_request(POOL, LAYERS, num_blocks=64,
-                                                    max_model_len=64))]
+    session sequence numbers), some invalid ones (rejected, never logged). A third of the
+    histories run on a small pool with a small host tier (demotions, promotions, the
+    tier's LRU and resets)."""
+    tier = draw(st.sampled_from([0, 0, 6]))
+    out = [WalRecord(register_pool=register_request(POOL, LAYERS,
+                                                    num_blocks=36 if tier else 64,
+                                                    max_model_len=64, host_tier_blocks=tier))]
     live: list[str] = []
     sessions: dict[str, int] = {}
+    prompts: list[list[int]] = []
     n = 0
+    # With a tier: requests that finish at once (their blocks cached and free, to be
+    # evicted: demoted) and prompts seen before (hits from host memory: promoted).
+    kinds = ["add", "add", "decode", "decode", "free", "preempt", "reset", "open", "close",
+             "expire", "bad", "decode_placeholders", "fill", "reset_host_tier"]
+    kinds += ["add_free"] * (6 if tier else 0)
     for _ in range(draw(st.integers(1, 40))):
-        kind = draw(st.sampled_from(["add", "add", "decode", "decode", "free", "preempt",
-                                     "reset", "open", "close", "expire", "bad",
-                                     "decode_placeholders", "fill"]))
+        kind = draw(st.sampled_from(kinds))
         if kind == "open":
             sid = f"s{len(sessions)}"
             sessions[sid] = 0
@@ -97,7 +118,19 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
             out.append(WalRecord(reset_prefix_cache=pb.ResetPrefixCacheRequest(pool_id=POOL)))
             continue
         batch = StepBuilder(POOL, begin_step=draw(st.booleans()))
-        if kind == "add" or not live:
+        if kind == "add_free":
+            rid = f"r{n}"
+            n += 1
+            if prompts and draw(st.booleans()):
+                prompt = draw(st.sampled_from(prompts)) + [draw(st.integers(0, 5))]
+            else:
+                prompt = draw(st.lists(st.integers(0, 5), min_size=8, max_size=24))
+                prompts.append(prompt)
+            batch.add(rid, prompt).lookup(rid)
+            out.append(WalRecord(step=batch.request))
+            batch = StepBuilder(POOL, begin_step=True)
+            batch.allocate(rid, len(prompt)).free(rid)  # hit or not: allocate() re-looks up
+        elif kind == "add" or not live:
             rid = f"r{n}"
             n += 1
             prompt = draw(st.lists(st.integers(0, 5), min_size=1, max_size=24))
@@ -111,6 +144,8 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
                          placeholders=True)
         elif kind == "fill":  # rejected unless the request has a placeholder
             batch.fill([draw(st.sampled_from(live))], [draw(st.integers(0, 5))])
+        elif kind == "reset_host_tier":  # a no-op on a pool without a tier
+            batch.reset_host_tier()
         elif kind in ("free", "preempt"):
             rid = draw(st.sampled_from(live))
             if kind == "free":
