@@ -268,9 +268,16 @@ class Engine:
         # After the pass in flight (a copy's destination may be a block it still wrote,
         # a demotion's source one it wrote) and before this step's: its tables may hold a
         # copy's destination. Per answer, in order: demotions, promotions, block copies.
+        tier = self.runner.tier
+        failures = tier.failures if tier is not None else 0
         bad = self.runner.run_copies(self.scheduler.answers)
         if bad:  # a failed copy: nothing reads those blocks; their requests recompute
             scheduled = self.scheduler.drop_unreadable(scheduled, bad)
+        if tier is not None and tier.failures > failures:
+            # Host memory we cannot trust (a bad slot; the service keeps a promoted block's
+            # host copy, so it would plan the same promotion again): the service forgets
+            # every slot with the next call, before its lookups.
+            self.scheduler.reset_host_tier = True
         done_at = overlapped.done_at if overlapped is not None else None
         self.metrics.cache_wait_seconds += exposed_wait(self.link.intervals, done_at)
         if self.config.async_cache_step:

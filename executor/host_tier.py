@@ -129,6 +129,11 @@ class HostTier:
         self._stream = torch.cuda.Stream(device=dev) if self.cuda else None
 
     @property
+    def failures(self) -> int:
+        """Copies that failed so far (demotions and promotions)."""
+        return self.stats.failed_demotions + self.stats.failed_promotions
+
+    @property
     def nbytes(self) -> int:
         """Bytes of host memory the tier holds."""
         return sum(t.numel() for g in self.slots for t in g)

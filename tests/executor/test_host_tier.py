@@ -257,8 +257,24 @@ def test_a_failed_promotion_recomputes_its_request_never_reads_the_garbage(
                        fault=fail_nth("promotion", 1))
     assert faulty.outputs == none.outputs
     assert faulty.tier is not None and faulty.tier.stats.failed_promotions == 1
+    # then the service was told to forget the host slots (the first Step's reset, and one
+    # after the failure): a bad slot is never promoted from again
+    assert faulty.tier.stats.resets == 2
     assert faulty.engine.metrics.tier_recomputes >= 1
     assert faulty.engine.metrics.preemptions >= faulty.engine.metrics.tier_recomputes
+
+
+@pytest.mark.parametrize("nth", [1, 5])
+def test_a_failed_demotion_is_never_promoted_from(cache_service, tier_model, nth: int) -> None:
+    """The nth demotion fails (its host slot scribbled over): the service is told to forget
+    the host tier with the next call, a promotion planned from the slot before that fails
+    (and recomputes), and the outputs are those without a tier."""
+    none = run_waves(cache_service.target, tier_model, 0)
+    faulty = run_waves(cache_service.target, tier_model, 4 * DEVICE_BLOCKS,
+                       fault=fail_nth("demotion", nth))
+    assert faulty.outputs == none.outputs
+    assert faulty.tier is not None and faulty.tier.stats.failed_demotions == 1
+    assert faulty.tier.stats.resets == 2
 
 
 def test_without_the_eviction_the_garbage_would_be_read(cache_service, tier_model,
