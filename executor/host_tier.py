@@ -19,11 +19,12 @@ except that a destination named twice gets its last source (we keep the last).
 CUDA: the copies run on a side stream that first waits for the compute stream (the blocks
 a demotion reads were written by earlier forward passes); the compute stream then waits for
 the side stream before anything later (block copies, the forward pass) touches device
-blocks. Demotions: device gather -> one device-to-host copy per layer into a pinned staging
-buffer; the scatter into the host slots is deferred until that copy's event has completed
-(:meth:`HostTier.flush`, run before the next tier operation reads host memory), so the
-transfer overlaps the forward pass. Promotions: host gather into pinned staging -> one
-host-to-device copy per layer -> device scatter.
+blocks. Demotions: one device gather of the group's layers; the compute stream waits for
+that gather only; the device-to-host copy into a pinned staging buffer runs on a third
+stream, and the scatter into the host slots waits for it (:meth:`HostTier.flush`, run
+before the next tier operation reads host memory), so the transfer overlaps the promotions
+and the forward pass. Promotions: host gather into pinned staging -> one host-to-device
+copy -> device scatter, on the side stream; the compute stream waits for all of it.
 
 Faults: a copy that fails never lets garbage be read. A failed demotion marks its host
 slots bad (a later promotion from one fails); a failed promotion's device blocks are
@@ -98,7 +99,8 @@ class _PendingScatter:
     group: int
     slots: Tensor  # host slot indices (CPU, int64)
     staging: Tensor  # pinned [L_g, n, page]
-    event: object  # torch.cuda.Event
+    event: object  # torch.cuda.Event: recorded after the device-to-host copy
+    gathered: Tensor  # the device gather the copy reads: kept alive until it is done
 
 
 @dataclass
@@ -126,7 +128,10 @@ class HostTier:
         #: (group, host slot) pairs whose content is garbage (a failed demotion).
         self.bad: set[tuple[int, int]] = set()
         self._pending: list[_PendingScatter] = []
+        # CUDA: the copies' stream, and one for demotions' device-to-host transfers (which
+        # nothing on the device waits for: they overlap the promotions and the forward).
         self._stream = torch.cuda.Stream(device=dev) if self.cuda else None
+        self._d2h = torch.cuda.Stream(device=dev) if self.cuda else None
 
     @property
     def failures(self) -> int:
@@ -241,23 +246,27 @@ class HostTier:
             for host, dev in zip(self.slots[group], dev_slots):
                 host.index_copy_(0, host_idx, dev.index_select(0, dev_idx))
             return
-        stream = self._stream
-        assert stream is not None
+        stream, d2h = self._stream, self._d2h
+        assert stream is not None and d2h is not None
         compute = torch.cuda.current_stream(self.cache.device)
         stream.wait_stream(compute)  # the forward passes that wrote these blocks
         with torch.cuda.stream(stream):
             dev_idx = torch.tensor([c.block_id for c in batch], dtype=torch.long,
                                    device=self.cache.device)
             gathered = torch.stack([dev.index_select(0, dev_idx) for dev in dev_slots])
-            staging = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+            gather_done = torch.cuda.Event()
+            gather_done.record(stream)
+        # Whatever writes the device blocks next (promotions, block copies, the forward:
+        # all queued on `stream` or `compute` after this) waits for the gather only.
+        compute.wait_event(gather_done)
+        staging = torch.empty(gathered.shape, dtype=torch.uint8, pin_memory=True)
+        with torch.cuda.stream(d2h):
+            d2h.wait_event(gather_done)
             staging.copy_(gathered, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        # Later writes to the device blocks (promotions, copies, the forward) wait for the
-        # gather; `gathered` stays alive until the side stream is done with it.
-        compute.wait_stream(stream)
-        gathered.record_stream(stream)
-        self._pending.append(_PendingScatter(group, host_idx, staging, event))
+            copied = torch.cuda.Event()
+            copied.record(d2h)
+        # `gathered` is referenced until flush() has waited for `copied`.
+        self._pending.append(_PendingScatter(group, host_idx, staging, copied, gathered))
 
     def _promote(self, group: int, batch: list[TierCopy]) -> None:
         host_idx = torch.tensor([c.host_slot for c in batch], dtype=torch.long)
