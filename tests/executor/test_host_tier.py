@@ -316,3 +316,17 @@ def test_a_restarted_executor_tells_the_service_its_host_tier_is_empty(cache_ser
         after = cc.stats(pool_id)
     # its first Step dropped every slot the first incarnation had demoted
     assert after.host_evictions >= before.host_evictions + before.host_tier_used_blocks
+
+
+def test_the_settings_build_the_tier_and_its_fault_hook() -> None:
+    from executor.server import host_tier
+    from executor.settings import parse_settings
+
+    cache = make_cache()
+    assert host_tier(cache, parse_settings([])) is None
+    tier = host_tier(cache, parse_settings(["--host-tier-blocks", "3",
+                                            "--host-tier-fail-promotion", "2"]))
+    assert tier is not None and tier.host_tier_blocks == 3
+    tier.demote([TierCopy(0, 1, 0)])
+    assert tier.promote([TierCopy(0, 2, 0)]) == []
+    assert tier.promote([TierCopy(0, 3, 0)]) == [(0, 3)]  # the second promotion fails
