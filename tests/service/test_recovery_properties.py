@@ -121,8 +121,10 @@ def records(draw: st.DrawFn) -> list[WalRecord]:
         if kind == "add_free":
             rid = f"r{n}"
             n += 1
-            if prompts and draw(st.booleans()):
-                prompt = draw(st.sampled_from(prompts)) + [draw(st.integers(0, 5))]
+            reuse: bool = bool(prompts) and draw(st.booleans())
+            if reuse:
+                seen: list[int] = draw(st.sampled_from(prompts))
+                prompt = [*seen, draw(st.integers(0, 5))]
             else:
                 prompt = draw(st.lists(st.integers(0, 5), min_size=8, max_size=24))
                 prompts.append(prompt)
