@@ -722,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
                                           {"KVCACHE_CORE": "pure"}, None)
     if others:
         summary["compared"] = compare(runs, others)
-    path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
+    path = write_results("core", {"args": vars(args) | {
+                                      "out": str(args.out),
+                                      "baseline_tree": args.baseline_tree and str(args.baseline_tree)},
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
                          args.out, plot=plot(summary))

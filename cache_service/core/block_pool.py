@@ -384,10 +384,17 @@ class BlockPool:
         for block_id in ids:
             if not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
                 raise ValueError(f"block id {block_id!r} out of range [0, {self.num_blocks})")
+        tier = self.host_tier
         for block_id in ids:
             block = self.blocks.get(block_id)
             if block is not None:
-                self._evict(block)
+                if tier is not None and block.block_hash is not None:
+                    # Invalidation forgets the key in both tiers (never a demotion).
+                    key, gid = block.block_hash, block.group_id
+                    self._evict(block)
+                    tier.drop(key, gid, self.events)
+                else:
+                    self._evict(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible while no block is in use."""

@@ -183,6 +183,18 @@ class HostTier:
         self.promotions.append(TierCopy(gid, block.block_id, slot))
         self.num_promotions += 1
 
+    def drop(self, key: bytes, group_id: int, events: list[KVEvent]) -> bool:
+        """Forget ``key``'s host copy (its device block was invalidated: the copy may be
+        what went wrong); its slot is free again. False if the tier does not hold it."""
+        placeholder = self.lru[group_id].pop(key, None)
+        if placeholder is None:
+            return False
+        self._freed[group_id].append(slot_of(placeholder))
+        self.num_evictions += 1
+        if self.enable_events:
+            events.append(BlockRemoved([external_block_hash(key)], group_id, medium="CPU"))
+        return True
+
     # -- reset -------------------------------------------------------------------------
     def reset(self, events: list[KVEvent]) -> int:
         """Drop every entry (the executor's host memory is gone): BlockRemoved CPU each;

@@ -829,9 +829,11 @@ class Pool:
     def peek_prefix(self, token_ids: Sequence[int] | None = None, *,
                     block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
                     lora_name: str | None = None, lora_path: str | None = None) -> int:
-        """Hit length in tokens a request with this prompt would get now. Read-only:
-        registers nothing, takes no references, changes no statistics. With only
-        ``block_hashes``, the cap is the hashed length (the token count is unknown)."""
+        """Hit length in tokens a request with this prompt would get now from device
+        blocks (with a host tier, :meth:`prefix_residency`'s ``host_hit_tokens`` is the hit
+        across both tiers, what a lookup answers). Read-only: registers nothing, takes no
+        references, changes no statistics. With only ``block_hashes``, the cap is the
+        hashed length (the token count is unknown)."""
         peek = self.peek_prefix_in_slices(token_ids, block_hashes=block_hashes,
                                           cache_salt=cache_salt, lora_name=lora_name,
                                           lora_path=lora_path)
