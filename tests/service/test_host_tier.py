@@ -220,6 +220,29 @@ def test_the_tier_lru_drops_its_oldest_entries(client: CacheClient) -> None:
     client.delete_pool(pool)
 
 
+def test_one_peek_over_pools_with_and_without_a_tier(client: CacheClient) -> None:
+    """The routing index answers the pools without a tier, the pools with one answer
+    themselves: each as its own lookup would."""
+    for pool, tier in (("mix-off", 0), ("mix-on", TIER)):
+        register(client, pool, tier=tier)
+        admit(client, pool, "a", prompt(1))
+        client.step(pool, [ops.free("a")])
+        for tag in (2, 3, 4, 5):  # evicts a's blocks: demoted on mix-on only
+            admit(client, pool, f"r{tag}", prompt(tag))
+    probe = prompt(1) + [7]
+    off, on = client.routing_view(["mix-off", "mix-on"], probe).hits
+    assert (off.hit_tokens, off.host_hit_tokens, off.groups[0].host_tokens) == (0, 0, 0)
+    assert (on.hit_tokens, on.host_hit_tokens, on.groups[0].host_tokens) == (0, 64, 64)
+    probe = prompt(5) + [7]  # on the device in both
+    off, on = client.routing_view(["mix-off", "mix-on"], probe).hits
+    assert (off.hit_tokens, off.host_hit_tokens) == (64, 0)
+    assert (on.hit_tokens, on.host_hit_tokens, on.groups[0].tokens) == (64, 64, 64)
+    assert client.peek_prefix(["mix-off", "mix-on"], prompt(1) + [7], include_host=True) == \
+        {"mix-off": 0, "mix-on": 64}
+    for pool in ("mix-off", "mix-on"):
+        client.delete_pool(pool)
+
+
 def test_a_miss_reason_says_evicted_only_when_gone_from_both_tiers(
         client: CacheClient) -> None:
     pool = "tier-explain"
