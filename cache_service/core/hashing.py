@@ -380,6 +380,9 @@ class HashRecipe(RebuiltFromFields):
     none_hash_seed: str
     none_hash: bytes
     hash_block_size: int
+    #: vLLM's ``num_hash_lookahead_tokens``: tokens after each block its hash covers
+    #: (docs/hashing.md#lookahead); 0 = none.
+    num_hash_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,13 +393,15 @@ class DeclaredRecipe:
     none_hash_seed: str | None = None
     none_hash: bytes | None = None
     hash_block_size: int | None = None
+    num_hash_lookahead_tokens: int | None = None
 
 
 def check_declared_recipe(recipe: HashRecipe, declared: DeclaredRecipe) -> None:
     """InvalidArgument naming the first declared field that differs from ``recipe``:
     hashes computed any other way would never hit, so a mismatch is an error, not a silent
     0% hit rate."""
-    for name in ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size"):
+    for name in ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size",
+                 "num_hash_lookahead_tokens"):
         theirs = getattr(declared, name)
         ours = getattr(recipe, name)
         if theirs is not None and theirs != ours:
