@@ -26,11 +26,11 @@ class BlockStored(RebuiltFromFields):
     ``token_ids`` are the tokens of the whole range, from ``start_token``. Never empty:
     a call that caches nothing announces nothing. ``extra_keys`` has one untagged entry
     per stored block (LoRA name, ``(identifier, relative offset)`` per multimodal item,
-    salt, prompt-embedding digest: vLLM's event form) or None. ``spec_kind`` / ``sliding_window`` are
-    filled in from the group's spec when events are taken; ``session_id`` is the session
-    that added the storing request (None = none), as vLLM 0.33's events carry it. Each
-    hash is one more cached block under that key (duplicates are announced again):
-    docs/protocol.md#kv-events."""
+    salt, prompt-embedding digest: vLLM's event form) or None. ``spec_kind`` /
+    ``sliding_window`` are filled in from the group's spec when events are taken;
+    ``session_id`` is the session that added the storing request (None = none), as vLLM
+    0.33's events carry it. Each hash is one more cached block under that key (duplicates
+    are announced again): docs/protocol.md#kv-events."""
 
     block_hashes: list[int]
     parent_block_hash: int | None

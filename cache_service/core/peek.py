@@ -11,10 +11,9 @@ last slice, in one piece, so the answer is the hit at that moment.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Sequence
 from typing import Any
-
-import dataclasses
 
 from cache_service.core.batch import BatchLimits, check_extra_keys, check_hashes, check_tokens
 from cache_service.core.errors import InvalidArgument
@@ -59,6 +58,24 @@ def hash_in_slices(hash_fn: HashFn | None, token_ids: Sequence[int], hash_block_
         if hi < n:
             yield
     return hashes
+
+
+def probe_keys(cache_salt: str | None, lora_name: str | None, lora_path: str | None,
+                mm_items: Any, prompt_embeds_digests: Any) -> ExtraKeys:
+    """A probe's extra keys from its request fields; the multimodal items and digests
+    are checked with its tokens (:meth:`PrefixPeek.input_in_slices`), here only made
+    tuples."""
+    try:
+        mm = tuple(tuple(item) for item in mm_items)
+    except TypeError:
+        raise InvalidArgument("mm_items must be a sequence of (identifier, offset, length)",
+                              field="mm_items") from None
+    try:
+        digests = tuple(prompt_embeds_digests)
+    except TypeError:
+        raise InvalidArgument("prompt_embeds_digests must be a sequence of digests",
+                              field="prompt_embeds_digests") from None
+    return ExtraKeys(cache_salt, lora_name, lora_path, mm, digests)
 
 
 class PrefixPeek:

@@ -69,7 +69,7 @@ from cache_service.core.operations import (
     Preempt,
     op_cost,
 )
-from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
+from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices, probe_keys
 from cache_service.core.pins import PinInfo, PinTable, default_cap
 from cache_service.core.quota import BlockQuota
 from cache_service.core.release_hints import evict_first
@@ -867,7 +867,7 @@ class Pool:
         the cache is read after the last yield, in one piece)."""
         return self._peek.residency_in_slices(
             token_ids, block_hashes,
-            _extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests),
+            probe_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests),
             groups=groups, explain_misses=explain_misses, slice_blocks=slice_blocks)
 
     def stats(self) -> PoolCounters:
@@ -988,7 +988,7 @@ class Pool:
             raise InvalidArgument("account must be a string", field="account")
         hashes, max_len, _ = run_to_end(self.peek_input_in_slices(
             token_ids, block_hashes,
-            _extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests)))
+            probe_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests)))
         assert hashes is not None
         return self._pin_table().check_new(
             pin_id, account, hashes, max_len,
@@ -1082,19 +1082,3 @@ class Pool:
             queue.check_invariants()
             assert set(self._classes or ()) <= set(self._requests), "class of a gone request"
 
-
-def _extra_keys(cache_salt: str | None, lora_name: str | None, lora_path: str | None,
-                mm_items: Any, prompt_embeds_digests: Any) -> ExtraKeys:
-    """A probe's extra keys; its multimodal items and digests are checked with its tokens
-    (:meth:`PrefixPeek.input_in_slices`), here only made tuples."""
-    try:
-        mm = tuple(tuple(item) for item in mm_items)
-    except TypeError:
-        raise InvalidArgument("mm_items must be a sequence of (identifier, offset, length)",
-                              field="mm_items") from None
-    try:
-        digests = tuple(prompt_embeds_digests)
-    except TypeError:
-        raise InvalidArgument("prompt_embeds_digests must be a sequence of digests",
-                              field="prompt_embeds_digests") from None
-    return ExtraKeys(cache_salt, lora_name, lora_path, mm, digests)
