@@ -85,7 +85,8 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int,
         """Multimodal items or prompt embeddings for some prompts (``--mm``)."""
         r = rng.random()
         if r < 0.35:
-            items, pos = [], rng.randrange(0, 8)
+            items: list[list[Any]] = []
+            pos = rng.randrange(0, 8)
             while pos < len(tokens) - 1 and len(items) < 3:
                 length = min(rng.randrange(1, 3 * bs), len(tokens) - pos)
                 # Inside the shared prefix the identifier is the prefix's (equal content)

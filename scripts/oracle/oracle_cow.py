@@ -63,7 +63,7 @@ class SchedulingOracle(vllm_oracle.Oracle):
         super().__init__(cfg)
         if LOOKAHEAD:
             MANAGER_OPTIONS["num_hash_lookahead_tokens"] = LOOKAHEAD
-            if self.block_hasher is not None:
+            if self.cfg.enable_caching:
                 self.block_hasher = vllm_oracle.get_request_block_hasher(
                     self.hash_block_size, self.hash_fn, num_hash_lookahead_tokens=LOOKAHEAD)
         if MANAGER_OPTIONS:

@@ -359,7 +359,7 @@ def test_lookahead_hash_covers_the_next_tokens(algo):
     b = hash_request_tokens(fn, list(range(16)) + [99], 16, lookahead=1)
     assert len(a) == 1 and a != b  # same block, other next token: another key
     assert hash_request_tokens(fn, list(range(16)), 16, lookahead=1) == []
-    assert a[0] == hash_block_tokens(fn, None, range(16), (None, 16))  # type: ignore[arg-type]
+    assert a[0] == hash_block_tokens(fn, None, range(16), (None, 16))
     assert a != hash_request_tokens(fn, list(range(17)), 16)
 
 

@@ -11,7 +11,7 @@ from importlib import resources
 import grpc
 import pytest
 
-from cache_service.client import CacheClient, CacheError, ops
+from cache_service.client import AddResult, AppendResult, CacheClient, CacheError, Event, ops
 from cache_service.core.hashing import prompt_embeds_digests
 
 from .builders import full_layers
@@ -21,10 +21,10 @@ GOLDEN = {(c["algo"], c["name"]): c for c in json.loads(
     ["cases"]}
 
 
-def _stored(client: CacheClient, pool_id: str) -> list:
+def _stored(client: CacheClient, pool_id: str) -> list[Event]:
     """The pool's BlockStored events so far (the feed ends where it is now)."""
     last = client.stats(pool_id).last_event_sequence
-    out = []
+    out: list[Event] = []
     if last == 0:
         return out
     for event in client.subscribe_events(pool_id, 1):
@@ -106,10 +106,10 @@ def test_lookahead_pool_hashes_a_block_once_its_next_token_exists(client: CacheC
                                                                    new_pool) -> None:
     info = new_pool(full_layers(block_size=16), num_hash_lookahead_tokens=1)
     pid = info.pool_id
-    r = client.step(pid, [ops.add("a", list(range(32)))]).results[0]
-    assert r.num_block_hashes == 1  # block 1 waits for token 32
-    r = client.step(pid, [ops.append("a", [7])]).results[0]
-    assert r.num_block_hashes == 2
+    added = client.step(pid, [ops.add("a", list(range(32)))]).result(0, AddResult)
+    assert added.num_block_hashes == 1  # block 1 waits for token 32
+    appended = client.step(pid, [ops.append("a", [7])]).result(0, AppendResult)
+    assert appended.num_block_hashes == 2
     with pytest.raises(CacheError) as err:
         new_pool(full_layers(block_size=16), num_hash_lookahead_tokens=1, use_eagle=True)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT

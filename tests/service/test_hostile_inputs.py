@@ -225,12 +225,12 @@ CASES = [
          register(options=lambda r: setattr(r.options, "num_hash_lookahead_tokens", -1)),
          Code.INVALID_ARGUMENT, "options.num_hash_lookahead_tokens"),
     Case("hash lookahead with EAGLE's block drop", "RegisterPool",
-         register(options=lambda r: (setattr(r.options, "num_hash_lookahead_tokens", 1),
-                                     setattr(r.options, "use_eagle", True))),
+         register(options=lambda r: r.options.MergeFrom(
+             pb.PoolOptions(num_hash_lookahead_tokens=1, use_eagle=True))),
          Code.INVALID_ARGUMENT, "options.num_hash_lookahead_tokens"),
     Case("hash lookahead without prefix caching", "RegisterPool",
-         register(options=lambda r: (setattr(r.options, "num_hash_lookahead_tokens", 1),
-                                     setattr(r.options, "enable_caching", False))),
+         register(options=lambda r: r.options.MergeFrom(
+             pb.PoolOptions(num_hash_lookahead_tokens=1, enable_caching=False))),
          Code.INVALID_ARGUMENT, "options.num_hash_lookahead_tokens"),
     Case("max_model_len missing", "RegisterPool",
          register(options=lambda r: setattr(r.options, "max_model_len", 0)),
