@@ -28,6 +28,7 @@ from typing import Any
 
 from cache_service.client import CacheClient, CacheError, TierCopy, ops
 from cache_service.replay import (
+    embeds_digests,
     load_config,
     make_pool,
     read_expected,
@@ -44,11 +45,15 @@ PROG = "python -m cache_service.conformance"
 class ServerReplayer:
     """Trace operations as RPCs against one pool, rendered like the replay tool."""
 
-    def __init__(self, client: CacheClient, pool_id: str) -> None:
+    def __init__(self, client: CacheClient, pool_id: str, hash_block_size: int = 0,
+                 lookahead: int = 0) -> None:
         self.client = client
         self.pool = pool_id
         self.auto_step = True  # until the trace's first "step", every allocate begins one
         self._copies: tuple[list[TierCopy], list[TierCopy]] = ([], [])  # of the last Step
+        # The pool's hash recipe (for the prompt-embedding digests a trace asks for).
+        self.hash_block_size = hash_block_size
+        self.lookahead = lookahead
 
     def step(self, op, *, begin_step: bool = False):
         """Sends ``op`` as a one-op Step on the pool; answers its typed result (its host
@@ -80,7 +85,15 @@ class ServerReplayer:
     def _apply(self, op: dict[str, Any]) -> dict[str, Any]:
         name, rid = op["op"], op.get("req", "")
         if name == "add":
-            r = self.step(ops.add(rid, op.get("tokens", []), cache_salt=op.get("cache_salt")))
+            tokens = op.get("tokens", [])
+            digests: list[bytes] = []
+            if op.get("prompt_embeds") is not None:
+                # The digests a client computes from its embedding rows (docs/hashing.md).
+                digests = embeds_digests(op["prompt_embeds"], len(tokens),
+                                         self.hash_block_size, self.lookahead)
+            r = self.step(ops.add(rid, tokens, cache_salt=op.get("cache_salt"),
+                                  mm_items=[tuple(m) for m in op.get("mm_items", [])],
+                                  prompt_embeds_digests=digests))
             return {"num_tokens": r.num_tokens, "num_block_hashes": r.num_block_hashes}
         if name == "append":
             r = self.step(ops.append(rid, op.get("tokens", [])))
@@ -144,7 +157,8 @@ def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
         max_in_flight_tokens=options.max_in_flight_tokens, skip_capacity_check=True,
         prefix_cache_retention_interval=options.prefix_cache_retention_interval,
         enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
-        use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks)
+        use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks,
+        num_hash_lookahead_tokens=options.num_hash_lookahead_tokens)
 
 
 def parse_trace(text: str) -> list[Any]:
@@ -167,7 +181,9 @@ def run_trace(client: CacheClient, name: str, config: dict[str, Any], trace: Seq
         return [f"{name}: {len(trace)} operations but {len(expected)} expected answers"]
     pool_id = f"conformance-{os.getpid()}-{name}"[:128]
     register(client, config, pool_id)
-    replayer = ServerReplayer(client, pool_id)
+    recipe = client.get_pool(pool_id).raw.hash_recipe
+    replayer = ServerReplayer(client, pool_id, recipe.hash_block_size,
+                              recipe.num_hash_lookahead_tokens)
     diffs = []
     try:
         for i, (op, want) in enumerate(zip(trace, expected)):

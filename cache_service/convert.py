@@ -84,6 +84,9 @@ def options_from_proto(opts: pb.PoolOptions) -> tuple[PoolOptions, bool]:
         pinned_block_quota=opts.session_pinned_block_quota or None,
         use_eagle=opts.use_eagle,
         host_tier_blocks=host_tier,
+        num_hash_lookahead_tokens=non_negative(opts.num_hash_lookahead_tokens,
+                                               f"{p}.num_hash_lookahead_tokens",
+                                               limit=1 << 31),
     )
     return core, opts.hybrid if opts.HasField("hybrid") else True
 
@@ -102,7 +105,8 @@ def options_to_proto(opts: PoolOptions, hybrid: bool,
         enable_mamba_shared_prefix_checkpoint=opts.enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=opts.max_pinned_blocks,
         session_pinned_block_quota=opts.pinned_block_quota or 0,
-        use_eagle=opts.use_eagle, host_tier_blocks=opts.host_tier_blocks)
+        use_eagle=opts.use_eagle, host_tier_blocks=opts.host_tier_blocks,
+        num_hash_lookahead_tokens=opts.num_hash_lookahead_tokens)
 
 
 def description_from_proto(req: pb.RegisterPoolRequest) -> PoolDescription:
@@ -175,7 +179,8 @@ def pool_config_to_proto(entry: PoolEntry) -> pb.PoolConfig:
         hash_recipe=pb.HashRecipe(hash_algo=HASH_ALGOS.value(recipe.hash_algo),
                                   none_hash_seed=recipe.none_hash_seed,
                                   none_hash=recipe.none_hash,
-                                  hash_block_size=recipe.hash_block_size),
+                                  hash_block_size=recipe.hash_block_size,
+                                  num_hash_lookahead_tokens=recipe.num_hash_lookahead_tokens),
         incarnation=entry.incarnation)
 
 
@@ -188,7 +193,9 @@ def declared_recipe_from_proto(recipe: pb.HashRecipe) -> DeclaredRecipe:
         hash_algo=HASH_ALGOS.name(recipe.hash_algo) if recipe.hash_algo else None,
         none_hash_seed=recipe.none_hash_seed or None,
         none_hash=recipe.none_hash or None,
-        hash_block_size=recipe.hash_block_size or None)
+        hash_block_size=recipe.hash_block_size or None,
+        num_hash_lookahead_tokens=(recipe.num_hash_lookahead_tokens
+                                   if recipe.HasField("num_hash_lookahead_tokens") else None))
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,6 +278,9 @@ def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
             sliding_window=event.sliding_window or 0, medium=event.medium,
             prefix_lengths=event.prefix_lengths, start_token=event.start_token,
             session_id=event.session_id or "")
+        if event.lookahead_token_ids:
+            stored.lookahead_token_ids.extend(pb.LookaheadTokens(token_ids=t)
+                                              for t in event.lookahead_token_ids)
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         return pb.KVEvent(sequence=sequence, block_stored=stored)
@@ -326,7 +336,8 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
                 raise qualify(exc, "add_request.hash_recipe") from None
         return operations.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
-                              account, m.eviction_class)
+                              account, m.eviction_class, mm_items_from_proto(m.mm_items),
+                              list(m.prompt_embeds_digests))
     if kind == "lookup":
         return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
@@ -338,6 +349,12 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
     if kind == "reset_host_tier":
         return operations.ResetHostTierOp()
     raise InvalidArgument(f"an op must set one of {_OP_KINDS}", field="")
+
+
+def mm_items_from_proto(items: Sequence[pb.MultiModalItem]) -> list[tuple[str, int, int]]:
+    """``MultiModalItem`` messages as the core's ``(identifier, offset, length)``
+    (checked by the pool, errors naming ``mm_items[i].<field>``)."""
+    return [(m.identifier, m.offset, m.length) for m in items]
 
 
 def ops_from_proto(request: pb.StepRequest, hash_algo: str) -> list[operations.Op]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from cache_service import convert
 from cache_service.core.errors import (
     InvalidArgument,
     KVCacheError,
@@ -124,7 +125,9 @@ class PinRecords:
             request.pin_id, list(request.token_ids) or None,
             block_hashes=list(request.block_hashes) or None,
             cache_salt=request.cache_salt or None, lora_name=request.lora_name or None,
-            lora_path=request.lora_path or None, account=sid)
+            lora_path=request.lora_path or None, account=sid,
+            mm_items=convert.mm_items_from_proto(request.mm_items),
+            prompt_embeds_digests=list(request.prompt_embeds_digests))
         self._check_tenant_quota(request, pool, checked.new_charge)
         state.registry.fence(request.pool_id)
 

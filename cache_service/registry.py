@@ -45,7 +45,7 @@ _SPEC_FIELD_NAMES = {"shapes": "mamba_states", "dtypes": "mamba_states"}
 _OPTION_FIELD_NAMES = {"account_block_quota": "session_block_quota",
                        "pinned_block_quota": "session_pinned_block_quota"}
 _CHECKED_WITH_LAYOUT = frozenset({"prefix_cache_retention_interval", "use_eagle",
-                                  "host_tier_blocks"})
+                                  "host_tier_blocks", "num_hash_lookahead_tokens"})
 _CONFIG_FIELD_NAMES = {"available_memory": "available_memory_bytes",
                        "max_model_len": "options.max_model_len"}
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
 
+from cache_service.core.hashing import prompt_embeds_digests
 from cache_service.core.operations import (
     AddRequest,
     Allocate,
@@ -48,7 +50,8 @@ _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
 _CONFIG_KEYS = {"num_blocks", "max_model_len", "enable_caching", "hash_algo", "groups",
                 "scheduler_block_size", "hash_block_size", "watermark",
                 "max_in_flight_tokens", "prefix_cache_retention_interval",
-                "enable_mamba_shared_prefix_checkpoint", "use_eagle", "host_tier_blocks"}
+                "enable_mamba_shared_prefix_checkpoint", "use_eagle", "host_tier_blocks",
+                "num_hash_lookahead_tokens"}
 
 
 class ConfigFileError(ValueError):
@@ -143,6 +146,7 @@ def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:
         hash_block_size=data.get("hash_block_size"),
         watermark=data.get("watermark", 0.0),
         max_in_flight_tokens=data.get("max_in_flight_tokens"),
+        num_hash_lookahead_tokens=data.get("num_hash_lookahead_tokens", 0),
         enable_events=False)
     return config, options
 
@@ -185,8 +189,16 @@ class Replayer:
         return outcome
 
     def _add(self, op: dict[str, Any]) -> dict[str, Any]:
-        info = self._one(AddRequest(self._req(op), op.get("tokens", []),
-                                    cache_salt=op.get("cache_salt")))
+        tokens = op.get("tokens", [])
+        digests: list[bytes] = []
+        if op.get("prompt_embeds") is not None:
+            digests = embeds_digests(op["prompt_embeds"], len(tokens),
+                                      self.pool.hash_block_size,
+                                      self.pool.hash_recipe.num_hash_lookahead_tokens)
+        # Multimodal items: [identifier, offset, length] lists (checked by the pool).
+        info = self._one(AddRequest(self._req(op), tokens, cache_salt=op.get("cache_salt"),
+                                    mm_items=op.get("mm_items", ()),
+                                    prompt_embeds_digests=digests))
         return {"num_tokens": info.num_tokens, "num_block_hashes": info.num_block_hashes}
 
     def _lookup(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -285,6 +297,20 @@ def render_tier_copies(demotions: Sequence[Any], promotions: Sequence[Any]
         if copies:
             out[name] = [[c.group, c.block_id, c.host_slot] for c in copies]
     return out
+def embeds_digests(rows: Any, num_tokens: int, hash_block_size: int,
+                    lookahead: int) -> list[bytes]:
+    """An add op's ``prompt_embeds`` (one list of floats per prompt token, held as float32
+    as vLLM's tensor would be) as the per-block digests the pool takes."""
+    if not isinstance(rows, list) or len(rows) != num_tokens or not all(
+            isinstance(r, list) and len(r) == len(rows[0]) and r for r in rows):
+        raise InvalidArgument("prompt_embeds must be one non-empty list of numbers per "
+                              "prompt token, all of one length", field="prompt_embeds")
+    try:
+        raw = b"".join(struct.pack(f"<{len(r)}f", *r) for r in rows)
+    except struct.error:
+        raise InvalidArgument("prompt_embeds rows must hold numbers",
+                              field="prompt_embeds") from None
+    return prompt_embeds_digests(raw, num_tokens, hash_block_size, lookahead)
 
 
 def same_result(ours: dict[str, Any], theirs: dict[str, Any]) -> bool:

@@ -24,9 +24,10 @@ from google.protobuf.message import Message
 
 from cache_service import calls, convert
 from cache_service.core.batch import check_request_id
+from cache_service.core.peek import probe_keys
 from cache_service.core.pool import Pool
 from cache_service.core.prefix_index import KeySpace
-from cache_service.core.residency import ExtraKeys, Residency
+from cache_service.core.residency import Residency
 from cache_service.core.slices import run_to_end
 from cache_service.errors import (
     Draining,
@@ -419,8 +420,9 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
 
     def _peek(self, request: pb.PeekPrefixRequest, plan: _PeekPlan
               ) -> Generator[None, None, pb.PeekPrefixResponse]:
-        keys = ExtraKeys(request.cache_salt or None, request.lora_name or None,
-                         request.lora_path or None)
+        keys = probe_keys(request.cache_salt or None, request.lora_name or None,
+                          request.lora_path or None, convert.mm_items_from_proto(request.mm_items),
+                          request.prompt_embeds_digests)
         tokens = request.token_ids or None
         hashes = list(request.block_hashes) or None
         answers: list[Residency]
@@ -431,7 +433,8 @@ class CacheServicer(pb_grpc.CacheServiceServicer):
                 answer = yield from entry.pool.prefix_residency_in_slices(
                     tokens, block_hashes=hashes, cache_salt=keys.cache_salt,
                     lora_name=keys.lora_name, lora_path=keys.lora_path, explain_misses=True,
-                    slice_blocks=PEEK_SLICE_BLOCKS)
+                    slice_blocks=PEEK_SLICE_BLOCKS, mm_items=keys.mm_items,
+                    prompt_embeds_digests=keys.prompt_embeds)
                 answers.append(answer)
         else:
             # The routing index: the prompt checked and hashed once per key space (by its

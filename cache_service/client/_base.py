@@ -109,12 +109,17 @@ class ClientBase:
     def _pin_request(pool_id: str, pin_id: str, token_ids: Sequence[int],
                      block_hashes: Sequence[bytes], ttl_seconds: float, session_id: str,
                      outlive_session: bool, cache_salt: str | None, lora_name: str | None,
-                     lora_path: str | None) -> pb.PinPrefixRequest:
+                     lora_path: str | None, mm_items: Sequence[tuple[str, int, int]] = (),
+                     prompt_embeds_digests: Sequence[bytes] = ()) -> pb.PinPrefixRequest:
         """The PinPrefixRequest of ``pin_prefix``."""
-        return pb.PinPrefixRequest(
+        req = pb.PinPrefixRequest(
             pool_id=pool_id, pin_id=pin_id, token_ids=token_ids, block_hashes=block_hashes,
             ttl_seconds=ttl_seconds, session_id=session_id, outlive_session=outlive_session,
-            cache_salt=cache_salt or "", lora_name=lora_name or "", lora_path=lora_path or "")
+            cache_salt=cache_salt or "", lora_name=lora_name or "", lora_path=lora_path or "",
+            prompt_embeds_digests=prompt_embeds_digests)
+        for identifier, offset, length in mm_items:
+            req.mm_items.add(identifier=identifier, offset=offset, length=length)
+        return req
 
     @staticmethod
     def _unary_delay(route: CallRoute, address: str, exc: grpc.RpcError) -> float:

@@ -85,10 +85,13 @@ class StepBuilder:
     def add(self, request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
-            hash_recipe: pb.HashRecipe | None = None, eviction_class: int = 0) -> StepBuilder:
+            hash_recipe: pb.HashRecipe | None = None, eviction_class: int = 0,
+            mm_items: Sequence[tuple[str, int, int]] = (),
+            prompt_embeds_digests: Sequence[bytes] = ()) -> StepBuilder:
         """Appends an add op (a new request and its prompt; ``block_hashes`` when the client
-        hashed it itself; ``eviction_class``: docs/semantics.md, "Eviction classes");
-        returns the builder, for chaining."""
+        hashed it itself; ``eviction_class``: docs/semantics.md, "Eviction classes";
+        ``mm_items`` ``(identifier, offset, length)`` and ``prompt_embeds_digests``:
+        docs/hashing.md section 2); returns the builder, for chaining."""
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -104,6 +107,10 @@ class StepBuilder:
             m.hash_recipe.CopyFrom(hash_recipe)
         if eviction_class:
             m.eviction_class = eviction_class
+        for identifier, offset, length in mm_items:
+            m.mm_items.add(identifier=identifier, offset=offset, length=length)
+        if prompt_embeds_digests:
+            m.prompt_embeds_digests.extend(prompt_embeds_digests)
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
@@ -202,13 +209,17 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
     def add(request_id: str, token_ids: Sequence[int], *,
             block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
             lora_name: str | None = None, lora_path: str | None = None,
-            hash_recipe: pb.HashRecipe | None = None) -> pb.Op:
+            hash_recipe: pb.HashRecipe | None = None,
+            mm_items: Sequence[tuple[str, int, int]] = (),
+            prompt_embeds_digests: Sequence[bytes] = ()) -> pb.Op:
         """Register a request (its prompt tokens; optionally client-computed hashes, and
         the recipe they were computed with, checked against the pool's). A LoRA request
-        hashes ``("lora", lora_name, lora_path)`` as vLLM does."""
+        hashes ``("lora", lora_name, lora_path)`` as vLLM does; multimodal items and
+        prompt-embedding digests as docs/hashing.md section 2 says."""
         return _one().add(request_id, token_ids, block_hashes=block_hashes,
                           cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
-                          hash_recipe=hash_recipe).request.ops[0]
+                          hash_recipe=hash_recipe, mm_items=mm_items,
+                          prompt_embeds_digests=prompt_embeds_digests).request.ops[0]
 
     @staticmethod
     def lookup(request_id: str, *, explain: bool = False) -> pb.Op:
@@ -300,6 +311,7 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
                      session_pinned_block_quota: int = 0,
                      use_eagle: bool = False,
                      host_tier_blocks: int = 0,
+                     num_hash_lookahead_tokens: int = 0,
                      **unexpected: object) -> pb.RegisterPoolRequest:
     """The RegisterPool message for the keyword arguments of ``register_pool`` (a mistyped
     one is a TypeError naming ``register_pool`` and the arguments it takes, not this
@@ -322,7 +334,8 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
         enable_mamba_shared_prefix_checkpoint=enable_mamba_shared_prefix_checkpoint,
         max_pinned_blocks=max_pinned_blocks,
         session_pinned_block_quota=session_pinned_block_quota,
-        use_eagle=use_eagle, host_tier_blocks=host_tier_blocks)
+        use_eagle=use_eagle, host_tier_blocks=host_tier_blocks,
+        num_hash_lookahead_tokens=num_hash_lookahead_tokens)
     req = pb.RegisterPoolRequest(pool_id=pool_id, layers=layer_specs, options=options)
     if num_blocks is not None:
         req.num_blocks = num_blocks
@@ -334,13 +347,17 @@ def register_request(pool_id: str, layer_specs: Sequence[pb.LayerSpec], *,
 def peek_request(pool_ids: Sequence[str], token_ids: Sequence[int],
                   block_hashes: Sequence[bytes], cache_salt: str | None,
                   lora_name: str | None, lora_path: str | None,
-                  explain: bool = False) -> pb.PeekPrefixRequest:
+                  explain: bool = False, mm_items: Sequence[tuple[str, int, int]] = (),
+                  prompt_embeds_digests: Sequence[bytes] = ()) -> pb.PeekPrefixRequest:
     """The PeekPrefixRequest of :meth:`~AsyncCacheClient.peek_prefix` (None and "" are the
     same: not set)."""
-    return pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
-                                block_hashes=block_hashes, cache_salt=cache_salt or "",
-                                lora_name=lora_name or "", lora_path=lora_path or "",
-                                explain=explain)
+    req = pb.PeekPrefixRequest(pool_ids=pool_ids, token_ids=token_ids,
+                               block_hashes=block_hashes, cache_salt=cache_salt or "",
+                               lora_name=lora_name or "", lora_path=lora_path or "",
+                               explain=explain, prompt_embeds_digests=prompt_embeds_digests)
+    for identifier, offset, length in mm_items:
+        req.mm_items.add(identifier=identifier, offset=offset, length=length)
+    return req
 
 
 def decode_request(pool_id: str, request_ids: Sequence[str], token_ids: Sequence[int],

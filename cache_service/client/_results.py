@@ -366,6 +366,9 @@ class Event:
     #: Where the block is: "GPU" (the device pool) or "CPU" (the host tier); "" for
     #: all_blocks_cleared.
     medium: str = ""
+    #: block_stored with lookahead hashing: per stored block, the tokens after it that
+    #: its hash covers (None without lookahead).
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -463,7 +466,9 @@ def _event_from(e: pb.KVEvent) -> Event:
                      list(s.token_ids), s.block_size, s.group_idx,
                      LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name,
                      list(s.prefix_lengths), s.start_token, session_id=s.session_id,
-                     medium=s.medium)
+                     medium=s.medium,
+                     lookahead_token_ids=[list(t.token_ids) for t in s.lookahead_token_ids]
+                     or None)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
                      group_idx=e.block_removed.group_idx, medium=e.block_removed.medium)

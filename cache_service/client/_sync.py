@@ -219,11 +219,15 @@ class CacheClient(ClientBase):
                     lora_name: str | None = None,
                     timeout: float | None = None,
                     lora_path: str | None = None,
-                    include_host: bool = False) -> dict[str, int]:
+                    include_host: bool = False,
+                    mm_items: Sequence[tuple[str, int, int]] = (),
+                    prompt_embeds_digests: Sequence[bytes] = ()) -> dict[str, int]:
         """Cached prefix length in tokens per pool (read-only); ``include_host``: the hit
-        across the device and the host tier (``PoolHit.host_hit_tokens``)."""
+        across the device and the host tier (``PoolHit.host_hit_tokens``); ``mm_items``
+        and ``prompt_embeds_digests`` as on :meth:`StepBuilder.add`."""
         resp = self._call("PeekPrefix", peek_request(
-            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path), timeout)
+            pool_ids, token_ids, block_hashes, cache_salt, lora_name, lora_path,
+            mm_items=mm_items, prompt_embeds_digests=prompt_embeds_digests), timeout)
         return hits_from(resp, include_host)
 
     def routing_view(self, pool_ids: Sequence[str], token_ids: Sequence[int] = (), *,
@@ -261,6 +265,8 @@ class CacheClient(ClientBase):
                  session_id: str = "", outlive_session: bool = False,
                  cache_salt: str | None = None, lora_name: str | None = None,
                  lora_path: str | None = None,
+                 mm_items: Sequence[tuple[str, int, int]] = (),
+                 prompt_embeds_digests: Sequence[bytes] = (),
                  timeout: float | None = None) -> PinInfo:
         """Pins the prefix of ``token_ids`` (or ``block_hashes``) in the pool for
         ``ttl_seconds`` (docs/protocol.md, "Prefix pins"). ``session_id`` (for example
@@ -269,7 +275,8 @@ class CacheClient(ClientBase):
         (a resend would meet the pin it took: ALREADY_EXISTS)."""
         resp = self._call("PinPrefix", self._pin_request(
             pool_id, pin_id, token_ids, block_hashes, ttl_seconds, session_id,
-            outlive_session, cache_salt, lora_name, lora_path), timeout, resend=False)
+            outlive_session, cache_salt, lora_name, lora_path, mm_items,
+            prompt_embeds_digests), timeout, resend=False)
         return pin_from(resp.pin)
 
     def renew_pin(self, pool_id: str, pin_id: str, *, ttl_seconds: float,

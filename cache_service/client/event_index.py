@@ -30,6 +30,7 @@ class EventIndex:
     def __init__(self, config: pb.PoolConfig) -> None:
         self.groups = list(config.groups)
         self.hash_block_size = config.hash_block_size
+        self.hash_lookahead = config.options.num_hash_lookahead_tokens
         self.enabled = config.options.enable_caching and bool(self.groups)
         self._hash_fn = get_hash_fn(HASH_ALGOS.name(config.options.hash_algo) or "sha256")
         self.kinds = [LAYER_KINDS.name(g.kind) for g in self.groups]  # by group index
@@ -78,14 +79,19 @@ class EventIndex:
     # -- hits ----------------------------------------------------------------------------
     def hit_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                    lora_name: str | None = None, lora_path: str | None = None,
-                   include_host: bool = False) -> int:
+                   include_host: bool = False,
+                   mm_items: Sequence[tuple[str, int, int]] = (),
+                   prompt_embeds_digests: Sequence[bytes] = ()) -> int:
         """The hit a request with this prompt would get from the device (capped at
-        ``len - 1`` tokens); ``include_host``: across both tiers."""
+        ``len - 1`` tokens); ``include_host``: across both tiers; ``mm_items`` /
+        ``prompt_embeds_digests`` as docs/hashing.md section 2 (taken as valid: the pool
+        would refuse bad ones)."""
         if not self.enabled or len(token_ids) < 2:
             return 0
         fine = [external_block_hash(h) for h in hash_request_tokens(
             self._hash_fn, token_ids, self.hash_block_size, lora_name=lora_name,
-            lora_path=lora_path, cache_salt=cache_salt)]
+            lora_path=lora_path, cache_salt=cache_salt, mm_items=mm_items,
+            prompt_embeds=prompt_embeds_digests, lookahead=self.hash_lookahead)]
         limit = len(token_ids) - 1
         searched: dict[int, int] = {}  # full spec group -> its (downward closed) hit
         while True:

@@ -39,7 +39,13 @@ from cache_service.core.errors import (
     qualify,
 )
 from cache_service.core.eviction_classes import MAX_CLASS
-from cache_service.core.hashing import HashRecipe, check_declared_recipe
+from cache_service.core.hashing import (
+    HashRecipe,
+    MMItem,
+    check_declared_recipe,
+    check_mm_items,
+    check_prompt_embeds,
+)
 from cache_service.core.operations import (
     TOKENS_PER_COST,
     AddRequest,
@@ -59,6 +65,11 @@ from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.slices import run_to_end
 
 MAX_REQUEST_ID_LEN = 256  # keeps hostile ids from bloating every table and event
+
+
+#: A checked AddRequest: (tokens, client hashes or None, multimodal items, embedding
+#: digests).
+AddPlan = tuple[list[int], list[bytes] | None, tuple[MMItem, ...], tuple[bytes, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +132,14 @@ def check_hashes(block_hashes: Any, num_tokens: int | None, limits: BatchLimits)
         raise InvalidArgument("block_hashes must be a sequence of bytes",
                               field="block_hashes") from None
     hbs = limits.hash_block_size
-    if num_tokens is not None and len(hashes) != num_tokens // hbs:
+    # With lookahead hashing a block has a hash once the tokens after it exist.
+    lookahead = limits.recipe.num_hash_lookahead_tokens
+    if num_tokens is not None and len(hashes) != max(0, num_tokens - lookahead) // hbs:
+        want = max(0, num_tokens - lookahead) // hbs
+        ahead = f", {lookahead} lookahead tokens" if lookahead else ""
         raise InvalidArgument(
-            f"expected {num_tokens // hbs} block hashes ({num_tokens} tokens, hash "
-            f"block size {hbs}), got {len(hashes)}", field="block_hashes")
+            f"expected {want} block hashes ({num_tokens} tokens, hash "
+            f"block size {hbs}{ahead}), got {len(hashes)}", field="block_hashes")
     size = limits.digest_size
     if set(map(type, hashes)) <= {bytes} and set(map(len, hashes)) <= {size}:
         return hashes  # the usual case, checked at C speed (a long prompt's hashes)
@@ -355,8 +370,9 @@ class BatchCheck:
         return self._append(self._require(op.request_id), op.request_id, op.token_ids,
                             "token_ids")
 
-    def _check_add(self, op: AddRequest) -> tuple[list[int], list[bytes] | None]:
-        """The prompt, and the client's block hashes (None: the pool hashes)."""
+    def _check_add(self, op: AddRequest) -> AddPlan:
+        """The prompt, the client's block hashes (None: the pool hashes), and the checked
+        multimodal items and prompt-embedding digests."""
         limits = self.limits
         rid = check_request_id(op.request_id)
         st = self._state(rid)
@@ -381,8 +397,15 @@ class BatchCheck:
                 raise InvalidArgument("the pool has prefix caching off; send no block "
                                       "hashes", field="block_hashes")
             hashes = check_hashes(op.block_hashes, len(tokens), limits)
+        mm: tuple[MMItem, ...] = ()
+        digests: tuple[bytes, ...] = ()
+        if op.mm_items:
+            mm = check_mm_items(op.mm_items, len(tokens))
+        if op.prompt_embeds_digests:
+            digests = check_prompt_embeds(op.prompt_embeds_digests, len(tokens),
+                                          limits.hash_block_size)
         self.state[rid] = Simulated(True, len(tokens))
-        return tokens, hashes
+        return tokens, hashes, mm, digests
 
     def _check_lookup(self, op: Lookup) -> None:
         st = self._require(op.request_id)

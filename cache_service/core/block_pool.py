@@ -27,7 +27,11 @@ from mypy_extensions import mypyc_attr
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from cache_service.core.free_queue import FreeKVCacheBlockQueue
-from cache_service.core.hashing import external_block_hash
+from cache_service.core.hashing import (
+    EMPTY_EMBEDS_DIGEST,
+    external_block_hash,
+    window_extra_keys,
+)
 from cache_service.core.host_tier import HostTier
 from cache_service.core.release_hints import release_to_front
 
@@ -68,6 +72,9 @@ class BlockPool:
     #: evicted for reuse; None = none (a class default: pools pickled before tiers
     #: existed load without one).
     host_tier: HostTier | None = None
+    #: vLLM's num_hash_lookahead_tokens (a class default, so that pools pickled before
+    #: lookahead hashing existed load with it off).
+    hash_lookahead: int = 0
 
     def __init__(self, num_blocks: int, enable_caching: bool, hash_block_size: int, *,
                  num_groups: int = 1, enable_events: bool = False) -> None:
@@ -77,6 +84,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_events = enable_events
+        # vLLM's num_hash_lookahead_tokens (set by the manager): a block's hash, and its
+        # event's extra keys, cover this many tokens after it.
+        self.hash_lookahead = 0
         # Blocks are materialized on first use (see free_queue) and kept by id here, so
         # building a pool costs O(1) whatever num_blocks is: the metadata grows only
         # with the blocks ever handed out.
@@ -320,19 +330,27 @@ class BlockPool:
                                                   num_cached_blocks, num_full_blocks,
                                                   block_size, group_id))
 
-    @staticmethod
-    def _stored_event(request: Request, block_hashes: Sequence[bytes], stored: list[int],
+    def _stored_event(self, request: Request, block_hashes: Sequence[bytes], stored: list[int],
                       start: int, end: int, block_size: int, group_id: int) -> BlockStored:
         parent = external_block_hash(block_hashes[start - 1]) if start > 0 else None
         lora, salt = request.lora_name, request.cache_salt
-        extra: list[tuple[str, ...] | None] = []
-        for i in stored:
-            keys: list[str] = []
-            if lora is not None:
-                keys.append(lora)
-            if salt and i == 0:
-                keys.append(salt)
-            extra.append(tuple(keys) if keys else None)
+        lookahead = self.hash_lookahead
+        extra: list[tuple[Any, ...] | None] = []
+        ahead: list[list[int]] | None = None
+        if request.mm_items or request.prompt_embeds or lookahead:
+            extra = self._window_event_keys(request, stored, block_size)
+            if lookahead:
+                tokens = request.all_token_ids
+                ahead = [list(tokens[(i + 1) * block_size:(i + 1) * block_size + lookahead])
+                         for i in stored]
+        else:
+            for i in stored:
+                keys: list[str] = []
+                if lora is not None:
+                    keys.append(lora)
+                if salt and i == 0:
+                    keys.append(salt)
+                extra.append(tuple(keys) if keys else None)
         return BlockStored(
             block_hashes=[external_block_hash(block_hashes[i]) for i in stored],
             parent_block_hash=parent,
@@ -344,7 +362,30 @@ class BlockPool:
             prefix_lengths=[(i + 1) * block_size for i in stored],
             start_token=start * block_size,
             session_id=request.session_id,
+            lookahead_token_ids=ahead,
         )
+
+    def _window_event_keys(self, request: Request, stored: list[int], block_size: int
+                           ) -> list[tuple[Any, ...] | None]:
+        """vLLM's untagged event keys of the stored blocks when multimodal items, prompt
+        embeddings or lookahead are in play: each block's keys over its hash window
+        (the block plus the lookahead tokens). A prompt-embedding digest is announced only
+        when the group's blocks are hash blocks: the pool holds digests per hash block,
+        and vLLM's event digest of a coarser block covers other rows."""
+        lora_key = None if request.lora_name is None else (
+            "lora", request.lora_name, request.lora_path)
+        digests = request.prompt_embeds if block_size == self.hash_block_size else ()
+        out: list[tuple[Any, ...] | None] = []
+        for i in stored:
+            digest: bytes | None = None
+            if digests:
+                digest = digests[i] if i < len(digests) else EMPTY_EMBEDS_DIGEST
+            keys = window_extra_keys(i * block_size, (i + 1) * block_size + self.hash_lookahead,
+                                     lora_key=lora_key, cache_salt=request.cache_salt,
+                                     mm_items=request.mm_items, embeds_digest=digest)
+            out.append(None if keys is None else tuple(
+                key[1:] if key[0] == "mm" else key[1] for key in keys))
+        return out
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
                             group_id: int) -> bytes | None:

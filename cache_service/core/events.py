@@ -25,11 +25,12 @@ class BlockStored(RebuiltFromFields):
     the range in the request's chain (None when the range starts at 0), cached or not;
     ``token_ids`` are the tokens of the whole range, from ``start_token``. Never empty:
     a call that caches nothing announces nothing. ``extra_keys`` has one untagged entry
-    per stored block (LoRA name, salt) or None. ``spec_kind`` / ``sliding_window`` are
-    filled in from the group's spec when events are taken; ``session_id`` is the session
-    that added the storing request (None = none), as vLLM 0.33's events carry it. Each
-    hash is one more cached block under that key (duplicates are announced again):
-    docs/protocol.md#kv-events."""
+    per stored block (LoRA name, ``(identifier, relative offset)`` per multimodal item,
+    salt, prompt-embedding digest: vLLM's event form) or None. ``spec_kind`` /
+    ``sliding_window`` are filled in from the group's spec when events are taken;
+    ``session_id`` is the session that added the storing request (None = none), as vLLM
+    0.33's events carry it. Each hash is one more cached block under that key (duplicates
+    are announced again): docs/protocol.md#kv-events."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -44,6 +45,9 @@ class BlockStored(RebuiltFromFields):
     prefix_lengths: list[int] = field(default_factory=list)
     start_token: int = 0
     session_id: str | None = None
+    #: With lookahead hashing (docs/hashing.md#lookahead): per stored block, the tokens
+    #: after it that its hash covers (vLLM 0.33's ``lookahead_token_ids``); else None.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 @dataclass

@@ -102,7 +102,8 @@ class KVCacheManager:
                  enable_caching: bool = True, enable_events: bool = False,
                  watermark: float = 0.0, prefix_cache_retention_interval: int | None = None,
                  enable_mamba_shared_prefix_checkpoint: bool = False,
-                 use_eagle: bool = False, host_tier_blocks: Checked[int] = 0) -> None:
+                 use_eagle: bool = False, host_tier_blocks: Checked[int] = 0,
+                 num_hash_lookahead_tokens: int = 0) -> None:
         if watermark < 0:
             raise ConfigError("watermark must be non-negative", field="watermark")
         self.config = config
@@ -128,6 +129,9 @@ class KVCacheManager:
                 if isinstance(manager, MambaManager):
                     manager.shared_prefix_checkpoint = True
         self.pool = self.coordinator.pool
+        # The requests' hashes look this far ahead (they are made by Request); the pool
+        # needs it for the events and the Mamba prompt boundary.
+        self.pool.hash_lookahead = num_hash_lookahead_tokens
         self.watermark_blocks = int(watermark * config.num_blocks)
         self.empty_blocks: HitBlocks = self.coordinator.empty_blocks
         self.num_groups = len(config.groups)

@@ -42,6 +42,12 @@ class AddRequest:
     account: Checked[str | None] = None
     #: The eviction class of the blocks it releases (:mod:`eviction_classes`); 0 = default.
     eviction_class: Checked[int] = 0
+    #: Multimodal items ``(identifier, offset, length)``, sorted by offset and
+    #: non-overlapping, each inside the prompt; hashed as vLLM's ``("mm", ...)`` keys.
+    mm_items: Sequence[Any] = ()
+    #: Per-block prompt-embedding digests (docs/hashing.md#prompt-embeddings), one per
+    #: block with an embedding row, or none.
+    prompt_embeds_digests: Sequence[bytes] = ()
 
 
 @dataclass(slots=True)

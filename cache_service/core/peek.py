@@ -11,12 +11,13 @@ last slice, in one piece, so the answer is the hit at that moment.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Sequence
 from typing import Any
 
 from cache_service.core.batch import BatchLimits, check_extra_keys, check_hashes, check_tokens
 from cache_service.core.errors import InvalidArgument
-from cache_service.core.hashing import HashFn, hash_request_tokens
+from cache_service.core.hashing import HashFn, check_mm_items, check_prompt_embeds
 from cache_service.core.kv_cache_manager import KVCacheManager
 from cache_service.core.residency import (
     ExplainContext,
@@ -32,7 +33,7 @@ PeekInput = tuple[list[bytes] | None, int, Sequence[int] | None]
 
 
 def hash_in_slices(hash_fn: HashFn | None, token_ids: Sequence[int], hash_block_size: int,
-                   token_limit: int, slice_blocks: int, keys: ExtraKeys
+                   token_limit: int, slice_blocks: int, keys: ExtraKeys, lookahead: int = 0
                    ) -> Generator[None, None, list[bytes]]:
     """The block hashes of a prompt, ``slice_blocks`` blocks at a time, yielding between
     slices (each slice's tokens checked as ``check_tokens`` would; an error names the global
@@ -49,13 +50,32 @@ def hash_in_slices(hash_fn: HashFn | None, token_ids: Sequence[int], hash_block_
         if set(map(type, chunk)) != {int} or min(chunk) < 0 or max(chunk) >= token_limit:
             check_tokens(token_ids[:hi], token_limit)  # raises, naming the first bad one
         if hash_fn is not None:
-            hashes += hash_request_tokens(
-                hash_fn, token_ids, hbs, parent=hashes[-1] if hashes else None,
-                start_block=len(hashes), stop_block=hi // hbs, lora_name=keys.lora_name,
-                lora_path=keys.lora_path, cache_salt=keys.cache_salt)
+            # A block's lookahead tokens may lie in the next slice: they are hashed
+            # now and checked with it (an error there still fails the whole probe).
+            hashes += keys.hash_request(
+                hash_fn, token_ids, hbs, lookahead, parent=hashes[-1] if hashes else None,
+                start_block=len(hashes), stop_block=hi // hbs)
         if hi < n:
             yield
     return hashes
+
+
+def probe_keys(cache_salt: str | None, lora_name: str | None, lora_path: str | None,
+                mm_items: Any, prompt_embeds_digests: Any) -> ExtraKeys:
+    """A probe's extra keys from its request fields; the multimodal items and digests
+    are checked with its tokens (:meth:`PrefixPeek.input_in_slices`), here only made
+    tuples."""
+    try:
+        mm = tuple(tuple(item) for item in mm_items)
+    except TypeError:
+        raise InvalidArgument("mm_items must be a sequence of (identifier, offset, length)",
+                              field="mm_items") from None
+    try:
+        digests = tuple(prompt_embeds_digests)
+    except TypeError:
+        raise InvalidArgument("prompt_embeds_digests must be a sequence of digests",
+                              field="prompt_embeds_digests") from None
+    return ExtraKeys(cache_salt, lora_name, lora_path, mm, digests)
 
 
 class PrefixPeek:
@@ -86,6 +106,13 @@ class PrefixPeek:
         if token_ids is None and block_hashes is None:
             raise InvalidArgument("give token_ids or block_hashes", field="token_ids")
         check_extra_keys(keys.cache_salt, keys.lora_name, keys.lora_path)
+        if (keys.mm_items or keys.prompt_embeds) and token_ids is not None:
+            n = len(token_ids)
+            keys = dataclasses.replace(
+                keys, mm_items=check_mm_items(keys.mm_items, n) if keys.mm_items else (),
+                prompt_embeds=check_prompt_embeds(keys.prompt_embeds, n, self._hbs)
+                if keys.prompt_embeds else ())
+        lookahead = self._limits.recipe.num_hash_lookahead_tokens
         hashes: list[bytes] | None
         tokens: Sequence[int] | None
         limit = self._limits.token_limit
@@ -94,17 +121,14 @@ class PrefixPeek:
             # A long prompt: checked and hashed a slice at a time (converting or checking
             # a million token ids at once would hold the caller for a long time too).
             hashes = yield from hash_in_slices(self._hash_fn, token_ids, self._hbs, limit,
-                                               slice_blocks, keys)
+                                               slice_blocks, keys, lookahead)
             tokens = token_ids
         else:
             tokens = None if token_ids is None else check_tokens(token_ids, limit)
             hashes = None if block_hashes is None else check_hashes(
                 block_hashes, None if tokens is None else len(tokens), self._limits)
             if hashes is None and tokens is not None and self._hash_fn is not None:
-                hashes = hash_request_tokens(self._hash_fn, tokens, self._hbs,
-                                             lora_name=keys.lora_name,
-                                             lora_path=keys.lora_path,
-                                             cache_salt=keys.cache_salt)
+                hashes = keys.hash_request(self._hash_fn, tokens, self._hbs, lookahead)
         if self._hash_fn is None or hashes is None:
             return None, 0, tokens
         max_len = len(tokens) - 1 if tokens is not None else len(hashes) * self._hbs
@@ -149,5 +173,6 @@ class PrefixPeek:
         if explain_misses and self._hash_fn is not None:
             probe = block_pool if view is None else view
             explain(result, ExplainContext(managers, probe, self._log, self._hash_fn,
-                                           hashes, max_len, keys, tokens, client_hashes))
+                                           hashes, max_len, keys, tokens, client_hashes,
+                                           self._limits.recipe.num_hash_lookahead_tokens))
         return result

@@ -71,7 +71,7 @@ from cache_service.core.operations import (
     ResetHostTierOp,
     op_cost,
 )
-from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices
+from cache_service.core.peek import PeekInput, PrefixPeek, hash_in_slices, probe_keys
 from cache_service.core.pins import PinInfo, PinTable, default_cap
 from cache_service.core.quota import BlockQuota
 from cache_service.core.release_hints import evict_first
@@ -117,6 +117,11 @@ class PoolOptions(RebuiltFromFields):
     use_eagle: bool = False
     #: Host-tier slots per KV-cache group (docs/semantics.md#host-tier); 0 = no tier.
     host_tier_blocks: Checked[int] = 0
+    #: vLLM's ``num_hash_lookahead_tokens`` (docs/hashing.md#lookahead): each block hash
+    #: also covers the L tokens after the block, and exists once they do. 0 = off.
+    #: Needs prefix caching; excludes ``use_eagle`` (vLLM's scheduler turns the EAGLE
+    #: block drop off when its hashes look ahead).
+    num_hash_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -288,6 +293,17 @@ class Pool:
             raise InvalidArgument(f"watermark must be in [0, 1), got {options.watermark!r}",
                                   field="watermark")
         hash_fn = get_hash_fn(options.hash_algo)
+        lookahead = check_int(options.num_hash_lookahead_tokens, "num_hash_lookahead_tokens",
+                              minimum=0, maximum=options.max_model_len)
+        if lookahead and not options.enable_caching:
+            raise InvalidArgument("num_hash_lookahead_tokens needs prefix caching (vLLM "
+                                  "hashes nothing without it)",
+                                  field="num_hash_lookahead_tokens")
+        if lookahead and options.use_eagle:
+            raise InvalidArgument("num_hash_lookahead_tokens excludes use_eagle: vLLM's "
+                                  "lookahead hashes replace the EAGLE block drop",
+                                  field="num_hash_lookahead_tokens")
+        self._lookahead = lookahead
         sched, hbs = resolve_block_sizes(config, options.enable_caching,
                                          options.scheduler_block_size, options.hash_block_size)
         self._config = config
@@ -299,7 +315,8 @@ class Pool:
         # chunked-local admission caps were sized with).
         self._max_new_tokens = min(options.max_in_flight_tokens or options.max_model_len,
                                    options.max_model_len)
-        self._recipe = HashRecipe(options.hash_algo, none_hash_seed(), none_hash(hash_fn), hbs)
+        self._recipe = HashRecipe(options.hash_algo, none_hash_seed(), none_hash(hash_fn), hbs,
+                                  lookahead)
         self._limits = BatchLimits(
             max_model_len=options.max_model_len,
             token_limit=options.vocab_size if options.vocab_size is not None else _TOKEN_LIMIT,
@@ -313,7 +330,8 @@ class Pool:
             watermark=options.watermark,
             prefix_cache_retention_interval=options.prefix_cache_retention_interval,
             enable_mamba_shared_prefix_checkpoint=options.enable_mamba_shared_prefix_checkpoint,
-            use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks)
+            use_eagle=options.use_eagle, host_tier_blocks=options.host_tier_blocks,
+            num_hash_lookahead_tokens=lookahead)
         self._requests: dict[str, Request] = {}
         if options.account_block_quota is not None:
             check_int(options.account_block_quota, "account_block_quota", minimum=1)
@@ -421,11 +439,12 @@ class Pool:
             for i, op in enumerate(ops):
                 if type(op) is AddRequest and plan[i][1] is None \
                         and len(plan[i][0]) > slice_cost * self._hbs:
-                    tokens = plan[i][0]
+                    tokens, _, mm, embeds = plan[i]
                     hashes = yield from hash_in_slices(
                         self._hash_fn, tokens, self._hbs, self._limits.token_limit,
-                        slice_cost, ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))
-                    plan[i] = (tokens, hashes)
+                        slice_cost, ExtraKeys(op.cache_salt, op.lora_name, op.lora_path,
+                                              mm, embeds), self._lookahead)
+                    plan[i] = (tokens, hashes, mm, embeds)
         return PreparedBatch(self, ops, plan, begin_step)
 
     # The outcome of each kind of op (see ops.OpOutcome), for the single-op methods.
@@ -481,10 +500,11 @@ class Pool:
         if isinstance(op, FillPlaceholders):
             return self._fill(op.request_ids, prepared)
         if isinstance(op, AddRequest):
-            tokens, hashes = prepared
+            tokens, hashes, mm, embeds = prepared
             req = Request(op.request_id, tokens, hash_fn=self._hash_fn,
                           hash_block_size=self._hbs, cache_salt=op.cache_salt,
-                          lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes)
+                          lora_name=op.lora_name, lora_path=op.lora_path, block_hashes=hashes,
+                          mm_items=mm, prompt_embeds=embeds, hash_lookahead=self._lookahead)
             # Long prompts arrive hashed by the batch check: only the client's own hashes
             # may have another recipe (a miss reason checks them).
             req.client_hashes = op.block_hashes is not None
@@ -514,7 +534,8 @@ class Pool:
             if op.explain:
                 result.groups = self._peek.residency(
                     req.block_hashes, req.num_tokens - 1, hit, req.all_token_ids,
-                    ExtraKeys(req.cache_salt, req.lora_name, req.lora_path),
+                    ExtraKeys(req.cache_salt, req.lora_name, req.lora_path, req.mm_items,
+                              req.prompt_embeds),
                     client_hashes=req.client_hashes, explain_misses=True).groups
             return result
         if isinstance(op, Free):
@@ -588,12 +609,16 @@ class Pool:
                     cache_salt: Checked[str | None] = None,
                     lora_name: Checked[str | None] = None,
                     block_hashes: Sequence[bytes] | None = None,
-                    lora_path: Checked[str | None] = None) -> RequestInfo:
+                    lora_path: Checked[str | None] = None,
+                    mm_items: Sequence[Any] = (),
+                    prompt_embeds_digests: Sequence[bytes] = ()) -> RequestInfo:
         """Register a request and hash its full blocks (or adopt the client's hashes,
         one per ``hash_block_size`` full block). A LoRA request's blocks hash
-        ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes."""
+        ``("lora", lora_name, lora_path)``: pass the path to match vLLM's hashes.
+        ``mm_items`` / ``prompt_embeds_digests``: docs/hashing.md section 2."""
         return self._apply_one(AddRequest(request_id, token_ids, block_hashes, cache_salt,
-                                          lora_name, lora_path))
+                                          lora_name, lora_path, mm_items=mm_items,
+                                          prompt_embeds_digests=prompt_embeds_digests))
 
     def append_tokens(self, request_id: Checked[str], token_ids: Sequence[int]) -> RequestInfo:
         """Append decoded tokens; newly completed blocks are hashed."""
@@ -828,7 +853,9 @@ class Pool:
     # -- router / stats -----------------------------------------------------------------------
     def peek_prefix(self, token_ids: Sequence[int] | None = None, *,
                     block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
-                    lora_name: str | None = None, lora_path: str | None = None) -> int:
+                    lora_name: str | None = None, lora_path: str | None = None,
+                    mm_items: Sequence[Any] = (),
+                    prompt_embeds_digests: Sequence[bytes] = ()) -> int:
         """Hit length in tokens a request with this prompt would get now from device
         blocks (with a host tier, :meth:`prefix_residency`'s ``host_hit_tokens`` is the hit
         across both tiers, what a lookup answers). Read-only: registers nothing, takes no
@@ -836,14 +863,17 @@ class Pool:
         hashed length (the token count is unknown)."""
         peek = self.peek_prefix_in_slices(token_ids, block_hashes=block_hashes,
                                           cache_salt=cache_salt, lora_name=lora_name,
-                                          lora_path=lora_path)
+                                          lora_path=lora_path, mm_items=mm_items,
+                                          prompt_embeds_digests=prompt_embeds_digests)
         hit: int = run_to_end(peek)
         return hit
 
     def peek_prefix_in_slices(self, token_ids: Sequence[int] | None = None, *,
                               block_hashes: Sequence[bytes] | None = None,
                               cache_salt: str | None = None, lora_name: str | None = None,
-                              lora_path: str | None = None, slice_blocks: int = 1 << 62
+                              lora_path: str | None = None, slice_blocks: int = 1 << 62,
+                              mm_items: Sequence[Any] = (),
+                              prompt_embeds_digests: Sequence[bytes] = ()
                               ) -> Generator[None, None, int]:
         """:meth:`peek_prefix` hashing ``slice_blocks`` blocks at a time and yielding in
         between (hashing is the cost of a long prompt); the generator returns the hit. The
@@ -851,7 +881,8 @@ class Pool:
         one piece, so the answer is the hit at that moment."""
         residency = yield from self.prefix_residency_in_slices(
             token_ids, block_hashes=block_hashes, cache_salt=cache_salt, lora_name=lora_name,
-            lora_path=lora_path, groups=False, slice_blocks=slice_blocks)
+            lora_path=lora_path, groups=False, slice_blocks=slice_blocks, mm_items=mm_items,
+            prompt_embeds_digests=prompt_embeds_digests)
         return residency.hit_tokens
 
     def peek_input_in_slices(self, token_ids: Sequence[int] | None,
@@ -866,13 +897,15 @@ class Pool:
                          block_hashes: Sequence[bytes] | None = None,
                          cache_salt: str | None = None, lora_name: str | None = None,
                          lora_path: str | None = None, groups: bool = True,
-                         explain_misses: bool = False) -> Residency:
+                         explain_misses: bool = False, mm_items: Sequence[Any] = (),
+                         prompt_embeds_digests: Sequence[bytes] = ()) -> Residency:
         """:meth:`peek_prefix` with every group's reach (``groups``) and miss reason
         (``explain_misses``), probing this pool. Tokens and client hashes may be given
         together: then the hashes are looked up and checked against the pool's recipe."""
         residency: Residency = run_to_end(self.prefix_residency_in_slices(
             token_ids, block_hashes=block_hashes, cache_salt=cache_salt, lora_name=lora_name,
-            lora_path=lora_path, groups=groups, explain_misses=explain_misses))
+            lora_path=lora_path, groups=groups, explain_misses=explain_misses,
+            mm_items=mm_items, prompt_embeds_digests=prompt_embeds_digests))
         return residency
 
     def prefix_residency_in_slices(self, token_ids: Sequence[int] | None = None, *,
@@ -881,12 +914,15 @@ class Pool:
                                    lora_name: str | None = None,
                                    lora_path: str | None = None, groups: bool = True,
                                    explain_misses: bool = False,
-                                   slice_blocks: int = 1 << 62
+                                   slice_blocks: int = 1 << 62,
+                                   mm_items: Sequence[Any] = (),
+                                   prompt_embeds_digests: Sequence[bytes] = ()
                                    ) -> Generator[None, None, Residency]:
         """:meth:`prefix_residency` hashing in slices (as :meth:`peek_prefix_in_slices`:
         the cache is read after the last yield, in one piece)."""
         return self._peek.residency_in_slices(
-            token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path),
+            token_ids, block_hashes,
+            probe_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests),
             groups=groups, explain_misses=explain_misses, slice_blocks=slice_blocks)
 
     def stats(self) -> PoolCounters:
@@ -1004,7 +1040,8 @@ class Pool:
     def check_pin(self, pin_id: str, token_ids: Sequence[int] | None = None, *,
                   block_hashes: Sequence[bytes] | None = None, cache_salt: str | None = None,
                   lora_name: str | None = None, lora_path: str | None = None,
-                  account: str = "") -> Any:
+                  account: str = "", mm_items: Sequence[Any] = (),
+                  prompt_embeds_digests: Sequence[bytes] = ()) -> Any:
         """The checked pin :meth:`add_pin` takes; raises (changing nothing) if the input
         is bad or a bound refuses it."""
         if self._hash_fn is None:
@@ -1013,7 +1050,8 @@ class Pool:
         if type(account) is not str:
             raise InvalidArgument("account must be a string", field="account")
         hashes, max_len, _ = run_to_end(self.peek_input_in_slices(
-            token_ids, block_hashes, ExtraKeys(cache_salt, lora_name, lora_path)))
+            token_ids, block_hashes,
+            probe_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds_digests)))
         assert hashes is not None
         return self._pin_table().check_new(
             pin_id, account, hashes, max_len,
@@ -1106,3 +1144,4 @@ class Pool:
         if isinstance(queue, ClassedFreeQueue):
             queue.check_invariants()
             assert set(self._classes or ()) <= set(self._requests), "class of a gone request"
+

@@ -52,12 +52,14 @@ class KeySpace(NamedTuple):
     hash_algo: str
     none_hash: bytes  # the parent of every chain's first block (the hash seed)
     hash_block_size: int
+    num_hash_lookahead_tokens: int = 0  # lookahead hashes differ from plain ones
 
 
 def keyspace_of(pool: Pool, tenant: str = "") -> KeySpace:
     """The key space of a pool (the one place that decides which pools share keys)."""
     recipe = pool.hash_recipe
-    return KeySpace(tenant, recipe.hash_algo, recipe.none_hash, recipe.hash_block_size)
+    return KeySpace(tenant, recipe.hash_algo, recipe.none_hash, recipe.hash_block_size,
+                    recipe.num_hash_lookahead_tokens)
 
 
 _FULL = FullAttentionSpec.kind

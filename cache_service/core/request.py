@@ -9,6 +9,10 @@ before their ids were known (an engine overlapping its next step's cache call wi
 forward pass that samples them). Only known tokens are hashed, so a block holding a
 placeholder is never cached nor hit; :meth:`Request.fill_placeholder` makes the oldest
 one known.
+
+With lookahead hashing (``hash_lookahead`` L > 0, a pool option) block ``i`` is hashed only
+once the L tokens after it exist (docs/hashing.md#lookahead). ``mm_items`` and
+``prompt_embeds`` are the multimodal / prompt-embedding hash inputs, checked by the caller.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Final
 
 from mypy_extensions import mypyc_attr
 
-from cache_service.core.hashing import HashFn, hash_request_tokens
+from cache_service.core.hashing import HashFn, MMItem, hash_request_tokens
 
 
 class RequestStatus:
@@ -36,7 +40,8 @@ class RequestStatus:
 _FIELDS: Final = ("request_id", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                   "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
                   "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
-                  "client_hashes", "num_placeholders", "shared_prefix_boundary", "session_id")
+                  "client_hashes", "num_placeholders", "shared_prefix_boundary", "session_id",
+                  "mm_items", "prompt_embeds", "_hash_lookahead")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
@@ -49,7 +54,9 @@ class Request:
     def __init__(self, request_id: str, token_ids: Sequence[int], *, hash_fn: HashFn | None,
                  hash_block_size: int, cache_salt: str | None = None,
                  lora_name: str | None = None, lora_path: str | None = None,
-                 block_hashes: Sequence[bytes] | None = None) -> None:
+                 block_hashes: Sequence[bytes] | None = None,
+                 mm_items: tuple[MMItem, ...] = (), prompt_embeds: tuple[bytes, ...] = (),
+                 hash_lookahead: int = 0) -> None:
         self.request_id = request_id
         self.all_token_ids: list[int] = list(token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)
@@ -73,6 +80,9 @@ class Request:
         self.lora_path = lora_path
         self._hash_fn = hash_fn
         self._hash_block_size = hash_block_size
+        self.mm_items = mm_items
+        self.prompt_embeds = prompt_embeds
+        self._hash_lookahead = hash_lookahead
         self.block_hashes: list[bytes] = []
         # The leading hashes came from the client (miss reasons check their recipe).
         self.client_hashes = block_hashes is not None
@@ -103,10 +113,11 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """:meth:`append_tokens` of one token (the decode hot path). Hashes stay complete
         up to the last full block, so a block completes exactly when the token count
-        reaches a multiple of the hash block size."""
+        reaches a multiple of the hash block size (plus the lookahead)."""
         tokens = self.all_token_ids
         tokens.append(token_id)
-        if self._hash_fn is not None and not len(tokens) % self._hash_block_size:
+        if self._hash_fn is not None \
+                and not (len(tokens) - self._hash_lookahead) % self._hash_block_size:
             self._update_block_hashes()
 
     def fill_placeholder(self, token_id: int) -> None:
@@ -118,13 +129,15 @@ class Request:
         hashes = self.block_hashes
         bs = self._hash_block_size
         start = len(hashes)
-        if (start + 1) * bs > len(self.all_token_ids):
+        if (start + 1) * bs + self._hash_lookahead > len(self.all_token_ids):
             return
         assert self._hash_fn is not None
         hashes.extend(hash_request_tokens(
             self._hash_fn, self.all_token_ids, bs,
             parent=hashes[-1] if hashes else None, start_block=start,
-            lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt))
+            lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt,
+            mm_items=self.mm_items, prompt_embeds=self.prompt_embeds,
+            lookahead=self._hash_lookahead))
 
 
 def _restore_request(state: dict[str, Any]) -> Request:
@@ -132,6 +145,9 @@ def _restore_request(state: dict[str, Any]) -> Request:
     req.num_placeholders = 0  # snapshots written before placeholders existed lack it
     req.shared_prefix_boundary = 0  # ... and before sparse retention
     req.session_id = None  # ... and before events named the session
+    req.mm_items = ()  # ... and before multimodal / prompt-embedding keys and lookahead
+    req.prompt_embeds = ()
+    req._hash_lookahead = 0
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
         setattr(req, name, value)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from mypy_extensions import mypyc_attr
 
-from cache_service.core.hashing import HashFn, hash_request_tokens
+from cache_service.core.hashing import HashFn, MMItem, hash_request_tokens
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import (
     CrossAttentionManager,
@@ -111,11 +111,24 @@ class Residency:
 
 @dataclass(frozen=True, slots=True)
 class ExtraKeys(RebuiltFromFields):
-    """The hash extra keys of a request."""
+    """The hash extra keys of a request (multimodal items and prompt-embedding digests
+    checked by the caller: hashing.check_mm_items / check_prompt_embeds)."""
 
     cache_salt: str | None = None
     lora_name: str | None = None
     lora_path: str | None = None
+    mm_items: tuple[MMItem, ...] = ()
+    prompt_embeds: tuple[bytes, ...] = ()
+
+    def hash_request(self, hash_fn: HashFn, token_ids: Sequence[int], hash_block_size: int,
+                     lookahead: int, *, parent: bytes | None = None, start_block: int = 0,
+                     stop_block: int | None = None) -> list[bytes]:
+        """:func:`hash_request_tokens` of ``token_ids`` under these keys."""
+        return hash_request_tokens(
+            hash_fn, token_ids, hash_block_size, parent=parent, start_block=start_block,
+            stop_block=stop_block, lora_name=self.lora_name, lora_path=self.lora_path,
+            cache_salt=self.cache_salt, mm_items=self.mm_items,
+            prompt_embeds=self.prompt_embeds, lookahead=lookahead)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
@@ -248,6 +261,7 @@ class ExplainContext:
     keys: ExtraKeys
     token_ids: Sequence[int] | None  # None when only client hashes are known
     client_hashes: bool
+    lookahead: int = 0  # the pool's num_hash_lookahead_tokens
 
 
 def _recipe_mismatch(ctx: ExplainContext) -> bool:
@@ -261,9 +275,7 @@ def _recipe_mismatch(ctx: ExplainContext) -> bool:
 
 def _hash(ctx: ExplainContext, tokens: Sequence[int], keys: ExtraKeys) -> list[bytes]:
     """The pool's block hashes of ``tokens`` under the extra keys ``keys``."""
-    return hash_request_tokens(ctx.hash_fn, tokens, ctx.pool.hash_block_size,
-                               cache_salt=keys.cache_salt, lora_name=keys.lora_name,
-                               lora_path=keys.lora_path)
+    return keys.hash_request(ctx.hash_fn, tokens, ctx.pool.hash_block_size, ctx.lookahead)
 
 
 def _held_under_other_keys(ctx: ExplainContext, manager: SingleTypeKVCacheManager,

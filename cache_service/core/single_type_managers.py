@@ -897,9 +897,9 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def _cache_partial_tail(self, request: Request, num_tokens: int) -> bytes | None:
         """When the computed prefix ends exactly at the prompt's last hash-block boundary
-        (``(num_prompt_tokens - 1)`` rounded down), inside a block: a partial entry for
-        the state there. The request goes on writing that block, so its next allocation
-        moves the entry to a copy (``partial_hit_reqs``)."""
+        (``num_prompt_tokens - max(1, lookahead)`` rounded down), inside a block: a partial
+        entry for the state there. The request goes on writing that block, so its next
+        allocation moves the entry to a copy (``partial_hit_reqs``)."""
         hbs = self.pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return None
@@ -908,7 +908,10 @@ class MambaManager(SingleTypeKVCacheManager):
             # logits): the boundary is one hash block below the prompt's last one.
             boundary = request.num_prompt_tokens // hbs * hbs - hbs
         else:
-            boundary = (request.num_prompt_tokens - 1) // hbs * hbs
+            # The last token is kept for logits; with lookahead hashing the last L
+            # tokens' block has no hash yet, so the boundary is the last hashed one.
+            keep = max(1, self.pool.hash_lookahead)
+            boundary = (request.num_prompt_tokens - keep) // hbs * hbs
         if num_tokens != boundary and not (
                 self.shared_prefix_checkpoint and num_tokens == request.shared_prefix_boundary
                 and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens):

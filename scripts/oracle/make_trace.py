@@ -17,7 +17,15 @@ the generator runs every operation on this project's pool as it goes.
 
 With ``use_eagle`` in the config the prompt's partial-entry boundary is EAGLE's (one
 hash block below the whole prompt's last one) and allocations carry draft slots
-(``num_lookahead_tokens``) more often, as a speculative-decoding scheduler's do.
+(``num_lookahead_tokens``) more often, as a speculative-decoding scheduler's do. With
+``num_hash_lookahead_tokens`` L it is ``num_prompt_tokens - max(1, L)`` rounded down (the
+last L tokens' block has no hash yet), and allocations carry draft slots as with EAGLE.
+
+``--mm`` also gives some prompts multimodal items (``mm_items``; an item of a shared
+prefix keeps its identifier in most requests that share it, so hits happen, and gets
+another in some, so they miss) or prompt embeddings (``prompt_embeds``, small float32
+rows), and asks for block hashes (``hashes``) now and then: vLLM's own hashes are then
+compared one by one.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from typing import Any
 from cache_service.replay import Replayer, make_pool
 
 
-def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str, Any]]:
+def make_trace(config: dict[str, Any], num_ops: int, seed: int,
+               mm: bool = False) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     mml = config["max_model_len"]
     bs = max(g["block_size"] for g in config["groups"] if g["type"] != "mamba") \
@@ -48,12 +57,14 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     hbs = replayer.pool.hash_block_size
     partial_hits = replayer.pool.manager.partial_hits
     eagle = bool(config.get("use_eagle"))
+    ahead = int(config.get("num_hash_lookahead_tokens", 0))
+    speculative = eagle or ahead > 0
 
     def tail_boundary(num_prompt_tokens: int) -> int:
         """Where the prompt's partial entry sits (docs/semantics.md#eagle)."""
         if eagle:
             return max(num_prompt_tokens // hbs * hbs - hbs, 0)
-        return (num_prompt_tokens - 1) // hbs * hbs
+        return (num_prompt_tokens - max(1, ahead)) // hbs * hbs
     # With partial hits: the prompt of each request, and the prompts whose request
     # stopped at its last hash-block boundary inside a block (a partial entry sits there).
     prompts: dict[str, list[int]] = {}
@@ -69,6 +80,28 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
     junction_stops = (eagle and partial_hits and align
                       and bool(config.get("enable_mamba_shared_prefix_checkpoint")))
     looked: tuple[int, int] | None = None
+
+    def extras(op: dict[str, Any], tokens: list[int], prefix: list[int]) -> None:
+        """Multimodal items or prompt embeddings for some prompts (``--mm``)."""
+        r = rng.random()
+        if r < 0.35:
+            items: list[list[Any]] = []
+            pos = rng.randrange(0, 8)
+            while pos < len(tokens) - 1 and len(items) < 3:
+                length = min(rng.randrange(1, 3 * bs), len(tokens) - pos)
+                # Inside the shared prefix the identifier is the prefix's (equal content)
+                # unless this request's image differs there.
+                same = pos + length <= len(prefix) and rng.random() < 0.8
+                ident = (f"p{prefixes.index(prefix)}-{pos}" if same
+                         else f"img-{rng.randrange(3)}")
+                items.append([ident, pos, length])
+                pos += length + rng.randrange(0, 2 * bs)
+            if items:
+                op["mm_items"] = items
+        elif r < 0.45:
+            # Values exactly representable in float32: both sides hash the same bytes.
+            op["prompt_embeds"] = [[(t % 16) / 8, rng.randrange(4) / 4] for t in tokens]
+
     while len(ops) < num_ops:
         if align:
             # Learn the real outcome of what was emitted so far (computed tokens).
@@ -112,6 +145,8 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
             op: dict[str, Any] = {"op": "add", "req": rid, "tokens": tokens}
             if rng.random() < 0.05:
                 op["cache_salt"] = "s"
+            if mm:
+                extras(op, tokens, prefix)
             ops.append(op)
             reqs[rid] = [len(tokens), 0, 0]
             continue
@@ -158,7 +193,7 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
             op = {"op": "allocate", "req": rid, "num_new_tokens": n}
             if rng.random() < 0.15:
                 op["full_sequence_must_fit"] = True
-            if rng.random() < (0.5 if eagle else 0.05):
+            if rng.random() < (0.5 if speculative else 0.05):
                 op["num_lookahead_tokens"] = rng.randrange(1, 8)
             if rng.random() < 0.03 and not junction_stop:
                 op["use_lookup"] = False
@@ -188,7 +223,10 @@ def make_trace(config: dict[str, Any], num_ops: int, seed: int) -> list[dict[str
         elif r < 0.95:
             ops.append({"op": "reset"})
         elif r < 0.98:
-            ops.append({"op": "blocks", "req": rid})
+            if mm and rng.random() < 0.5:
+                ops.append({"op": "hashes", "req": rid})
+            else:
+                ops.append({"op": "blocks", "req": rid})
         else:
             bad = rng.choice([{"op": "free", "req": "nope"}, {"op": "lookup", "req": "nope"},
                               {"op": "allocate", "req": rid, "num_new_tokens": 0,
@@ -203,10 +241,12 @@ def main() -> int:
     p.add_argument("config")
     p.add_argument("--ops", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mm", action="store_true",
+                   help="multimodal items, prompt embeddings and hashes ops too")
     a = p.parse_args()
     with open(a.config) as f:
         config = json.load(f)
-    for op in make_trace(config, a.ops, a.seed):
+    for op in make_trace(config, a.ops, a.seed, mm=a.mm):
         sys.stdout.write(json.dumps(op, separators=(",", ":")) + "\n")
     return 0
 

@@ -22,6 +22,15 @@ checkpoint at that junction. ``vllm_oracle.py`` alone leaves it 0.
 Two options of vLLM's ``KVCacheManager`` that ``vllm_oracle.py`` does not take are
 taken here (and removed before its own arguments are parsed): ``--use-eagle``
 (``use_eagle=True``), ``--enable-mamba-shared-prefix-checkpoint`` and ``--watermark W``.
+
+``--num-hash-lookahead-tokens L`` builds the manager with ``num_hash_lookahead_tokens=L``
+and gives requests vLLM's lookahead block hasher (``get_request_block_hasher(...,
+num_hash_lookahead_tokens=L)``), as vLLM's engine does when EAGLE's lookahead block hashes
+are on (its scheduler then builds the manager with ``use_eagle=False``). The bench's
+requests get the same hasher. An ``add`` op may carry ``mm_items`` (``[identifier,
+offset, length]`` each: ``MultiModalFeatureSpec`` with a ``PlaceholderRange``) and
+``prompt_embeds`` (one list of floats per prompt token: a float32 ``prompt_embeds``
+tensor), which this project's replay takes too.
 """
 
 from __future__ import annotations
@@ -35,13 +44,16 @@ ORACLE = Path(os.environ.get(
     "VLLM_ORACLE", Path(__file__).resolve().parents[3] / "shared/tools/vllm-oracle/vllm_oracle.py"))
 sys.path.insert(0, str(ORACLE.parent))
 
+import torch  # noqa: E402
 import vllm_oracle  # noqa: E402  (found through the path set above)
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 
 # Manager options this wrapper adds: flag -> KVCacheManager keyword.
 MANAGER_FLAGS = {"--use-eagle": "use_eagle",
                  "--enable-mamba-shared-prefix-checkpoint":
                      "enable_mamba_shared_prefix_checkpoint"}
 MANAGER_OPTIONS: dict[str, Any] = {}
+LOOKAHEAD = 0  # --num-hash-lookahead-tokens
 
 
 class SchedulingOracle(vllm_oracle.Oracle):
@@ -49,6 +61,11 @@ class SchedulingOracle(vllm_oracle.Oracle):
 
     def __init__(self, cfg: vllm_oracle.OracleConfig) -> None:
         super().__init__(cfg)
+        if LOOKAHEAD:
+            MANAGER_OPTIONS["num_hash_lookahead_tokens"] = LOOKAHEAD
+            if self.cfg.enable_caching:
+                self.block_hasher = vllm_oracle.get_request_block_hasher(
+                    self.hash_block_size, self.hash_fn, num_hash_lookahead_tokens=LOOKAHEAD)
         if MANAGER_OPTIONS:
             # The same manager as vllm_oracle.Oracle builds, with the extra options.
             self.manager = vllm_oracle.KVCacheManager(
@@ -61,6 +78,29 @@ class SchedulingOracle(vllm_oracle.Oracle):
         out: dict[str, Any] = super().describe()
         out.update(MANAGER_OPTIONS)
         return out
+
+    def op_add(self, op: dict[str, Any]) -> dict[str, Any]:
+        if "mm_items" not in op and "prompt_embeds" not in op:
+            return super().op_add(op)
+        rid = op["req"]
+        if rid in self.reqs:
+            raise ValueError(f"request {rid!r} already exists")
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                    mm_position=PlaceholderRange(offset=off, length=n))
+              for ident, off, n in op.get("mm_items", [])]
+        embeds = op.get("prompt_embeds")
+        request = vllm_oracle.Request(
+            request_id=rid, prompt_token_ids=[int(t) for t in op["tokens"]],
+            prompt_embeds=None if embeds is None else torch.tensor(embeds,
+                                                                   dtype=torch.float32),
+            mm_features=mm or None,
+            sampling_params=vllm_oracle.SamplingParams(
+                max_tokens=int(op.get("max_tokens", 1 << 20))),
+            pooling_params=None, block_hasher=self.block_hasher,
+            cache_salt=op.get("cache_salt"))
+        self.reqs[rid] = vllm_oracle.ReqState(request)
+        return {"num_tokens": request.num_tokens,
+                "num_block_hashes": len(request.block_hashes)}
 
     def op_lookup(self, op: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = super().op_lookup(op)
@@ -84,6 +124,10 @@ if __name__ == "__main__":
     if "--watermark" in sys.argv:  # KVCacheManager(watermark=W)
         i = sys.argv.index("--watermark")
         MANAGER_OPTIONS["watermark"] = float(sys.argv[i + 1])
+        del sys.argv[i:i + 2]
+    if "--num-hash-lookahead-tokens" in sys.argv:
+        i = sys.argv.index("--num-hash-lookahead-tokens")
+        LOOKAHEAD = int(sys.argv[i + 1])
         del sys.argv[i:i + 2]
     vllm_oracle.Oracle = SchedulingOracle
     sys.exit(vllm_oracle.main())

@@ -48,6 +48,8 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
         args.append("--enable-mamba-shared-prefix-checkpoint")
     if config.get("watermark"):
         args += ["--watermark", str(config["watermark"])]
+    if config.get("num_hash_lookahead_tokens"):
+        args += ["--num-hash-lookahead-tokens", str(config["num_hash_lookahead_tokens"])]
     for g in config["groups"]:
         if g["type"] == "sliding_window":
             args += ["--sliding-window", str(g["sliding_window"])]

@@ -34,6 +34,12 @@ SCENARIO[mamba_align_eagle_r0]="mamba --enable-caching --retention-interval 0 --
 # The admission watermark (KVCacheManager(watermark=0.1): 10% of the pool kept free when a
 # waiting or preempted request is admitted next to running ones).
 SCENARIO[full_swa_r0_wm10]="full_swa --retention-interval 0 --watermark 0.1"
+# Lookahead hashing (num_hash_lookahead_tokens; the configs say so): vLLM's manager and
+# block hasher with lookahead L (oracle_cow.py). Their mixed traces also carry multimodal
+# items, prompt embeddings and hashes ops (make_trace.py --mm).
+SCENARIO[full_la1]="full --num-hash-lookahead-tokens 1"
+SCENARIO[full_mamba32_la3_r0]="full_mamba --mamba-block-size 32 --retention-interval 0 --num-hash-lookahead-tokens 3"
+declare -A MIXED_ARGS=([full_la1]="--mm" [full_mamba32_la3_r0]="--mm")
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"
@@ -50,11 +56,13 @@ for name in "${names[@]}"; do
   "$PY" "$TOOLS/oracle_cow.py" --bench --scenario ${SCENARIO[$name]} $BENCH_ARGS \
     --emit-trace "$name.bench.jsonl" --json > /dev/null
   # Random mixed operations, incl. usage/reset/blocks, errors and explicit steps.
-  python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 > "$name.mixed.jsonl"
+  # shellcheck disable=SC2086
+  python3 "$TOOLS/make_trace.py" "$name.json" --ops 600 --seed 11 ${MIXED_ARGS[$name]:-} \
+    > "$name.mixed.jsonl"
   # The commands that generated each trace go into the answers' provenance header.
   # shellcheck disable=SC2086
   bench_cmd="oracle_cow.py --bench --scenario ${SCENARIO[$name]} $(echo $BENCH_ARGS) --emit-trace $name.bench.jsonl"
-  mixed_cmd="python scripts/oracle/make_trace.py $name.json --ops 600 --seed 11"
+  mixed_cmd="python scripts/oracle/make_trace.py $name.json --ops 600 --seed 11${MIXED_ARGS[$name]:+ ${MIXED_ARGS[$name]}}"
   python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.bench.jsonl" --write --trace-command "$bench_cmd"
   python3 "$TOOLS/oracle_diff.py" "$name.json" "$name.mixed.jsonl" --write --trace-command "$mixed_cmd"
 done

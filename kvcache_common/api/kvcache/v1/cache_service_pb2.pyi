@@ -100,7 +100,7 @@ class LayerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
 
 class PoolOptions(_message.Message):
-    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle", "host_tier_blocks")
+    __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle", "host_tier_blocks", "num_hash_lookahead_tokens")
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class PoolOptions(_message.Message):
     SESSION_PINNED_BLOCK_QUOTA_FIELD_NUMBER: _ClassVar[int]
     USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_model_len: int
     enable_caching: bool
     hash_algo: HashAlgo
@@ -137,7 +138,8 @@ class PoolOptions(_message.Message):
     session_pinned_block_quota: int
     use_eagle: bool
     host_tier_blocks: int
-    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., host_tier_blocks: _Optional[int] = ...) -> None: ...
+    num_hash_lookahead_tokens: int
+    def __init__(self, max_model_len: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., hash_algo: _Optional[_Union[HashAlgo, str]] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., watermark: _Optional[float] = ..., max_in_flight_tokens: _Optional[int] = ..., enable_events: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hybrid: _Optional[bool] = ..., skip_capacity_check: _Optional[bool] = ..., session_block_quota: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., enable_mamba_shared_prefix_checkpoint: _Optional[bool] = ..., max_pinned_blocks: _Optional[int] = ..., session_pinned_block_quota: _Optional[int] = ..., use_eagle: _Optional[bool] = ..., host_tier_blocks: _Optional[int] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolRequest(_message.Message):
     __slots__ = ("pool_id", "layers", "available_memory_bytes", "num_blocks", "options", "session_id", "sequence")
@@ -204,16 +206,28 @@ class PoolConfig(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., page_size_bytes: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., hash_block_size: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., layer_page_size_bytes: _Optional[int] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class HashRecipe(_message.Message):
-    __slots__ = ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size")
+    __slots__ = ("hash_algo", "none_hash_seed", "none_hash", "hash_block_size", "num_hash_lookahead_tokens")
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     NONE_HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     NONE_HASH_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     hash_algo: HashAlgo
     none_hash_seed: str
     none_hash: bytes
     hash_block_size: int
-    def __init__(self, hash_algo: _Optional[_Union[HashAlgo, str]] = ..., none_hash_seed: _Optional[str] = ..., none_hash: _Optional[bytes] = ..., hash_block_size: _Optional[int] = ...) -> None: ...
+    num_hash_lookahead_tokens: int
+    def __init__(self, hash_algo: _Optional[_Union[HashAlgo, str]] = ..., none_hash_seed: _Optional[str] = ..., none_hash: _Optional[bytes] = ..., hash_block_size: _Optional[int] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
+
+class MultiModalItem(_message.Message):
+    __slots__ = ("identifier", "offset", "length")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RegisterPoolResponse(_message.Message):
     __slots__ = ("config", "created")
@@ -262,7 +276,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class", "mm_items", "prompt_embeds_digests")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +285,8 @@ class AddRequestOp(_message.Message):
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
     EVICTION_CLASS_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -279,7 +295,9 @@ class AddRequestOp(_message.Message):
     lora_path: str
     hash_recipe: HashRecipe
     eviction_class: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id", "explain")
@@ -546,7 +564,7 @@ class StepResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[OpResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., demotions: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ..., promotions: _Optional[_Iterable[_Union[TierCopy, _Mapping]]] = ...) -> None: ...
 
 class PeekPrefixRequest(_message.Message):
-    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "explain")
+    __slots__ = ("pool_ids", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "explain", "mm_items", "prompt_embeds_digests")
     POOL_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +573,8 @@ class PeekPrefixRequest(_message.Message):
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
     HASH_RECIPE_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     pool_ids: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -563,7 +583,9 @@ class PeekPrefixRequest(_message.Message):
     lora_path: str
     hash_recipe: HashRecipe
     explain: bool
-    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., explain: _Optional[bool] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., explain: _Optional[bool] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GroupResidency(_message.Message):
     __slots__ = ("group_idx", "kind", "tokens", "blocks", "checkpoint_tokens", "miss_reason", "evicted_removals_ago", "host_tokens")
@@ -738,7 +760,7 @@ class SubscribeEventsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token", "session_id")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token", "session_id", "lookahead_token_ids")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -751,6 +773,7 @@ class BlockStored(_message.Message):
     PREFIX_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -763,7 +786,14 @@ class BlockStored(_message.Message):
     prefix_lengths: _containers.RepeatedScalarFieldContainer[int]
     start_token: int
     session_id: str
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
+    lookahead_token_ids: _containers.RepeatedCompositeFieldContainer[LookaheadTokens]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., session_id: _Optional[str] = ..., lookahead_token_ids: _Optional[_Iterable[_Union[LookaheadTokens, _Mapping]]] = ...) -> None: ...
+
+class LookaheadTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "group_idx", "medium")
@@ -912,7 +942,7 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
 
 class PinPrefixRequest(_message.Message):
-    __slots__ = ("pool_id", "pin_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "ttl_seconds", "session_id", "outlive_session")
+    __slots__ = ("pool_id", "pin_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "ttl_seconds", "session_id", "outlive_session", "mm_items", "prompt_embeds_digests")
     POOL_ID_FIELD_NUMBER: _ClassVar[int]
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -923,6 +953,8 @@ class PinPrefixRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OUTLIVE_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     pool_id: str
     pin_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -933,7 +965,9 @@ class PinPrefixRequest(_message.Message):
     ttl_seconds: float
     session_id: str
     outlive_session: bool
-    def __init__(self, pool_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., session_id: _Optional[str] = ..., outlive_session: _Optional[bool] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, pool_id: _Optional[str] = ..., pin_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., ttl_seconds: _Optional[float] = ..., session_id: _Optional[str] = ..., outlive_session: _Optional[bool] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PinInfo(_message.Message):
     __slots__ = ("pin_id", "prefix_tokens", "hit_tokens", "num_blocks", "growing", "expires_at_unix_seconds")
