@@ -21,7 +21,13 @@ from cache_service.core.events import BlockStored, KVEvent
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks, MambaManager
-from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
+from cache_service.core.specs import (
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    manager_spec,
+    prefix_cacheable,
+)
 
 
 def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
@@ -44,7 +50,9 @@ def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
     if len(sizes) == 1:
         default_hash = sizes[0]
     elif len(sizes) > 1 and enable_caching and not non_align_mamba:
-        default_hash = math.gcd(*sizes)
+        # Only groups that are prefix cached are hashed (not a circular buffer's ring).
+        hashed = [g.spec.block_size for g in config.groups if prefix_cacheable(g.spec)]
+        default_hash = math.gcd(*(hashed or sizes))
     else:
         default_hash = sched
     return sched, hash_block_size if hash_block_size is not None else default_hash
@@ -224,7 +232,8 @@ class KVCacheManager:
             need_slots = self.max_model_len
         if coordinator.has_skipping_groups:
             processed = total_computed - request.num_in_flight_tokens
-            coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0)
+            coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0,
+                                              request.num_prompt_tokens)
         if (self.fast_path and hits is self.empty_blocks and num_new_computed_tokens == 0
                 and num_lookahead_tokens == 0 and num_external_computed_tokens == 0
                 and num_encoder_tokens == 0 and reserved_blocks == 0 and watermark == 0):
@@ -255,7 +264,8 @@ class KVCacheManager:
         if coordinator.has_skipping_groups:
             processed = total_computed - request.num_in_flight_tokens
             coordinator.remove_skipped_blocks(request.request_id,
-                                              processed if processed > 0 else 0)
+                                              processed if processed > 0 else 0,
+                                              request.num_prompt_tokens)
         if self.fast_path:
             n_cache = 0
             if self.enable_caching:

@@ -24,10 +24,12 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool, CachedBlockLookup
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
     cdiv,
 )
@@ -479,6 +481,90 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         idx = boundary // self.block_size
         if idx < len(table):
             self.pool.cache_partial_block(request, table[idx], boundary, self.group_id)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
+class RSWAManager(FullAttentionManager):
+    """Reference sliding-window attention (docs/semantics.md#rswa): full attention's hits
+    and caching; as decoding goes on, the blocks wholly between the prompt's last block
+    and the decode window (the last ``rswa_window`` tokens) are freed and left null."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        super().__init__(spec, pool, group_id, enable_caching=enable_caching,
+                         admission_cap=admission_cap)
+        assert isinstance(spec, RSWASpec)
+        self.rswa_window = spec.rswa_window
+
+    def remove_gap_blocks(self, request_id: str, num_computed_tokens: int,
+                          num_prompt_tokens: int) -> None:
+        """Free the blocks wholly inside ``[prompt end rounded up to a block, window
+        start)``, where the window starts ``rswa_window`` tokens before
+        ``num_computed_tokens`` (never inside the prompt); last first, stopping at the
+        first one already null (the gap only ever grows upwards)."""
+        bs = self.block_size
+        first = -(-num_prompt_tokens // bs)
+        start = num_computed_tokens - self.rswa_window
+        if start < num_prompt_tokens:
+            start = num_prompt_tokens
+        last = start // bs
+        if first < last:
+            self._null_out_range(request_id, first, last, stop_at_null=True)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
+class CircularBufferManager(SingleTypeKVCacheManager):
+    """A ring buffer (docs/semantics.md#circular-buffer): a request's first allocation
+    claims exactly one block, which it keeps until it is freed; no hits, no hashing, no
+    skipped blocks."""
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        """1 until the request holds its ring block, then 0."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def _claim(self, request_id: str) -> list[KVCacheBlock]:
+        if self.req_to_blocks.get(request_id):
+            return []
+        return self._append_new(request_id, 1)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """The ring block on the first call; nothing afterwards."""
+        return self._claim(request_id)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """The ring block, as for any first allocation."""
+        self._claim(request_id)
+
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Nothing: a ring is never hit (and the request is not marked as allocated)."""
+        return None
+
+    def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                           num_cacheable_tokens: int) -> bool:
+        """Once the ring block is held, every allocation leaves this group unchanged."""
+        return bool(self.req_to_blocks.get(request_id))
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Nothing: ring blocks are scratch, never hashed."""
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
+        """Never a hit."""
+        return tuple([] for _ in group_ids), 0
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
@@ -1054,6 +1140,10 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
         return MambaManager
     if isinstance(spec, CrossAttentionSpec):
         return CrossAttentionManager
+    if isinstance(spec, CircularBufferSpec):
+        return CircularBufferManager
+    if isinstance(spec, RSWASpec):  # before its base, full attention
+        return RSWAManager
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager
     raise TypeError(f"no manager for spec type {type(spec).__name__}")
