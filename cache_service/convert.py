@@ -144,6 +144,9 @@ def group_to_proto(index: int, group: Any) -> pb.KVCacheGroup:
         out.attention_chunk_size = chunk
     if isinstance(spec, MambaSpec):
         out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
+    rswa_window = getattr(spec, "rswa_window", None)
+    if rswa_window:
+        out.rswa_window = rswa_window
     return out
 
 

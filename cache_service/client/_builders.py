@@ -58,6 +58,24 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
             mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
             mamba_cache_mode=MAMBA_CACHE_MODES.value(mamba_cache_mode), mamba_type=mamba_type)
 
+    @staticmethod
+    def rswa(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+             rswa_window: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A reference sliding-window (R-SWA) layer: the prompt stays attended, of the
+        generated tokens only the last ``rswa_window``; the blocks between them are freed."""
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_RSWA, block_size=block_size,
+                            num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                            rswa_window=rswa_window)
+
+    @staticmethod
+    def circular_buffer(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+                        dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A ring buffer of ``block_size`` rows: one block per request for its whole life,
+        never prefix cached."""
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_CIRCULAR_BUFFER,
+                            block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_size=head_size, dtype=dtype)
+
     #: The ``LayerSpec`` of a core layer spec (see :mod:`cache_service.specs_proto`).
     from_spec = staticmethod(layer_spec_to_proto)
 
