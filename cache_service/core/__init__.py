@@ -47,7 +47,8 @@ from cache_service.core.specs import (  # noqa: E402
 
 __all__ = [
     "AllBlocksCleared", "Allocation", "AlreadyExists", "BlockRemoved", "BlockStored",
-    "ChunkedLocalAttentionSpec", "CircularBufferSpec", "ConfigError", "CrossAttentionSpec", "DuplicateRequest",
+    "ChunkedLocalAttentionSpec", "CircularBufferSpec", "ConfigError", "CrossAttentionSpec",
+    "DuplicateRequest",
     "FailedPrecondition", "FullAttentionSpec", "InvalidArgument", "KVCacheConfig",
     "KVCacheError", "KVCacheGroupSpec", "KVCacheSpec", "KVEvent", "PrefixHit",
     "MambaSpec", "NotFound", "Pool", "PoolOptions", "PoolCounters", "RequestInfo", "RSWASpec",
