@@ -322,7 +322,8 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
     if kind == "lookup":
         return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
-        return operations.Free(op.free.request_id, op.free.evict_first)
+        return operations.Free(op.free.request_id, op.free.evict_first,
+                               op.free.tail_first_across_groups)
     if kind == "preempt":
         return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":

@@ -168,13 +168,17 @@ class StepBuilder:
         m.token_ids.extend(token_ids)
         return self
 
-    def free(self, request_id: str, *, evict_first: bool = False) -> StepBuilder:
+    def free(self, request_id: str, *, evict_first: bool = False,
+             tail_first_across_groups: bool = False) -> StepBuilder:
         """Appends a free op: the request ends, its blocks go back (cached ones stay
-        reusable); ``evict_first``: they go to the front of the free queue (a release hint)."""
+        reusable); ``evict_first``: they go to the front of the free queue (a release hint);
+        ``tail_first_across_groups``: in the order of vLLM's deferred free."""
         m = self._add().free
         m.request_id = request_id
         if evict_first:
             m.evict_first = True
+        if tail_first_across_groups:
+            m.tail_first_across_groups = True
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:
@@ -252,9 +256,11 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         return _one().append(request_id, token_ids).request.ops[0]
 
     @staticmethod
-    def free(request_id: str) -> pb.Op:
-        """Free and forget a finished request."""
-        return _one().free(request_id).request.ops[0]
+    def free(request_id: str, *, evict_first: bool = False,
+             tail_first_across_groups: bool = False) -> pb.Op:
+        """Free and forget a finished request (see :meth:`StepBuilder.free`)."""
+        return _one().free(request_id, evict_first=evict_first,
+                           tail_first_across_groups=tail_first_across_groups).request.ops[0]
 
     @staticmethod
     def preempt(request_id: str) -> pb.Op:

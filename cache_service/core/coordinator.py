@@ -329,6 +329,14 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.free(request_id)
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Every group's :meth:`SingleTypeKVCacheManager.pop_blocks_for_free`, concatenated
+        in group order (still referenced; released later, last first)."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
+
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.managers)
 

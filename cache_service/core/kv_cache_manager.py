@@ -337,6 +337,45 @@ class KVCacheManager:
         """Free every group's blocks, tail first; cached ones stay hittable."""
         self.coordinator.free(request.request_id)
 
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """vLLM's deferred free (docs/semantics.md#manager-surface): forget the request's
+        tables now and hand back its blocks, every group's table without its leading nulls,
+        concatenated in group order and still referenced. The caller releases them later
+        with ``pool.free_blocks(reversed(blocks))``, so the last group's tail is evicted
+        first (``free`` releases group by group instead)."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def truncate_computed_blocks(self, blocks: HitBlocks, num_computed_tokens: int) -> HitBlocks:
+        """A lookup's hit blocks cut at ``num_computed_tokens`` (vLLM's
+        ``truncate_computed_blocks``, for when a connector supplies the tokens past that
+        point): each group keeps ``num_computed_tokens // block_size`` blocks, which must
+        divide evenly and, except for Mamba (whose last state may come from the connector),
+        not exceed what it has; groups that are never cached stay empty. Pure: no reference
+        is taken or dropped and ``blocks`` is not changed."""
+        out: list[list[KVCacheBlock]] = []
+        for manager, group in zip(self.coordinator.managers, blocks):
+            if not prefix_cacheable(manager.spec):
+                if group:
+                    raise InvalidArgument("a group that is never cached has no hit blocks",
+                                          field="blocks")
+                out.append([])
+                continue
+            bs = manager.block_size
+            if num_computed_tokens < 0 or num_computed_tokens % bs:
+                raise InvalidArgument(
+                    f"num_computed_tokens {num_computed_tokens} is not a multiple of group "
+                    f"{manager.group_id}'s block size {bs}", field="num_computed_tokens")
+            n = num_computed_tokens // bs
+            if isinstance(manager, MambaManager):
+                n = min(n, len(group))
+            elif n > len(group):
+                raise InvalidArgument(
+                    f"group {manager.group_id} has {len(group)} hit blocks, fewer than "
+                    f"{n}", field="num_computed_tokens")
+            out.append(list(group[:n]))
+        result = tuple(out)
+        return result if any(result) else self.empty_blocks
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
 

@@ -328,12 +328,14 @@ class AppendTokensOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("request_id", "evict_first")
+    __slots__ = ("request_id", "evict_first", "tail_first_across_groups")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIRST_ACROSS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     evict_first: bool
-    def __init__(self, request_id: _Optional[str] = ..., evict_first: _Optional[bool] = ...) -> None: ...
+    tail_first_across_groups: bool
+    def __init__(self, request_id: _Optional[str] = ..., evict_first: _Optional[bool] = ..., tail_first_across_groups: _Optional[bool] = ...) -> None: ...
 
 class PreemptOp(_message.Message):
     __slots__ = ("request_id",)
