@@ -14,6 +14,7 @@ from cache_service.core.single_type_managers import (
     CoarseHashView,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SlidingWindowManager,
     hash_view,
 )
@@ -303,3 +304,11 @@ def test_ring_blocks_are_not_part_of_the_hash_block_size() -> None:
     assert len(manager.allocate_new_blocks("x", 10_000, 10_000)) == 1
     assert manager.get_num_blocks_to_allocate("x", 20_000, [], 0, 0, 20_000) == 0
     assert manager.allocate_new_blocks("x", 20_000, 20_000) == []
+
+
+def test_rswa_worked_example_of_the_docs() -> None:
+    # docs/semantics.md#rswa: bs 16, P 20, W 16.
+    manager, _ = _manager_with_table(RSWAManager, rswa(16, 16), 100, 6)
+    for n, nulls in [(63, []), (64, [2]), (79, [2]), (80, [2, 3]), (96, [2, 3, 4])]:
+        manager.remove_gap_blocks("r", n, 20)
+        assert [i for i, b in enumerate(manager.req_to_blocks["r"]) if b.is_null] == nulls, n
