@@ -192,7 +192,7 @@ def _as_set(mask: list[bool] | None, start: int, end: int) -> set[int]:
     return set(range(start, end)) if mask is None else {start + i for i, k in enumerate(mask) if k}
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(bs=st.sampled_from([1, 2, 4, 8]), k=st.integers(1, 4), window=st.integers(1, 40),
        eagle=st.booleans(), start=st.integers(0, 30), length=st.integers(0, 30),
        retention=st.sampled_from([0, 1, 2, 3]),
@@ -205,6 +205,9 @@ def test_a_sparse_mask_keeps_a_subset_of_the_dense_one_and_every_run_a_hit_reads
     spec = swa(bs, window)
     alignment = k * bs
     interval = retention * alignment  # 0 = only the boundaries
+    # A boundary below the alignment rounds to a 0-token hit, whose EAGLE run (block 0)
+    # vLLM keeps although no dense boundary does: not a hit worth comparing.
+    boundaries = [b for b in boundaries if b >= alignment]
     end = start + length
     dense = reachable_block_mask(spec, start, end, alignment, use_eagle=eagle)
     sparse = reachable_block_mask(spec, start, end, alignment, use_eagle=eagle,
