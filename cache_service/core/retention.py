@@ -74,9 +74,12 @@ def _window_mask(spec: SlidingWindowSpec, start_block: int, end_block: int, alig
         if need >= per_segment:
             return None  # the runs of neighbouring boundaries overlap: all are kept
         low = per_segment - need
-        for i in range(start_block, end_block):
-            if i >= shift and (i - shift) % per_segment >= low:
-                mask[i - start_block] = True
+        if shift:
+            for i in range(max(start_block, shift), end_block):
+                if (i - shift) % per_segment >= low:
+                    mask[i - start_block] = True
+        else:  # the common case, built in one pass (caching calls it on every new block)
+            mask = [i % per_segment >= low for i in range(start_block, end_block)]
         if final_end is not None and not use_eagle and final_end % per_segment:
             # The unfinished last segment: keep the run that ends where it ends.
             tail_start = max(final_end - final_end % per_segment, final_end - need)
