@@ -722,9 +722,9 @@ def main(argv: list[str] | None = None) -> int:
                                           {"KVCACHE_CORE": "pure"}, None)
     if others:
         summary["compared"] = compare(runs, others)
-    path = write_results("core", {"args": vars(args) | {
-                                      "out": str(args.out),
-                                      "baseline_tree": args.baseline_tree and str(args.baseline_tree)},
+    # Paths as strings: the results are JSON.
+    shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    path = write_results("core", {"args": shown,
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
                          args.out, plot=plot(summary))

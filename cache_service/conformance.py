@@ -23,10 +23,12 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from cache_service.client import CacheClient, CacheError, TierCopy, ops
+from cache_service.core.specs import AttentionSpec
 from cache_service.replay import (
     embeds_digests,
     load_config,
@@ -147,7 +149,12 @@ class ServerReplayer:
 def register(client: CacheClient, config: dict[str, Any], pool_id: str) -> None:
     """A replay config as a RegisterPool call: one layer per group, same num_blocks."""
     core_config, options = load_config(config)
-    layer_specs = [layer_spec_to_proto(f"layer{i}", g.spec)
+    # Attention pages grow with the block size, and the server's grouping evens out page
+    # sizes by growing the smaller pages' block sizes: pad every attention layer to the
+    # largest page instead, so each group keeps the block size the config gives it.
+    page = max((g.spec.page_size_bytes for g in core_config.groups), default=0)
+    layer_specs = [layer_spec_to_proto(f"layer{i}", replace(g.spec, page_size_padded=page)
+                                       if isinstance(g.spec, AttentionSpec) else g.spec)
                    for i, g in enumerate(core_config.groups)]
     client.register_pool(
         pool_id, layer_specs, num_blocks=core_config.num_blocks,

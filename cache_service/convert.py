@@ -154,6 +154,9 @@ def group_to_proto(index: int, group: Any) -> pb.KVCacheGroup:
         out.attention_chunk_size = chunk
     if isinstance(spec, MambaSpec):
         out.mamba_cache_mode = MAMBA_CACHE_MODES.value(spec.mamba_cache_mode)
+    rswa_window = getattr(spec, "rswa_window", None)
+    if rswa_window:
+        out.rswa_window = rswa_window
     return out
 
 
@@ -341,7 +344,8 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
     if kind == "lookup":
         return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":
-        return operations.Free(op.free.request_id, op.free.evict_first)
+        return operations.Free(op.free.request_id, op.free.evict_first,
+                               op.free.tail_first_across_groups)
     if kind == "preempt":
         return operations.Preempt(op.preempt.request_id)
     if kind == "new_step":

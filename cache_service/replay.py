@@ -35,18 +35,20 @@ from cache_service.core.operations import (
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from cache_service.errors import InvalidArgument, KVCacheError
 
 _GROUP_KEYS = {"type", "block_size", "sliding_window", "attention_chunk_size",
-               "mamba_cache_mode"}
+               "mamba_cache_mode", "rswa_window"}
 _CONFIG_KEYS = {"num_blocks", "max_model_len", "enable_caching", "hash_algo", "groups",
                 "scheduler_block_size", "hash_block_size", "watermark",
                 "max_in_flight_tokens", "prefix_cache_retention_interval",
@@ -89,13 +91,18 @@ def _group_spec(i: int, g: Any, max_model_len: int) -> KVCacheSpec:
                                              **common)
         if kind == "cross_attention":
             return CrossAttentionSpec(block_size=bs, **common)
+        if kind == "rswa":
+            return RSWASpec(block_size=bs, rswa_window=g.get("rswa_window", 0), **common)
+        if kind == "circular_buffer":
+            return CircularBufferSpec(block_size=bs, **common)
     except KVCacheError as e:
         raise ConfigFileError(f"groups[{i}].{e.field or 'spec'}: {e}") from None
     except TypeError as e:
         raise ConfigFileError(f"groups[{i}]: {e}") from None
     raise ConfigFileError(
         f"groups[{i}].type must be one of full_attention, sliding_window, "
-        f"chunked_local_attention, mamba, cross_attention; got {kind!r}")
+        f"chunked_local_attention, mamba, cross_attention, rswa, circular_buffer; "
+        f"got {kind!r}")
 
 
 def load_config(data: Any) -> tuple[KVCacheConfig, PoolOptions]:

@@ -16,11 +16,13 @@ from cache_service.core.errors import InvalidArgument, KVCacheError, qualify
 from cache_service.core.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaCacheMode,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
 )
 from kvcache_common.api.kvcache.v1 import cache_service_pb2 as pb
@@ -31,6 +33,8 @@ _ATTENTION_CLASSES: dict[int, type] = {
     pb.LAYER_KIND_SLIDING_WINDOW: SlidingWindowSpec,
     pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION: ChunkedLocalAttentionSpec,
     pb.LAYER_KIND_CROSS_ATTENTION: CrossAttentionSpec,
+    pb.LAYER_KIND_RSWA: RSWASpec,
+    pb.LAYER_KIND_CIRCULAR_BUFFER: CircularBufferSpec,
 }
 # Bounds that keep arithmetic sane and memory bounded for hostile input.
 MAX_COUNT = 1 << 40
@@ -59,6 +63,9 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
     if kind != pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION and layer.attention_chunk_size:
         raise InvalidArgument("only chunked_local_attention layers take a chunk size",
                               field=f"{path}.attention_chunk_size")
+    if kind != pb.LAYER_KIND_RSWA and layer.rswa_window:
+        raise InvalidArgument("only rswa layers take an rswa_window",
+                              field=f"{path}.rswa_window")
     padded = layer.page_size_padded or None
     try:
         if kind == pb.LAYER_KIND_MAMBA:
@@ -111,6 +118,9 @@ def layer_spec_from_proto(layer: pb.LayerSpec, path: str) -> KVCacheSpec:
         elif kind == pb.LAYER_KIND_CHUNKED_LOCAL_ATTENTION:
             kwargs["attention_chunk_size"] = non_negative(
                 layer.attention_chunk_size, "attention_chunk_size", positive=True)
+        elif kind == pb.LAYER_KIND_RSWA:
+            kwargs["rswa_window"] = non_negative(layer.rswa_window, "rswa_window",
+                                                  positive=True)
         return _bounded_page(cls(**kwargs), "block_size")
     except KVCacheError as exc:
         if exc.field.startswith(path):
@@ -149,4 +159,6 @@ def layer_spec_to_proto(name: str, spec: KVCacheSpec) -> pb.LayerSpec:
         out.sliding_window = spec.sliding_window
     if isinstance(spec, ChunkedLocalAttentionSpec):
         out.attention_chunk_size = spec.attention_chunk_size
+    if isinstance(spec, RSWASpec):
+        out.rswa_window = spec.rswa_window
     return out

@@ -58,6 +58,24 @@ class layers:  # noqa: N801 - a namespace of builders, used as layers.full_atten
             mamba_states=[pb.MambaState(shape=list(s), dtype=d) for s, d in zip(shapes, dtypes)],
             mamba_cache_mode=MAMBA_CACHE_MODES.value(mamba_cache_mode), mamba_type=mamba_type)
 
+    @staticmethod
+    def rswa(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+             rswa_window: int, dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A reference sliding-window (R-SWA) layer: the prompt stays attended, of the
+        generated tokens only the last ``rswa_window``; the blocks between them are freed."""
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_RSWA, block_size=block_size,
+                            num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype,
+                            rswa_window=rswa_window)
+
+    @staticmethod
+    def circular_buffer(name: str, *, block_size: int, num_kv_heads: int, head_size: int,
+                        dtype: str = "bfloat16") -> pb.LayerSpec:
+        """A ring buffer of ``block_size`` rows: one block per request for its whole life,
+        never prefix cached."""
+        return pb.LayerSpec(name=name, kind=pb.LAYER_KIND_CIRCULAR_BUFFER,
+                            block_size=block_size, num_kv_heads=num_kv_heads,
+                            head_size=head_size, dtype=dtype)
+
     #: The ``LayerSpec`` of a core layer spec (see :mod:`cache_service.specs_proto`).
     from_spec = staticmethod(layer_spec_to_proto)
 
@@ -157,13 +175,17 @@ class StepBuilder:
         m.token_ids.extend(token_ids)
         return self
 
-    def free(self, request_id: str, *, evict_first: bool = False) -> StepBuilder:
+    def free(self, request_id: str, *, evict_first: bool = False,
+             tail_first_across_groups: bool = False) -> StepBuilder:
         """Appends a free op: the request ends, its blocks go back (cached ones stay
-        reusable); ``evict_first``: they go to the front of the free queue (a release hint)."""
+        reusable); ``evict_first``: they go to the front of the free queue (a release hint);
+        ``tail_first_across_groups``: in the order of vLLM's deferred free."""
         m = self._add().free
         m.request_id = request_id
         if evict_first:
             m.evict_first = True
+        if tail_first_across_groups:
+            m.tail_first_across_groups = True
         return self
 
     def preempt(self, request_id: str) -> StepBuilder:
@@ -250,9 +272,11 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         return _one().append(request_id, token_ids).request.ops[0]
 
     @staticmethod
-    def free(request_id: str) -> pb.Op:
-        """Free and forget a finished request."""
-        return _one().free(request_id).request.ops[0]
+    def free(request_id: str, *, evict_first: bool = False,
+             tail_first_across_groups: bool = False) -> pb.Op:
+        """Free and forget a finished request (see :meth:`StepBuilder.free`)."""
+        return _one().free(request_id, evict_first=evict_first,
+                           tail_first_across_groups=tail_first_across_groups).request.ops[0]
 
     @staticmethod
     def preempt(request_id: str) -> pb.Op:

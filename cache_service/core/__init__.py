@@ -33,21 +33,24 @@ from cache_service.core.pool import (  # noqa: E402
 )
 from cache_service.core.specs import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SizingLimits,
     SlidingWindowSpec,
 )
 
 __all__ = [
     "AllBlocksCleared", "Allocation", "AlreadyExists", "BlockRemoved", "BlockStored",
-    "ChunkedLocalAttentionSpec", "ConfigError", "CrossAttentionSpec", "DuplicateRequest",
+    "ChunkedLocalAttentionSpec", "CircularBufferSpec", "ConfigError", "CrossAttentionSpec",
+    "DuplicateRequest",
     "FailedPrecondition", "FullAttentionSpec", "InvalidArgument", "KVCacheConfig",
     "KVCacheError", "KVCacheGroupSpec", "KVCacheSpec", "KVEvent", "PrefixHit",
-    "MambaSpec", "NotFound", "Pool", "PoolOptions", "PoolCounters", "RequestInfo",
+    "MambaSpec", "NotFound", "Pool", "PoolOptions", "PoolCounters", "RequestInfo", "RSWASpec",
     "SizingLimits", "SlidingWindowSpec", "UnknownRequest",
 ]

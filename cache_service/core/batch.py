@@ -425,6 +425,9 @@ class BatchCheck:
     def _check_free(self, op: Free) -> None:
         if type(op.evict_first) is not bool:
             raise InvalidArgument("evict_first must be a boolean", field="evict_first")
+        if type(op.tail_first_across_groups) is not bool:
+            raise InvalidArgument("tail_first_across_groups must be a boolean",
+                                  field="tail_first_across_groups")
         self._require(op.request_id)
         self.state[op.request_id] = Simulated()
         self.blocks_moved = True

@@ -31,6 +31,7 @@ from cache_service.core.single_type_managers import (
     FullAttentionManager,
     HitBlocks,
     MambaManager,
+    RSWAManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
     manager_class_for,
@@ -45,6 +46,7 @@ from cache_service.core.specs import (
     SlidingWindowSpec,
     cdiv,
     manager_spec,
+    prefix_cacheable,
 )
 
 if TYPE_CHECKING:
@@ -105,7 +107,9 @@ class KVCacheCoordinator:
             managers.append(manager)
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(managers)
         self._skipping = tuple(m for m in managers if m.frees_skipped_blocks)
-        self.has_skipping_groups = bool(self._skipping)
+        # R-SWA groups free the gap between the prompt and the decode window instead.
+        self._gaps = tuple(m for m in managers if isinstance(m, RSWAManager))
+        self.has_skipping_groups = bool(self._skipping) or bool(self._gaps)
         self._stepping = tuple(m for m in managers if isinstance(m, MambaManager))
         self._has_cross = any(type(m) is CrossAttentionManager for m in managers)
         self._caching_managers = tuple(m for m in managers if m.enable_caching)
@@ -337,13 +341,29 @@ class KVCacheCoordinator:
                 return False
         return True
 
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        """Release the blocks no group needs any more once ``num_computed_tokens`` are
+        processed; R-SWA groups free their gap only when given ``num_prompt_tokens``
+        (as in vLLM, whose allocations always pass it)."""
         for manager in self._skipping:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
+        if num_prompt_tokens is not None:
+            for gap in self._gaps:
+                assert isinstance(gap, RSWAManager)
+                gap.remove_gap_blocks(request_id, num_computed_tokens, num_prompt_tokens)
 
     def free(self, request_id: str) -> None:
         for manager in self.managers:
             manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Every group's :meth:`SingleTypeKVCacheManager.pop_blocks_for_free`, concatenated
+        in group order (still referenced; released later, last first)."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
 
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.req_to_blocks.get(request_id) or [] for m in self.managers)
@@ -439,12 +459,16 @@ class HybridCoordinator(KVCacheCoordinator):
             scheduler_block_size=kwargs["scheduler_block_size"],
             hash_block_size=kwargs["hash_block_size"])
         for m in self.managers:
-            if m.block_size % self.hash_block_size:
+            if prefix_cacheable(m.spec) and m.block_size % self.hash_block_size:
                 raise ConfigError(
                     f"group block size {m.block_size} is not a multiple of hash_block_size "
                     f"{self.hash_block_size}", field="hash_block_size")
         spec_groups: list[SpecGroup] = []
         for gid, manager in enumerate(self.managers):
+            if not prefix_cacheable(manager.spec):
+                # Per-request scratch (a circular buffer): never hit, so no part of the
+                # search; its slot in the hit stays empty.
+                continue
             cls = type(manager)
             group_spec = config.groups[gid].spec  # joint lookup needs equal *group* specs
             for sg in spec_groups:
@@ -453,6 +477,9 @@ class HybridCoordinator(KVCacheCoordinator):
                     break
             else:
                 spec_groups.append(SpecGroup(manager.spec, [gid], cls, group_spec))
+        if not spec_groups:
+            raise ConfigError("prefix caching needs at least one group that can be prefix "
+                              "cached (a circular buffer cannot)", field="groups")
         # Full attention first (stable): its hit bounds every later search and,
         # being downward closed, never needs a second lookup.
         spec_groups.sort(key=lambda sg: not sg.is_full)
@@ -466,7 +493,8 @@ class HybridCoordinator(KVCacheCoordinator):
         self.partial_hits = any(
             isinstance(m.spec, MambaSpec) and m.spec.mamba_cache_mode == "align"
             and m.block_size > hbs for m in self.managers) and all(
-            m.supports_partial_hits or m.block_size == hbs for m in self.managers)
+            m.supports_partial_hits or m.block_size == hbs or not prefix_cacheable(m.spec)
+            for m in self.managers)
         if self.partial_hits:
             # Hits land on hash-block boundaries; any computed prefix may be hashed
             # (rounding it down would re-key a state block a copy-on-write privatized).
@@ -479,7 +507,7 @@ class HybridCoordinator(KVCacheCoordinator):
         for m in self.managers:
             m.cache_hit_alignment_tokens = self._hit_alignment
         self._tail_entries = self.partial_hits or any(
-            type(m) in (FullAttentionManager, MambaManager) and m.block_size > hbs
+            type(m) in (FullAttentionManager, MambaManager, RSWAManager) and m.block_size > hbs
             for m in self.managers)
 
     def find_longest_cache_hit(self, block_hashes: Sequence[bytes],

@@ -23,7 +23,13 @@ from cache_service.core.host_tier import HostTier
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.restore import RebuiltFromFields
 from cache_service.core.single_type_managers import HitBlocks, MambaManager
-from cache_service.core.specs import KVCacheConfig, MambaSpec, SlidingWindowSpec, manager_spec
+from cache_service.core.specs import (
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    manager_spec,
+    prefix_cacheable,
+)
 
 
 def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
@@ -46,7 +52,9 @@ def resolve_block_sizes(config: KVCacheConfig, enable_caching: bool,
     if len(sizes) == 1:
         default_hash = sizes[0]
     elif len(sizes) > 1 and enable_caching and not non_align_mamba:
-        default_hash = math.gcd(*sizes)
+        # Only groups that are prefix cached are hashed (not a circular buffer's ring).
+        hashed = [g.spec.block_size for g in config.groups if prefix_cacheable(g.spec)]
+        default_hash = math.gcd(*(hashed or sizes))
     else:
         default_hash = sched
     return sched, hash_block_size if hash_block_size is not None else default_hash
@@ -236,7 +244,8 @@ class KVCacheManager:
             need_slots = self.max_model_len
         if coordinator.has_skipping_groups:
             processed = total_computed - request.num_in_flight_tokens
-            coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0)
+            coordinator.remove_skipped_blocks(rid, processed if processed > 0 else 0,
+                                              request.num_prompt_tokens)
         if (self.fast_path and hits is self.empty_blocks and num_new_computed_tokens == 0
                 and num_lookahead_tokens == 0 and num_external_computed_tokens == 0
                 and num_encoder_tokens == 0 and reserved_blocks == 0 and watermark == 0):
@@ -267,7 +276,8 @@ class KVCacheManager:
         if coordinator.has_skipping_groups:
             processed = total_computed - request.num_in_flight_tokens
             coordinator.remove_skipped_blocks(request.request_id,
-                                              processed if processed > 0 else 0)
+                                              processed if processed > 0 else 0,
+                                              request.num_prompt_tokens)
         if self.fast_path:
             n_cache = 0
             if self.enable_caching:
@@ -399,6 +409,45 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Free every group's blocks, tail first; cached ones stay hittable."""
         self.coordinator.free(request.request_id)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """vLLM's deferred free (docs/semantics.md#manager-surface): forget the request's
+        tables now and hand back its blocks, every group's table without its leading nulls,
+        concatenated in group order and still referenced. The caller releases them later
+        with ``pool.free_blocks(reversed(blocks))``, so the last group's tail is evicted
+        first (``free`` releases group by group instead)."""
+        return self.coordinator.pop_blocks_for_free(request.request_id)
+
+    def truncate_computed_blocks(self, blocks: HitBlocks, num_computed_tokens: int) -> HitBlocks:
+        """A lookup's hit blocks cut at ``num_computed_tokens`` (vLLM's
+        ``truncate_computed_blocks``, for when a connector supplies the tokens past that
+        point): each group keeps ``num_computed_tokens // block_size`` blocks, which must
+        divide evenly and, except for Mamba (whose last state may come from the connector),
+        not exceed what it has; groups that are never cached stay empty. Pure: no reference
+        is taken or dropped and ``blocks`` is not changed."""
+        out: list[list[KVCacheBlock]] = []
+        for manager, group in zip(self.coordinator.managers, blocks):
+            if not prefix_cacheable(manager.spec):
+                if group:
+                    raise InvalidArgument("a group that is never cached has no hit blocks",
+                                          field="blocks")
+                out.append([])
+                continue
+            bs = manager.block_size
+            if num_computed_tokens < 0 or num_computed_tokens % bs:
+                raise InvalidArgument(
+                    f"num_computed_tokens {num_computed_tokens} is not a multiple of group "
+                    f"{manager.group_id}'s block size {bs}", field="num_computed_tokens")
+            n = num_computed_tokens // bs
+            if isinstance(manager, MambaManager):
+                n = min(n, len(group))
+            elif n > len(group):
+                raise InvalidArgument(
+                    f"group {manager.group_id} has {len(group)} hit blocks, fewer than "
+                    f"{n}", field="num_computed_tokens")
+            out.append(list(group[:n]))
+        result = tuple(out)
+        return result if any(result) else self.empty_blocks
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         self.coordinator.remove_skipped_blocks(request_id, num_computed_tokens)

@@ -93,11 +93,14 @@ class AppendTokens:
 class Free:
     """Free a request's blocks (they stay cached) and forget it. ``evict_first`` (a
     release hint): the blocks nothing else holds go to the front of the free queue, the
-    first to be evicted, instead of its back (:mod:`release_hints`)."""
+    first to be evicted, instead of its back (:mod:`release_hints`).
+    ``tail_first_across_groups``: release them in the order of vLLM's deferred free
+    (``pop_blocks_for_free``): all groups' tables concatenated, last block first."""
 
     KIND: ClassVar[str] = "free"
     request_id: Checked[str]
     evict_first: Checked[bool] = False
+    tail_first_across_groups: Checked[bool] = False
 
 
 @dataclass(slots=True)

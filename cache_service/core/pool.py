@@ -547,9 +547,9 @@ class Pool:
                 self._release_as(self._classes.pop(op.request_id, 0))
             if op.evict_first:
                 with evict_first(self._manager.pool):
-                    self._manager.free(req)
+                    self._free(req, op.tail_first_across_groups)
             else:
-                self._manager.free(req)
+                self._free(req, op.tail_first_across_groups)
             if self._classes is not None:
                 self._release_as(0)
             if self._quota is not None:
@@ -836,6 +836,15 @@ class Pool:
                 outcome.block_copies += r.block_copies
 
     # -- release ----------------------------------------------------------------------------
+    def _free(self, req: Request, tail_first_across_groups: bool) -> None:
+        """Release a request's blocks: group by group, or (``tail_first_across_groups``)
+        in the order of vLLM's deferred free."""
+        manager = self._manager
+        if tail_first_across_groups:
+            manager.pool.free_blocks(reversed(manager.pop_blocks_for_free(req)))
+        else:
+            manager.free(req)
+
     def free(self, request_id: Checked[str]) -> int:
         """Free the request's blocks (tail first) and forget it; returns free blocks."""
         return self._apply_one(Free(request_id))

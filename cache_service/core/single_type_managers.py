@@ -22,12 +22,15 @@ from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool, CachedBlockLookup
+from cache_service.core.retention import reachable_block_mask
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     MambaSpec,
+    RSWASpec,
     SlidingWindowSpec,
     cdiv,
 )
@@ -316,6 +319,20 @@ class SingleTypeKVCacheManager:
         self.num_cached_block[rid] = num_full
 
     # -- freeing -----------------------------------------------------------------------
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request here and hand back its table without the leading null blocks,
+        in table order and still referenced (vLLM's ``pop_blocks_for_free``): the caller
+        releases them later, last first. ``free`` is this followed by that release."""
+        blocks = self.req_to_blocks.pop(request_id, None) or []
+        self.req_to_ids.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if self.partial_hit_reqs:
+            self.partial_hit_reqs.pop(request_id, None)
+        first = 0
+        while first < len(blocks) and blocks[first].is_null:
+            first += 1
+        return blocks[first:]
+
     def free(self, request_id: str) -> None:
         """Return the request's blocks, tail first; unknown requests are a no-op."""
         blocks = self.req_to_blocks.pop(request_id, None)
@@ -482,6 +499,90 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
+class RSWAManager(FullAttentionManager):
+    """Reference sliding-window attention (docs/semantics.md#rswa): full attention's hits
+    and caching; as decoding goes on, the blocks wholly between the prompt's last block
+    and the decode window (the last ``rswa_window`` tokens) are freed and left null."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int, *,
+                 enable_caching: bool, admission_cap: int | None = None) -> None:
+        super().__init__(spec, pool, group_id, enable_caching=enable_caching,
+                         admission_cap=admission_cap)
+        assert isinstance(spec, RSWASpec)
+        self.rswa_window = spec.rswa_window
+
+    def remove_gap_blocks(self, request_id: str, num_computed_tokens: int,
+                          num_prompt_tokens: int) -> None:
+        """Free the blocks wholly inside ``[prompt end rounded up to a block, window
+        start)``, where the window starts ``rswa_window`` tokens before
+        ``num_computed_tokens`` (never inside the prompt); last first, stopping at the
+        first one already null (the gap only ever grows upwards)."""
+        bs = self.block_size
+        first = -(-num_prompt_tokens // bs)
+        start = num_computed_tokens - self.rswa_window
+        if start < num_prompt_tokens:
+            start = num_prompt_tokens
+        last = start // bs
+        if first < last:
+            self._null_out_range(request_id, first, last, stop_at_null=True)
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
+class CircularBufferManager(SingleTypeKVCacheManager):
+    """A ring buffer (docs/semantics.md#circular-buffer): a request's first allocation
+    claims exactly one block, which it keeps until it is freed; no hits, no hashing, no
+    skipped blocks."""
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: Sequence[KVCacheBlock],
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int,
+                                   apply_admission_cap: bool = False) -> int:
+        """1 until the request holds its ring block, then 0."""
+        return 0 if self.req_to_blocks.get(request_id) else 1
+
+    def _claim(self, request_id: str) -> list[KVCacheBlock]:
+        if self.req_to_blocks.get(request_id):
+            return []
+        return self._append_new(request_id, 1)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """The ring block on the first call; nothing afterwards."""
+        return self._claim(request_id)
+
+    def allocate_external_computed_blocks(self, request_id: str, num_local_computed_tokens: int,
+                                          num_external_computed_tokens: int) -> None:
+        """The ring block, as for any first allocation."""
+        self._claim(request_id)
+
+    def add_local_computed_blocks(self, request_id: str,
+                                  new_computed_blocks: Sequence[KVCacheBlock],
+                                  num_local_computed_tokens: int,
+                                  num_external_computed_tokens: int) -> None:
+        """Nothing: a ring is never hit (and the request is not marked as allocated)."""
+        return None
+
+    def allocation_is_noop(self, request_id: str, num_tokens: int, num_tokens_main_model: int,
+                           num_cacheable_tokens: int) -> bool:
+        """Once the ring block is held, every allocation leaves this group unchanged."""
+        return bool(self.req_to_blocks.get(request_id))
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Nothing: ring blocks are scratch, never hashed."""
+        return None
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
+                               group_ids: Sequence[int], pool: CachedBlockLookup,
+                               spec: KVCacheSpec,
+                               alignment_tokens: int, drop_eagle_block: bool = False
+                               ) -> tuple[HitBlocks, int]:
+        """Never a hit."""
+        return tuple([] for _ in group_ids), 0
+
+
+@mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding window W: only the last ``cdiv(W-1, bs)`` blocks before a hit matter."""
 
@@ -519,55 +620,11 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # Only the last `need` blocks before a hit boundary are ever looked up. Dense:
         # a boundary at every aligned segment (under hybrid alignment, the others are
         # not worth a cache entry); sparse: see docs/semantics.md#checkpoint-retention.
-        bs = self.block_size
-        alignment = self.cache_hit_alignment_tokens
-        if alignment % bs:
-            return None
-        need = cdiv(self.sliding_window - 1, bs)
         retention = self.retention_interval
-        if self.use_eagle:
-            return self._eagle_block_mask(request, start_block, end_block, need + 1)
-        if retention is None:
-            per_segment = alignment // bs
-            if need >= per_segment:
-                return None
-            return [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
-        if retention:
-            per_segment = retention // bs
-            if need >= per_segment:
-                return None
-            mask = [i % per_segment >= per_segment - need for i in range(start_block, end_block)]
-        else:
-            mask = [False] * (end_block - start_block)
-        for boundary in self.reachable_boundaries(request):
-            end = boundary // alignment * alignment // bs
-            for j in range(max(start_block, end - need), min(end_block, end)):
-                mask[j - start_block] = True
-        return mask
-
-    def _eagle_block_mask(self, request: Request, start_block: int, end_block: int,
-                          need: int) -> list[bool] | None:
-        """:meth:`block_mask` of an EAGLE group: a hit matches one block past its
-        boundary and drops it, so each kept run is one block longer (``need``) and ends
-        one block later (the block above the boundary)."""
-        bs = self.block_size
-        alignment = self.cache_hit_alignment_tokens
-        retention = self.retention_interval
-        segment = alignment if retention is None else retention
-        mask = [False] * (end_block - start_block)
-        if segment:
-            per_segment = segment // bs
-            if need >= per_segment:
-                return None
-            for i in range(start_block, end_block):
-                if i >= 1 and (i - 1) % per_segment >= per_segment - need:
-                    mask[i - start_block] = True
-        if retention is not None:
-            for boundary in self.reachable_boundaries(request):
-                end = boundary // alignment * alignment // bs + 1
-                for j in range(max(start_block, end - need), min(end_block, end)):
-                    mask[j - start_block] = True
-        return mask
+        return reachable_block_mask(
+            self.spec, start_block, end_block, self.cache_hit_alignment_tokens,
+            use_eagle=self.use_eagle, retention_interval=retention,
+            reachable_boundaries=() if retention is None else self.reachable_boundaries(request))
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
@@ -860,22 +917,10 @@ class MambaManager(SingleTypeKVCacheManager):
         block ``i`` holds the state after ``(i + 1) * block_size`` tokens; keep one per
         ``retention_interval`` segment (none for 0) plus the state at each reachable
         boundary rounded down to the hit alignment. None = keep all."""
-        retention = self.retention_interval
-        bs = self.block_size
-        mask = [False] * (end_block - start_block)
-        if retention:
-            per_segment = retention // bs
-            if per_segment <= 1:
-                return None
-            first = (start_block + per_segment) // per_segment * per_segment - 1
-            for i in range(first - start_block, len(mask), per_segment):
-                mask[i] = True
-        alignment = self.cache_hit_alignment_tokens
-        for boundary in self.reachable_boundaries(request):
-            idx = boundary // alignment * alignment // bs - 1
-            if start_block <= idx < end_block:
-                mask[idx - start_block] = True
-        return mask
+        return reachable_block_mask(
+            self.spec, start_block, end_block, self.cache_hit_alignment_tokens,
+            retention_interval=self.retention_interval,
+            reachable_boundaries=self.reachable_boundaries(request))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id
@@ -954,14 +999,22 @@ class MambaManager(SingleTypeKVCacheManager):
                 blocks[idx] = self.null_block
                 self.req_to_ids[request_id][idx] = 0
 
-    def free(self, request_id: str) -> None:
-        """Forgets the request's per-request state here, then frees its blocks."""
+    def _forget(self, request_id: str) -> None:
         self.allocated_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self.num_retired_blocks.pop(request_id, None)
         self.step_start.pop(request_id, None)
         self.stale_states.pop(request_id, None)
+
+    def free(self, request_id: str) -> None:
+        """Forgets the request's per-request state here, then frees its blocks."""
+        self._forget(request_id)
         super().free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forgets the request's per-request state here, then hands back its blocks."""
+        self._forget(request_id)
+        return super().pop_blocks_for_free(request_id)
 
     def new_step_starts(self) -> None:
         """A new scheduler step starts: states cached during the last one may serve hits now (a
@@ -1057,6 +1110,10 @@ def manager_class_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
         return MambaManager
     if isinstance(spec, CrossAttentionSpec):
         return CrossAttentionManager
+    if isinstance(spec, CircularBufferSpec):
+        return CircularBufferManager
+    if isinstance(spec, RSWASpec):  # before its base, full attention
+        return RSWAManager
     if isinstance(spec, FullAttentionSpec):
         return FullAttentionManager
     raise TypeError(f"no manager for spec type {type(spec).__name__}")

@@ -175,6 +175,11 @@ class FullAttentionSpec(AttentionSpec):
         """Pages for a whole ``max_model_len`` request."""
         return cdiv(limits.max_model_len, self.block_size) * self.page_size_bytes
 
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Full-attention specs only (R-SWA layers form groups of their own: a group
+        mixing them would have no one manager, as its layers free blocks differently)."""
+        return all(type(s) is type(self) for s in specs)
+
     @classmethod
     def merge(cls, specs: Sequence[KVCacheSpec]) -> FullAttentionSpec:
         """Full-attention layers merge when they differ at most in a promoted
@@ -203,6 +208,69 @@ class FullAttentionSpec(AttentionSpec):
             raise SpecMergeError("Model with both sliding window layers and chunked local "
                                  "attention layers is not supported.", field="layer_specs")
         return merged
+
+
+@dataclass(frozen=True)
+class RSWASpec(FullAttentionSpec):
+    """Reference sliding-window attention (vLLM 0.33's ``RSWASpec``): the prompt is always
+    attended, but of the generated tokens only the last ``rswa_window`` are, so the blocks
+    between the prompt's last block and the decode window are freed as decoding goes on
+    (docs/semantics.md#rswa). Hits, caching and sizing are full attention's."""
+
+    kind: ClassVar[str] = "rswa"
+    rswa_window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self.rswa_window, "rswa_window", minimum=1)
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> RSWASpec:
+        """R-SWA layers merge when they are equal (same window included)."""
+        if not all(type(s) is RSWASpec for s in specs):
+            raise SpecMergeError("All attention layers in the same KV cache group must be "
+                                 "RSWASpec.", field="layer_specs")
+        windows = {s.rswa_window for s in specs if isinstance(s, RSWASpec)}
+        if len(windows) > 1:
+            raise ConfigError(f"All R-SWA layers must share the same rswa_window, got "
+                              f"{sorted(windows)}", field="rswa_window")
+        first = specs[0]
+        assert isinstance(first, RSWASpec)
+        if not all(s == first for s in specs[1:]):
+            raise SpecMergeError("All attention layers in the same KV cache group must have "
+                                 "the same attention spec.", field="layer_specs")
+        return first
+
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """R-SWA specs with the same window only."""
+        return all(isinstance(s, RSWASpec) and s.rswa_window == self.rswa_window
+                   for s in specs)
+
+
+@dataclass(frozen=True)
+class CircularBufferSpec(AttentionSpec):
+    """A ring buffer of ``block_size`` rows (vLLM 0.33's ``CircularBufferSpec``, the raw
+    keys of the token group a compressing layer has not compressed yet): exactly one
+    block per request for its whole life, never prefix cached
+    (docs/semantics.md#circular-buffer)."""
+
+    kind: ClassVar[str] = "circular_buffer"
+
+    def max_memory_usage_bytes(self, limits: SizingLimits) -> int:
+        """One page: the ring is the request's only block."""
+        return self.page_size_bytes
+
+    def is_uniform_with(self, specs: Sequence[KVCacheSpec]) -> bool:
+        """Circular-buffer specs only."""
+        return all(isinstance(s, CircularBufferSpec) for s in specs)
+
+
+def prefix_cacheable(spec: KVCacheSpec) -> bool:
+    """Whether a group of ``spec`` takes part in prefix caching (hit search, hashing, the
+    hash block size): every kind but the circular buffer."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.first_spec
+    return not isinstance(spec, CircularBufferSpec)
 
 
 @dataclass(frozen=True)
@@ -337,7 +405,7 @@ class MambaSpec(KVCacheSpec):
 # Attributes a manager reads from its group spec; a uniform-type group answers them from
 # its layers (which agree on them by construction).
 _DELEGATED = frozenset({"sliding_window", "attention_chunk_size", "mamba_cache_mode",
-                        "num_speculative_blocks", "max_admission_blocks"})
+                        "num_speculative_blocks", "max_admission_blocks", "rswa_window"})
 
 
 @dataclass(frozen=True)
@@ -447,7 +515,7 @@ def layer_spec(group_spec: KVCacheSpec, layer_name: str) -> KVCacheSpec:
 SPEC_KINDS: dict[str, type[KVCacheSpec]] = {
     cls.kind: cls
     for cls in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec,
-                CrossAttentionSpec, MambaSpec)
+                CrossAttentionSpec, MambaSpec, RSWASpec, CircularBufferSpec)
 }
 
 

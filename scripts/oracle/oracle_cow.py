@@ -31,10 +31,18 @@ requests get the same hasher. An ``add`` op may carry ``mm_items`` (``[identifie
 offset, length]`` each: ``MultiModalFeatureSpec`` with a ``PlaceholderRange``) and
 ``prompt_embeds`` (one list of floats per prompt token: a float32 ``prompt_embeds``
 tensor), which this project's replay takes too.
+It also knows two spec types ``vllm_oracle.py`` does not build: ``rswa`` (vLLM's
+``RSWASpec``, window ``--rswa-window N``, default 16; ``--rswa-block-size N``, default
+the ``--block-size``) and ``cbuf`` (``CircularBufferSpec``,
+ring ``--ring-size N`` rows, default 8), in the scenarios ``rswa``, ``full_rswa``,
+``cbuf``, ``full_cbuf`` and ``full_rswa_cbuf``. Their block sizes are resolved as vLLM's
+``resolve_kv_cache_block_sizes`` does: the scheduler block size is the lcm of every
+group's, the hash block size the gcd of the prefix-cacheable groups' (a ring is not).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -47,6 +55,48 @@ sys.path.insert(0, str(ORACLE.parent))
 import torch  # noqa: E402
 import vllm_oracle  # noqa: E402  (found through the path set above)
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+
+# The spec types added here: scenario -> (group kinds, default enable_caching).
+NEW_SCENARIOS = {"rswa": (("rswa",), True), "full_rswa": (("full", "rswa"), True),
+                 "cbuf": (("cbuf",), True), "full_cbuf": (("full", "cbuf"), True),
+                 "full_rswa_cbuf": (("full", "rswa", "cbuf"), True)}
+SPEC_OPTIONS = {"--rswa-window": 16, "--ring-size": 8, "--rswa-block-size": 0}
+_BASE_BUILD = vllm_oracle.build_kv_cache_config
+
+
+def build_kv_cache_config(cfg: vllm_oracle.OracleConfig) -> tuple[Any, int, int]:
+    """``vllm_oracle.build_kv_cache_config``, plus the groups of the new spec types."""
+    cfg = cfg.resolved()
+    kinds, _ = vllm_oracle.SCENARIOS[cfg.scenario]
+    if not {"rswa", "cbuf"} & set(kinds):
+        return _BASE_BUILD(cfg)
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, RSWASpec  # noqa: PLC0415
+
+    common: dict[str, Any] = dict(num_kv_heads=1, head_size=1, dtype=vllm_oracle.torch.float32)
+    groups = []
+    for i, kind in enumerate(kinds):
+        if kind == "full":
+            spec: Any = vllm_oracle.FullAttentionSpec(block_size=cfg.block_size, **common)
+        elif kind == "rswa":
+            spec = RSWASpec(block_size=SPEC_OPTIONS["--rswa-block-size"] or cfg.block_size,
+                            rswa_window=SPEC_OPTIONS["--rswa-window"], **common)
+        elif kind == "cbuf":
+            spec = CircularBufferSpec(block_size=SPEC_OPTIONS["--ring-size"], **common)
+        else:  # pragma: no cover
+            raise AssertionError(kind)
+        groups.append(vllm_oracle.KVCacheGroupSpec(layer_names=[f"layer{i}_{kind}"],
+                                                   kv_cache_spec=spec))
+    config = vllm_oracle.KVCacheConfig(
+        num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        prefix_cache_retention_interval=cfg.retention_interval)
+    sizes = [g.kv_cache_spec.block_size for g in groups]
+    if len(groups) == 1:
+        return config, sizes[0], sizes[0]
+    scheduler = math.lcm(*sizes)
+    if not cfg.enable_caching:
+        return config, scheduler, scheduler
+    hashed = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+    return config, scheduler, math.gcd(*(hashed or sizes))
 
 # Manager options this wrapper adds: flag -> KVCacheManager keyword.
 MANAGER_FLAGS = {"--use-eagle": "use_eagle",
@@ -77,6 +127,12 @@ class SchedulingOracle(vllm_oracle.Oracle):
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = super().describe()
         out.update(MANAGER_OPTIONS)
+        kinds = vllm_oracle.SCENARIOS[self.cfg.scenario][0]
+        if "rswa" in kinds:
+            out["rswa_window"] = SPEC_OPTIONS["--rswa-window"]
+            out["rswa_block_size"] = SPEC_OPTIONS["--rswa-block-size"] or self.cfg.block_size
+        if "cbuf" in kinds:
+            out["ring_size"] = SPEC_OPTIONS["--ring-size"]
         return out
 
     def op_add(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -129,5 +185,12 @@ if __name__ == "__main__":
         i = sys.argv.index("--num-hash-lookahead-tokens")
         LOOKAHEAD = int(sys.argv[i + 1])
         del sys.argv[i:i + 2]
+    for option in SPEC_OPTIONS:  # the new spec types' parameters
+        if option in sys.argv:
+            i = sys.argv.index(option)
+            SPEC_OPTIONS[option] = int(sys.argv[i + 1])
+            del sys.argv[i:i + 2]
+    vllm_oracle.SCENARIOS.update(NEW_SCENARIOS)
+    vllm_oracle.build_kv_cache_config = build_kv_cache_config
     vllm_oracle.Oracle = SchedulingOracle
     sys.exit(vllm_oracle.main())

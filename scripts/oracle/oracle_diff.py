@@ -33,7 +33,8 @@ ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
 
 def oracle_args(config: dict[str, Any]) -> list[str]:
     kinds = [g["type"] for g in config["groups"]]
-    names = {"full_attention": "full", "sliding_window": "swa", "mamba": "mamba"}
+    names = {"full_attention": "full", "sliding_window": "swa", "mamba": "mamba",
+             "rswa": "rswa", "circular_buffer": "cbuf"}
     scenario = "_".join(names[k] for k in kinds)
     args = ["--scenario", scenario, "--num-blocks", str(config["num_blocks"]),
             "--max-model-len", str(config["max_model_len"]),
@@ -55,6 +56,11 @@ def oracle_args(config: dict[str, Any]) -> list[str]:
             args += ["--sliding-window", str(g["sliding_window"])]
         if g["type"] == "mamba":
             args += ["--mamba-block-size", str(g["block_size"])]
+        if g["type"] == "rswa":
+            args += ["--rswa-window", str(g["rswa_window"]),
+                     "--rswa-block-size", str(g["block_size"])]
+        if g["type"] == "circular_buffer":
+            args += ["--ring-size", str(g["block_size"])]
     return args
 
 

@@ -40,6 +40,13 @@ SCENARIO[full_swa_r0_wm10]="full_swa --retention-interval 0 --watermark 0.1"
 SCENARIO[full_la1]="full --num-hash-lookahead-tokens 1"
 SCENARIO[full_mamba32_la3_r0]="full_mamba --mamba-block-size 32 --retention-interval 0 --num-hash-lookahead-tokens 3"
 declare -A MIXED_ARGS=([full_la1]="--mm" [full_mamba32_la3_r0]="--mm")
+# vLLM 0.33's R-SWA and circular-buffer spec types, alone and next to full attention
+# (oracle_cow.py builds them; the configs give the window, the ring and the block sizes).
+SCENARIO[rswa]="rswa --retention-interval 0 --rswa-window 16"
+SCENARIO[full_rswa]="full_rswa --retention-interval 0 --rswa-window 16"
+SCENARIO[cbuf]="cbuf --block-size 8 --retention-interval 0 --ring-size 8"
+SCENARIO[full_cbuf]="full_cbuf --retention-interval 0 --ring-size 8"
+SCENARIO[full_rswa_cbuf]="full_rswa_cbuf --retention-interval 0 --rswa-window 48 --rswa-block-size 32 --ring-size 8"
 BENCH_ARGS="--num-blocks 128 --num-requests 12 --prompt-min 64 --prompt-max 900 --decode-min 4
   --decode-max 40 --prefix-min 64 --prefix-max 512 --num-prefixes 4 --max-concurrency 8
   --max-batched-tokens 512 --seed 7"

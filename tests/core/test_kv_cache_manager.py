@@ -170,3 +170,63 @@ def test_no_caching_never_hashes_or_hits() -> None:
     b = request(m, "b", list(range(20)))
     assert m.get_computed_blocks(b)[1] == 0
     assert m.pool.num_cached_keys == 0
+
+
+# -- the manager surface of docs/semantics.md#manager-surface -------------------------------
+
+def _queue(m: KVCacheManager) -> list[int]:
+    return [b.block_id for b in m.pool.free_block_queue.get_all_free_blocks()]
+
+
+@pytest.mark.parametrize("specs", [(full(4),), (full(4), swa(4, 8)), (full(4), mamba(4))])
+def test_pop_blocks_for_free_then_release_reversed_is_vllms_deferred_free(specs) -> None:
+    # The request is forgotten at once; its blocks (each table without its leading nulls,
+    # concatenated) stay held until released. Released last first, the cached ones join
+    # the back of the free queue in that order; ``free`` releases group by group instead.
+    def admitted():
+        m = manager(*specs, num_blocks=40)
+        req = request(m, "r", list(range(30)))
+        admit(m, req)
+        return m, req
+
+    m, req = admitted()
+    tables = m.get_blocks("r")
+    popped = m.pop_blocks_for_free(req)
+    expected = [b for t in tables for b in t[next((i for i, b in enumerate(t)
+                                                   if not b.is_null), len(t)):]]
+    assert popped == expected and all(b.ref_cnt == 1 for b in popped)
+    assert m.get_block_ids("r") == [[] for _ in specs]
+    m.pool.free_blocks(reversed(popped))
+    cached = [b.block_id for b in reversed(popped) if b.block_hash is not None]
+    assert _queue(m)[-len(cached):] == cached
+
+    twin, twin_req = admitted()
+    per_group = [b.block_id for t in twin.get_blocks("r") for b in reversed(t)
+                 if not b.is_null and b.block_hash is not None]
+    twin.free(twin_req)
+    assert _queue(twin)[-len(per_group):] == per_group
+    if len(specs) == 1:
+        assert _queue(twin) == _queue(m)
+
+
+def test_truncate_computed_blocks_cuts_every_group_at_the_endpoint() -> None:
+    m = manager(full(4), mamba(4), num_blocks=64)
+    first = request(m, "a", list(range(20)))
+    admit(m, first)
+    m.free(first)
+    second = request(m, "b", list(range(20)) + [99])
+    m.new_step_starts()
+    blocks, hit, _ = m.get_computed_blocks(second)
+    assert hit == 20 and [len(g) for g in blocks] == [5, 5]
+    cut = m.truncate_computed_blocks(blocks, 12)
+    assert [len(g) for g in cut] == [3, 3]
+    assert cut[0] == blocks[0][:3] and [len(g) for g in blocks] == [5, 5]  # pure
+    # Mamba may end before the endpoint (a connector brings the state); others may not.
+    short = (blocks[0], blocks[1][:2])
+    assert [len(g) for g in m.truncate_computed_blocks(short, 12)] == [3, 2]
+    with pytest.raises(InvalidArgument) as exc:
+        m.truncate_computed_blocks(blocks, 10)
+    assert exc.value.field == "num_computed_tokens"
+    with pytest.raises(InvalidArgument):
+        m.truncate_computed_blocks((blocks[0][:2], blocks[1]), 12)
+    assert m.truncate_computed_blocks(blocks, 0) is m.empty_blocks

@@ -184,3 +184,58 @@ def test_retained_checkpoints_are_exactly_the_boundaries_and_junctions(
         cached = {e for e in written if p.peek_prefix(prompt[:e] + [1001]) == e}
         assert cached == expected, (ends, junction)
         p.free(rid)
+
+
+# -- the static mask (cache_service.core.retention.reachable_block_mask) --------------------
+
+def _as_set(mask: list[bool] | None, start: int, end: int) -> set[int]:
+    return set(range(start, end)) if mask is None else {start + i for i, k in enumerate(mask) if k}
+
+
+@settings(max_examples=300, deadline=None)
+@given(bs=st.sampled_from([1, 2, 4, 8]), k=st.integers(1, 4), window=st.integers(1, 40),
+       eagle=st.booleans(), start=st.integers(0, 30), length=st.integers(0, 30),
+       retention=st.sampled_from([0, 1, 2, 3]),
+       boundaries=st.lists(st.integers(0, 300), max_size=3))
+def test_a_sparse_mask_keeps_a_subset_of_the_dense_one_and_every_run_a_hit_reads(
+        bs: int, k: int, window: int, eagle: bool, start: int, length: int, retention: int,
+        boundaries: list[int]) -> None:
+    from cache_service.core.retention import reachable_block_mask
+
+    spec = swa(bs, window)
+    alignment = k * bs
+    interval = retention * alignment  # 0 = only the boundaries
+    # A boundary below the alignment rounds to a 0-token hit, whose EAGLE run (block 0)
+    # vLLM keeps although no dense boundary does: not a hit worth comparing.
+    boundaries = [b for b in boundaries if b >= alignment]
+    end = start + length
+    dense = reachable_block_mask(spec, start, end, alignment, use_eagle=eagle)
+    sparse = reachable_block_mask(spec, start, end, alignment, use_eagle=eagle,
+                                  retention_interval=interval, reachable_boundaries=boundaries)
+    assert _as_set(sparse, start, end) <= _as_set(dense, start, end)
+    # Per block, not per range: a sub-range's mask is the slice of the whole one.
+    whole = reachable_block_mask(spec, 0, end, alignment, use_eagle=eagle,
+                                 retention_interval=interval, reachable_boundaries=boundaries)
+    assert _as_set(sparse, start, end) == _as_set(whole, 0, end) & set(range(start, end))
+    # The run a hit at each given boundary reads (its window, plus EAGLE's dropped block).
+    need = -(-(window - 1) // bs) + eagle
+    for b in boundaries:
+        top = b // alignment * alignment // bs + eagle
+        assert set(range(max(start, top - need), min(end, top))) <= _as_set(sparse, start, end)
+
+
+def test_mask_of_other_kinds_and_of_mamba_states() -> None:
+    from cache_service.core.retention import reachable_block_mask
+
+    assert reachable_block_mask(full(16), 0, 10, 16, retention_interval=0) is None
+    assert reachable_block_mask(mamba(16), 0, 10, 16) is None  # dense
+    # Retention 64 with 16-token states: every 4th state (blocks 3, 7), plus the one at
+    # the boundary 90 rounded down to 80 (block 4).
+    assert reachable_block_mask(mamba(16), 0, 10, 16, retention_interval=64,
+                                reachable_boundaries=[90]) == \
+        [False, False, False, True, True, False, False, True, False, False]
+    # Window 5 in 4-token blocks: a hit reads 1 block. Segments of 4 blocks keep blocks 3
+    # and 7; the unfinished last segment (blocks 8-9) keeps the run ending at its end.
+    assert reachable_block_mask(swa(4, 5), 0, 10, 4, retention_interval=16,
+                                final_segment_end_block=10) == \
+        [False, False, False, True, False, False, False, True, False, True]

@@ -4,16 +4,21 @@ docs/semantics.md#per-group-type-rules."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cache_service.core.block_pool import BlockPool
 from cache_service.core.single_type_managers import (
     ChunkedLocalAttentionManager,
+    CircularBufferManager,
     CoarseHashView,
     FullAttentionManager,
     MambaManager,
+    RSWAManager,
     SlidingWindowManager,
     hash_view,
 )
+from cache_service.core.specs import CircularBufferSpec, FullAttentionSpec, RSWASpec
 
 from builders import chunked, full, make_pool, mamba, place_cached, swa, table_ids
 
@@ -194,3 +199,116 @@ def test_mamba_align_keeps_only_running_states() -> None:
         mamba_ids = p.block_ids("a")[1]
         assert sum(1 for i in mamba_ids if i) <= 2  # current state + previous (copy source)
         p.check_invariants()
+
+
+# -- R-SWA and the circular buffer (docs/semantics.md#rswa, #circular-buffer) --------------
+
+def rswa(bs: int = 16, window: int = 16) -> RSWASpec:
+    return RSWASpec(block_size=bs, rswa_window=window, head_size=1)
+
+
+def ring(rows: int = 8) -> CircularBufferSpec:
+    return CircularBufferSpec(block_size=rows, head_size=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.integers(1, 70), window=st.integers(1, 40), bs=st.sampled_from([2, 4, 8]),
+       steps=st.integers(0, 60))
+def test_rswa_frees_exactly_the_gap_between_prompt_and_window(prompt: int, window: int,
+                                                              bs: int, steps: int) -> None:
+    # Every allocation first frees the blocks wholly inside [cdiv(P, bs) * bs,
+    # max(P, computed - W)); every other block of the table stays held.
+    p = make_pool(256, full(bs), rswa(bs, window), max_model_len=512)
+    p.add_request("r", list(range(prompt)))
+    assert p.allocate("r", prompt).ok
+    for k in range(steps):
+        p.append_tokens("r", [1000 + k])
+        computed = prompt + k
+        assert p.allocate("r", 1).ok
+        first = -(-prompt // bs)
+        last = max(prompt, computed - window) // bs
+        full_table, rswa_table = p.block_ids("r")
+        assert 0 not in full_table  # full attention keeps everything
+        assert len(rswa_table) == len(full_table) == -(-(computed + 1) // bs)
+        assert [i for i, b in enumerate(rswa_table) if b == 0] == list(range(first, last))
+
+
+def test_rswa_hits_and_caching_are_full_attentions() -> None:
+    # The gap blocks were cached before they were freed: a sibling sharing the decoded
+    # text hits them as it would in a full-attention group, in both groups alike.
+    p = make_pool(128, full(4), rswa(4, 4), max_model_len=256)
+    p.add_request("a", list(range(8)))
+    assert p.allocate("a", 8).ok
+    for k in range(16):
+        p.append_tokens("a", [100 + k])
+        assert p.allocate("a", 1).ok
+    tokens = list(range(8)) + [100 + k for k in range(16)]
+    assert 0 in p.block_ids("a")[1]  # a gap was freed
+    p.add_request("b", tokens + [7, 7, 7, 7, 7])
+    hit = p.lookup("b")
+    assert hit.hit_tokens == 24
+    assert len(hit.block_ids[0]) == len(hit.block_ids[1]) == 6
+    assert 0 not in hit.block_ids[1]
+
+
+def test_rswa_layers_group_apart_from_full_attention() -> None:
+    from cache_service.core.grouping import get_kv_cache_groups
+
+    groups = get_kv_cache_groups({"f0": full(16), "r0": rswa(16, 32), "f1": full(16),
+                                  "r1": rswa(16, 32)})
+    assert sorted(tuple(g.layer_names) for g in groups) == [("f0", "f1"), ("r0", "r1")]
+    assert {type(g.spec) for g in groups} == {FullAttentionSpec, RSWASpec}
+
+
+@settings(max_examples=30, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "alloc", "free", "preempt"]),
+                              st.integers(0, 3), st.integers(1, 40)), max_size=40))
+def test_a_ring_is_one_block_for_the_request_life(ops: list[tuple[str, int, int]]) -> None:
+    # Whatever the schedule: a request's ring table is empty before its first allocation,
+    # then exactly one block that never changes until it is freed or preempted; the ring
+    # is never cached and never part of a hit.
+    p = make_pool(128, full(16), ring(8), max_model_len=512)
+    rings: dict[str, int] = {}
+    for kind, i, n in ops:
+        rid = f"r{i}"
+        if kind == "add" and not p.has_request(rid):
+            p.add_request(rid, [i * 7 + j % 5 for j in range(n)])
+            hit = p.lookup(rid)
+            assert hit.block_ids[1] == []
+        elif kind == "alloc" and p.has_request(rid):
+            info = p.request_info(rid)
+            want = max(1, min(n, info.num_tokens - info.num_computed_tokens))
+            if info.num_computed_tokens + want > info.num_tokens:
+                p.append_tokens(rid, [9] * want)
+            res = p.allocate(rid, want)
+            table = p.block_ids(rid)[1]
+            if res.ok:
+                assert len(table) == 1 and table[0] != 0
+                assert rings.setdefault(rid, table[0]) == table[0]
+                assert res.new_block_ids[1] in ([], table)
+        elif kind in ("free", "preempt") and p.has_request(rid):
+            (p.free if kind == "free" else p.preempt)(rid)
+            rings.pop(rid, None)
+            if kind == "preempt":
+                assert p.block_ids(rid)[1] == []
+        assert p.stats().num_cached_blocks_per_group[1] == 0
+    held = {b for b in rings.values()}
+    assert len(held) == len(rings)  # rings are never shared
+
+
+def test_ring_blocks_are_not_part_of_the_hash_block_size() -> None:
+    p = make_pool(64, full(16), ring(8), max_model_len=256)
+    assert (p.scheduler_block_size, p.hash_block_size) == (16, 16)
+    manager = CircularBufferManager(ring(8), BlockPool(8, True, 8), 0, enable_caching=True)
+    assert manager.get_num_blocks_to_allocate("x", 10_000, [], 0, 0, 10_000) == 1
+    assert len(manager.allocate_new_blocks("x", 10_000, 10_000)) == 1
+    assert manager.get_num_blocks_to_allocate("x", 20_000, [], 0, 0, 20_000) == 0
+    assert manager.allocate_new_blocks("x", 20_000, 20_000) == []
+
+
+def test_rswa_worked_example_of_the_docs() -> None:
+    # docs/semantics.md#rswa: bs 16, P 20, W 16.
+    manager, _ = _manager_with_table(RSWAManager, rswa(16, 16), 100, 6)
+    for n, nulls in [(63, []), (64, [2]), (79, [2]), (80, [2, 3]), (96, [2, 3, 4])]:
+        manager.remove_gap_blocks("r", n, 20)
+        assert [i for i, b in enumerate(manager.req_to_blocks["r"]) if b.is_null] == nulls, n

@@ -63,3 +63,31 @@ def test_an_eviction_class_out_of_range_is_refused_naming_the_field(
         client.step_batch(StepBuilder(pool).add("a", [1, 2, 3]).add("b", [4], eviction_class=16))
     assert err.value.field == "ops[1].add_request.eviction_class"
     assert client.stats(pool).num_requests == 0
+
+
+def test_a_free_in_vllm_deferred_order_releases_the_last_group_tail_first(
+        client: CacheClient) -> None:
+    # Full attention and a (never exceeded) sliding window, 4-token blocks, 4 usable
+    # blocks: r holds [[1, 2], [3, 4]]
+    # (cached). Group by group, the free queue becomes 2, 1, 4, 3 (each table tail first);
+    # in vLLM's deferred order 4, 3, 2, 1 (the concatenation, last first). The next
+    # request's one block per group shows which came first.
+    from cache_service.client import layers
+
+    got = {}
+    for deferred in (False, True):
+        pool = f"deferred-{deferred}"
+        client.register_pool(pool, [
+            layers.full_attention("full", block_size=4, num_kv_heads=1, head_size=4),
+            layers.sliding_window("swa", block_size=4, num_kv_heads=1, head_size=4,
+                                  sliding_window=64)],
+            num_blocks=5, max_model_len=64, skip_capacity_check=True)
+        try:
+            step = client.step_batch(StepBuilder(pool).add("r", list(range(9))).allocate("r", 8))
+            assert step.result(1, AllocateResult).block_ids == [[1, 2], [3, 4]]
+            client.step_batch(StepBuilder(pool).free("r", tail_first_across_groups=deferred))
+            step = client.step_batch(StepBuilder(pool).add("s", [50, 51, 52]).allocate("s", 3))
+            got[deferred] = step.result(1, AllocateResult).block_ids
+        finally:
+            client.delete_pool(pool)
+    assert got == {False: [[2], [1]], True: [[4], [3]]}

@@ -15,6 +15,8 @@ class LayerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     LAYER_KIND_CHUNKED_LOCAL_ATTENTION: _ClassVar[LayerKind]
     LAYER_KIND_MAMBA: _ClassVar[LayerKind]
     LAYER_KIND_CROSS_ATTENTION: _ClassVar[LayerKind]
+    LAYER_KIND_RSWA: _ClassVar[LayerKind]
+    LAYER_KIND_CIRCULAR_BUFFER: _ClassVar[LayerKind]
 
 class MambaCacheMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -45,6 +47,8 @@ LAYER_KIND_SLIDING_WINDOW: LayerKind
 LAYER_KIND_CHUNKED_LOCAL_ATTENTION: LayerKind
 LAYER_KIND_MAMBA: LayerKind
 LAYER_KIND_CROSS_ATTENTION: LayerKind
+LAYER_KIND_RSWA: LayerKind
+LAYER_KIND_CIRCULAR_BUFFER: LayerKind
 MAMBA_CACHE_MODE_UNSPECIFIED: MambaCacheMode
 MAMBA_CACHE_MODE_NONE: MambaCacheMode
 MAMBA_CACHE_MODE_ALIGN: MambaCacheMode
@@ -70,7 +74,7 @@ class MambaState(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class LayerSpec(_message.Message):
-    __slots__ = ("name", "kind", "block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "attention_chunk_size", "mamba_states", "mamba_cache_mode", "mamba_type", "page_size_padded")
+    __slots__ = ("name", "kind", "block_size", "num_kv_heads", "head_size", "head_size_v", "dtype", "sliding_window", "attention_chunk_size", "mamba_states", "mamba_cache_mode", "mamba_type", "page_size_padded", "rswa_window")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +88,7 @@ class LayerSpec(_message.Message):
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_TYPE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_PADDED_FIELD_NUMBER: _ClassVar[int]
+    RSWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: LayerKind
     block_size: int
@@ -97,7 +102,8 @@ class LayerSpec(_message.Message):
     mamba_cache_mode: MambaCacheMode
     mamba_type: str
     page_size_padded: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ...) -> None: ...
+    rswa_window: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., head_size_v: _Optional[int] = ..., dtype: _Optional[str] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., mamba_states: _Optional[_Iterable[_Union[MambaState, _Mapping]]] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., mamba_type: _Optional[str] = ..., page_size_padded: _Optional[int] = ..., rswa_window: _Optional[int] = ...) -> None: ...
 
 class PoolOptions(_message.Message):
     __slots__ = ("max_model_len", "enable_caching", "hash_algo", "scheduler_block_size", "hash_block_size", "watermark", "max_in_flight_tokens", "enable_events", "vocab_size", "hybrid", "skip_capacity_check", "session_block_quota", "prefix_cache_retention_interval", "enable_mamba_shared_prefix_checkpoint", "max_pinned_blocks", "session_pinned_block_quota", "use_eagle", "host_tier_blocks", "num_hash_lookahead_tokens")
@@ -160,7 +166,7 @@ class RegisterPoolRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[LayerSpec, _Mapping]]] = ..., available_memory_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., options: _Optional[_Union[PoolOptions, _Mapping]] = ..., session_id: _Optional[str] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class KVCacheGroup(_message.Message):
-    __slots__ = ("index", "layer_names", "kind", "block_size", "sliding_window", "attention_chunk_size", "page_size_bytes", "mamba_cache_mode")
+    __slots__ = ("index", "layer_names", "kind", "block_size", "sliding_window", "attention_chunk_size", "page_size_bytes", "mamba_cache_mode", "rswa_window")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     LAYER_NAMES_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +175,7 @@ class KVCacheGroup(_message.Message):
     ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    RSWA_WINDOW_FIELD_NUMBER: _ClassVar[int]
     index: int
     layer_names: _containers.RepeatedScalarFieldContainer[str]
     kind: LayerKind
@@ -177,7 +184,8 @@ class KVCacheGroup(_message.Message):
     attention_chunk_size: int
     page_size_bytes: int
     mamba_cache_mode: MambaCacheMode
-    def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ...) -> None: ...
+    rswa_window: int
+    def __init__(self, index: _Optional[int] = ..., layer_names: _Optional[_Iterable[str]] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., page_size_bytes: _Optional[int] = ..., mamba_cache_mode: _Optional[_Union[MambaCacheMode, str]] = ..., rswa_window: _Optional[int] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
     __slots__ = ("pool_id", "num_blocks", "groups", "page_size_bytes", "scheduler_block_size", "hash_block_size", "options", "layers", "layer_page_size_bytes", "hash_recipe", "incarnation")
@@ -338,12 +346,14 @@ class AppendTokensOp(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("request_id", "evict_first")
+    __slots__ = ("request_id", "evict_first", "tail_first_across_groups")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIRST_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIRST_ACROSS_GROUPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     evict_first: bool
-    def __init__(self, request_id: _Optional[str] = ..., evict_first: _Optional[bool] = ...) -> None: ...
+    tail_first_across_groups: bool
+    def __init__(self, request_id: _Optional[str] = ..., evict_first: _Optional[bool] = ..., tail_first_across_groups: _Optional[bool] = ...) -> None: ...
 
 class PreemptOp(_message.Message):
     __slots__ = ("request_id",)
