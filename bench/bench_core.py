@@ -436,8 +436,8 @@ def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]],
             ops.get("pool", "-"), v or "absent",
             absent or ratio(pure, v), absent or ratio(compiled, v),
             absent or ratio(ops.get("pool"), v),
-            absent or ("yes" if core is not None and decisions(core) == decisions(vllm)
-                       else "NO"),
+            absent or ("yes" if core is not None and vllm is not None
+                       and decisions(core) == decisions(vllm) else "NO"),
             "yes" if summary[kind]["same_workload"] else "NO"])
     if side_by_side:
         print_table("manager ops/s side by side (one run, one workload per config)"

@@ -302,26 +302,25 @@ class BlockPool:
                       start: int, end: int, block_size: int, group_id: int) -> BlockStored:
         parent = external_block_hash(block_hashes[start - 1]) if start > 0 else None
         lora, salt = request.lora_name, request.cache_salt
-        extra: list[tuple[str, ...] | None] = []
-        for i in stored:
-            keys: list[str] = []
-            if lora is not None:
-                keys.append(lora)
-            if salt and i == 0:
-                keys.append(salt)
-            extra.append(tuple(keys) if keys else None)
+        extra: list[tuple[Any, ...] | None]
+        if lora is None and not salt:
+            extra = [None] * len(stored)  # the usual request: no extra keys
+        else:
+            extra = []
+            for i in stored:
+                keys: list[str] = []
+                if lora is not None:
+                    keys.append(lora)
+                if salt and i == 0:
+                    keys.append(salt)
+                extra.append(tuple(keys) if keys else None)
+        # Positional, in field order (the compiled constructor's cheapest call); the slice
+        # of the token list is already a new list.
         return BlockStored(
-            block_hashes=[external_block_hash(block_hashes[i]) for i in stored],
-            parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[start * block_size:end * block_size]),
-            block_size=block_size,
-            lora_name=lora,
-            extra_keys=extra or None,
-            group_idx=group_id,
-            prefix_lengths=[(i + 1) * block_size for i in stored],
-            start_token=start * block_size,
-            session_id=request.session_id,
-        )
+            [external_block_hash(block_hashes[i]) for i in stored], parent,
+            request.all_token_ids[start * block_size:end * block_size], block_size, lora,
+            extra or None, group_id, None, None, "GPU",
+            [(i + 1) * block_size for i in stored], start * block_size, request.session_id)
 
     def cache_partial_block(self, request: Request, block: KVCacheBlock, num_tokens: int,
                             group_id: int) -> bytes | None:
