@@ -91,6 +91,14 @@ def check_tokens(token_ids: Any, limit: int, name: str = "token_ids") -> list[in
         raise InvalidArgument(f"{name} must be a sequence of integers", field=name) from None
     if not tokens:
         raise InvalidArgument(f"{name} must not be empty", field=name)
+    # One pass: cheaper than set / min / max in both cores (callgrind: -2% on adding
+    # 256-token prompts in the pure core, most of the check in the compiled one); a bad
+    # value falls through to the checks that name the first one (types before ranges).
+    for t in tokens:
+        if type(t) is not int or t < 0 or t >= limit:
+            break
+    else:
+        return tokens
     if set(map(type, tokens)) != {int}:
         i = next(i for i, t in enumerate(tokens) if type(t) is not int)
         raise InvalidArgument(f"{name}[{i}] must be an integer, got {tokens[i]!r}",
