@@ -483,8 +483,9 @@ def run_other(args: argparse.Namespace, script: Path, env: dict[str, str],
             done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=3600,
                                   env={**os.environ, **env})
             if done.returncode != 0:
-                print(f"the comparison run failed ({kind}): {done.stderr[-2000:]}",
-                      file=sys.stderr)
+                why = (f"{script} has no config {kind!r}" if "unknown config" in done.stderr
+                       else done.stderr[-2000:])
+                print(f"the comparison run failed ({kind}): {why}", file=sys.stderr)
                 continue
             runs += json.loads(out.read_text())["runs"]
     return runs
@@ -553,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-interval", type=int, default=512,
                    help="the interval N of the --retention run (default 512)")
     args = p.parse_args(argv)
+    argd = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     if args.retention:
-        out = write_results("core_retention", {"args": vars(args) | {"out": str(args.out)},
+        out = write_results("core_retention", {"args": argd,
                                                **retention_report(args)}, args.out)
         print(f"wrote {out}")
         return 0
@@ -609,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
                                           {"KVCACHE_CORE": "pure"}, None)
     if others:
         summary["compared"] = compare(runs, others)
-    path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
+    path = write_results("core", {"args": argd,
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
                          args.out, plot=plot(summary))
