@@ -1,28 +1,33 @@
 #!/usr/bin/env python3
-"""Core allocator benchmark: our KV-cache manager vs vLLM 0.33's own vs a naive baseline.
+"""Core allocator benchmark: our KV-cache manager (pure and compiled), the Pool facade, vLLM
+0.33's own manager and a naive baseline, side by side in one run on one workload.
 
-The workload and the scheduling loop mirror ``run_bench`` of the vLLM oracle
-(../shared/tools/vllm-oracle/vllm_oracle.py) call for call, with the same random
-stream, so the two sides see identical requests and decode tokens and, if our core is
-vLLM-exact, make identical decisions (steps, hits, preemptions are compared). Workload:
-10,000 requests (seed 0); 64 shared system prompts of 512-3,072 tokens, Zipf-like
-popularity, used by 75% of requests; prompts 256-4,096 tokens; decode 32-256 tokens; at
-most 64 running; an 8,192-token step budget with chunked prefill; block size 16; 6,144
-blocks; the newest running request is preempted when an allocation fails; admission
-requires the full sequence to fit.
+Every side runs bench/core_loop.py's generator and scheduling loop (the vLLM oracle's
+``run_bench``, ../shared/tools/vllm-oracle/vllm_oracle.py, call for call, with the same
+random stream), so all see identical requests and decode tokens (each run reports the
+workload's digest) and, if our core is vLLM-exact, make identical decisions (steps, hits,
+preemptions are compared). Workload: 10,000 requests (seed 0); 64 shared system prompts of
+512-3,072 tokens, Zipf-like popularity, used by 75% of requests; prompts 256-4,096 tokens;
+decode 32-256 tokens; at most 64 running; an 8,192-token step budget with chunked prefill;
+block size 16; 6,144 blocks; the newest running request is preempted when an allocation
+fails; admission requires the full sequence to fit.
 
 Accounting (as the oracle): manager ops = lookups + allocations + frees (preemptions are
-frees); ops/s = manager ops / time spent inside those calls. ``add`` (request creation
-with prompt hashing) and ``append`` (decode token + incremental hashing) are reported
-separately. Configs: ``full`` (one full-attention group) and ``full_swa`` (+ one
-sliding-window group, window 128).
+frees); ops/s = manager ops / time spent inside those calls (``perf_counter_ns`` around each
+call; imports and construction are outside). ``add`` (request creation with prompt hashing)
+and ``append`` (decode token + incremental hashing) are reported separately. Configs:
+``full`` (one full-attention group), ``full_swa`` (+ one sliding-window group, window 128)
+and ``full_mamba`` (+ one Mamba ``align`` group; prefill chunks cut at block boundaries and
+lookup junctions as vLLM's scheduler cuts them).
 
-Sides: ``core`` = cache_service.core.KVCacheManager (the vLLM-shaped manager); ``pool`` =
-the Pool facade the gRPC service runs (validation, id lists); ``naive`` = a deliberately
-simple manager in this file (Python-list free queue with O(n) removal, sliding window
-treated as full attention); ``vllm`` = the oracle run as a subprocess with ``--bench
---json`` when its venv exists. Plus: construction time and tracemalloc peak of a
-1,000,000-block pool.
+Sides: ``core`` = cache_service.core.KVCacheManager (the vLLM-shaped manager) of the build
+this process loaded; ``pure`` = the same with ``KVCACHE_CORE=pure`` in a subprocess (when
+``core`` is the compiled build); ``pool`` = the Pool facade the gRPC service runs
+(validation, id lists); ``naive`` = a deliberately simple manager in this file (Python-list
+free queue with O(n) removal, sliding window and Mamba treated as full attention); ``vllm``
+= core_loop.py run by the oracle venv's interpreter over vLLM's KVCacheManager when the venv
+exists (else the column says "absent"; never a dependency). Plus: construction time and
+tracemalloc peak of a 1,000,000-block pool.
 
     python3 bench/bench_core.py                          # the full run (minutes)
     python3 bench/bench_core.py --num-requests 500       # a quick run
@@ -43,18 +48,17 @@ import io
 import json
 import os
 import pstats
-import random
 import subprocess
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _common import Bars, Panel, PoolCalls, print_table, ratio, summarize_ns, write_results
+from _common import Bars, Panel, PoolCalls, print_table, ratio, write_results
 from _retention import retention_report
+from cache_service.core._variant import build_info
 from cache_service.core.hashing import get_hash_fn
 from cache_service.core.kv_cache_manager import KVCacheManager, resolve_block_sizes
 from cache_service.core.pool import Pool, PoolOptions
@@ -63,71 +67,52 @@ from cache_service.core.specs import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
     cdiv,
 )
-from mooncake_sim import ManagerSide
+from core_loop import (
+    CONFIGS,
+    LAT_KEYS,
+    BenchManagerSide,
+    BenchReq,
+    add_workload_args,
+    run_loop,
+    workload_argv,
+)
 
 # The vLLM oracle is a dev tool beside the checkout (../shared/tools/vllm-oracle), never a
 # dependency: without it the vLLM column is left out.
-ORACLE_DIR = Path(os.environ.get("VLLM_ORACLE_DIR",
-                                 Path(__file__).resolve().parents[2] / "shared/tools/vllm-oracle"))
+HERE = Path(__file__).resolve().parent
+ORACLE_DIR = Path(os.environ.get("VLLM_ORACLE_DIR", HERE.parents[1] / "shared/tools/vllm-oracle"))
 ORACLE_PY = Path(os.environ.get("VLLM_ORACLE_PY",
                                 Path.home() / ".cache" / "vllm-oracle-venv" / "bin" / "python"))
-VOCAB = 32000
-CONFIGS = ("full", "full_swa")
-LAT_KEYS = ("add", "lookup", "allocate_prefill", "allocate_decode", "append", "free")
-MANAGER_KEYS = ("lookup", "allocate_prefill", "allocate_decode", "free")
-
-
-# --- workload (same generator and random stream as the oracle) ------------------------------
-
-@dataclass
-class BenchReq:
-    rid: str
-    prompt: list[int]
-    decode_len: int
-    handle: Any = None
-    decoded: int = 0
-
-
-def make_workload(args: argparse.Namespace, rng: random.Random) -> list[BenchReq]:
-    """Shared system prompts (block multiples, so they can be hit whole) with Zipf-like
-    popularity (Pareto(1.2) rank), then per-request unique suffixes."""
-    prefixes = []
-    for _ in range(args.num_prefixes):
-        n = rng.randrange(args.prefix_min, args.prefix_max + 1)
-        n -= n % args.block_size
-        prefixes.append([rng.randrange(VOCAB) for _ in range(n)])
-    reqs = []
-    for i in range(args.num_requests):
-        total = rng.randrange(args.prompt_min, args.prompt_max + 1)
-        pre: list[int] = []
-        if rng.random() < args.shared_frac:
-            idx = min(int(rng.paretovariate(1.2)) - 1, len(prefixes) - 1)
-            pre = prefixes[idx][: min(len(prefixes[idx]), total - args.block_size)]
-        suffix = [rng.randrange(VOCAB) for _ in range(total - len(pre))]
-        reqs.append(BenchReq(f"r{i}", pre + suffix, rng.randrange(args.decode_min,
-                                                                   args.decode_max + 1)))
-    return reqs
+#: The sides of one run, in table order: ``core`` is the build this process loaded,
+#: ``pure`` the pure-Python core in a subprocess (only when ``core`` is the compiled one).
+SIDES = ("pure", "core", "pool", "naive", "vllm")
 
 
 def make_config(kind: str, args: argparse.Namespace,
                 num_blocks: int | None = None) -> KVCacheConfig:
-    """The oracle's scenario: one single-layer group per kind, 1 head of size 1, fp32."""
+    """The oracle's scenario: one single-layer group per kind, 1 head of size 1, fp32 (the
+    Mamba group in ``align`` mode, one state of one element, the attention block size)."""
     common = dict(block_size=args.block_size, num_kv_heads=1, head_size=1, dtype="float32")
     groups = [KVCacheGroupSpec(("layer0_full",), FullAttentionSpec(**common))]
     if kind == "full_swa":
         groups.append(KVCacheGroupSpec(("layer1_swa",), SlidingWindowSpec(
             sliding_window=args.sliding_window, **common)))
+    elif kind == "full_mamba":
+        groups.append(KVCacheGroupSpec(("layer1_mamba",), MambaSpec(
+            block_size=args.block_size, shapes=((1,),), dtypes=("float32",),
+            mamba_cache_mode="align")))
     return KVCacheConfig(num_blocks=num_blocks or args.num_blocks, groups=tuple(groups))
 
 
 # --- sides ----------------------------------------------------------------------------------
 
-class ManagerDriver(ManagerSide):
+class ManagerDriver(BenchManagerSide):
     """Drives a vLLM-shaped manager (ours or the naive one) over core Request objects,
-    exactly as the oracle drives vLLM's.
+    exactly as core_loop.py drives vLLM's.
 
     The calls are mooncake_sim's :class:`ManagerSide` (one copy of the vLLM scheduler's use of
     a manager), over :class:`BenchReq` prompts hashed as the manager expects."""
@@ -140,23 +125,29 @@ class ManagerDriver(ManagerSide):
         super().__init__(manager, make, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
                          lambda req, tok: req.append_tokens((tok,)))
 
-    def usage(self) -> float:
-        """The share of the pool's blocks in use."""
-        return self.mgr.usage
-
-    @staticmethod
-    def num_preemptions(req: Request) -> int:
-        """How often the request was preempted."""
-        return req.num_preemptions
-
 
 class PoolDriver(PoolCalls):
     """Drives the Pool facade (what the gRPC servicer calls) by request id, tables included
     (see :class:`_common.PoolCalls`)."""
 
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(pool)
+        self.junction: dict[str, int] = {}
+
     def add(self, br: BenchReq) -> str:
         """Adds the request to the pool; answers its id (the handle the other calls take)."""
         return self.add_prompt(br.rid, br.prompt)
+
+    def lookup(self, rid: str) -> tuple[None, int]:
+        """The pool's cached prefix of the request: (None, hit tokens); the hit stays pending
+        for its allocate, its junction is kept for Mamba chunking."""
+        hit = self.pool.lookup(rid)
+        self.junction[rid] = hit.shared_prefix_boundary
+        return None, hit.hit_tokens
+
+    def junction_of(self, rid: str) -> int:
+        """The shared-prefix boundary of the request's last lookup (0: none)."""
+        return self.junction.get(rid, 0)
 
 
 class NaiveManager:
@@ -271,198 +262,51 @@ class NaiveManager:
         return 1.0 - len(self.free_list) / (self.num_blocks - 1)
 
 
-def make_side(side: str, kind: str, args: argparse.Namespace) -> Any:
-    """The driver of one side (core, pool, naive) over a fresh manager for config ``kind``."""
+def make_side(side: str, kind: str, args: argparse.Namespace) -> tuple[Any, int | None]:
+    """The driver of one side (core, pool, naive) over a fresh manager for config ``kind``,
+    and the scheduler block size that Mamba chunking uses (None without a Mamba group)."""
     config = make_config(kind, args)
     hash_fn = get_hash_fn(args.hash_fn)
     sched, hbs = resolve_block_sizes(config, True)
+    mamba = sched if kind == "full_mamba" else None
     if side == "core":
         mgr = KVCacheManager(config, max_model_len=args.max_model_len,
                              scheduler_block_size=sched, hash_block_size=hbs)
-        return ManagerDriver(mgr, hash_fn, hbs)
+        return ManagerDriver(mgr, hash_fn, hbs), mamba
     if side == "pool":
         return PoolDriver(Pool(config, PoolOptions(max_model_len=args.max_model_len,
                                                    hash_algo=args.hash_fn,
-                                                   enable_events=False)))
+                                                   enable_events=False))), mamba
     if side == "naive":
         return ManagerDriver(NaiveManager(args.num_blocks, args.block_size, len(config.groups),
-                                          args.max_model_len), hash_fn, hbs)
+                                          args.max_model_len), hash_fn, hbs), mamba
     raise ValueError(side)
 
 
-# --- the scheduling loop (oracle run_bench, minus the Mamba chunking) -------------------------
-
 def run_bench(side: str, kind: str, args: argparse.Namespace,
               profiler: cProfile.Profile | None = None) -> dict[str, Any]:
-    """Runs the workload on one side and config: the scheduler's decisions, the manager's time
-    and op rates, and per-op latencies."""
-    rng = random.Random(args.seed)
-    drv = make_side(side, kind, args)
-    t_gen = time.perf_counter()
-    workload = make_workload(args, rng)
-    t_gen = time.perf_counter() - t_gen
-    gc.collect()
-    gc.freeze()  # like the oracle (and vLLM's engine): the workload is not GC churn
-
-    lat: dict[str, list[int]] = {k: [] for k in LAT_KEYS}
-    pc = time.perf_counter_ns
-    waiting = list(reversed(workload))  # pop() from the end
-    running: list[BenchReq] = []
-    n_alloc_fail = n_preempt = prompt_tokens = hit_tokens = n_steps = finished = 0
-    usage_samples: list[float] = []
-    preempt = getattr(drv, "preempt", drv.free)
-    if profiler is not None:
-        profiler.enable()
-    t_wall = time.perf_counter()
-
-    def do_preempt(victim: BenchReq) -> None:
-        nonlocal n_preempt
-        t0 = pc()
-        preempt(victim.handle)
-        lat["free"].append(pc() - t0)
-        drv.after_preempt(victim.handle)
-        waiting.append(victim)
-        n_preempt += 1
-
-    def after_compute(br: BenchReq) -> bool:
-        nonlocal finished
-        h = br.handle
-        if drv.computed(h) < drv.num_tokens(h):
-            return False  # partial prefill chunk
-        br.decoded += 1
-        if br.decoded >= br.decode_len:
-            t0 = pc()
-            drv.free(h)
-            lat["free"].append(pc() - t0)
-            br.handle = None
-            finished += 1
-            return True
-        tok = rng.randrange(VOCAB)
-        t0 = pc()
-        drv.append(h, tok)
-        lat["append"].append(pc() - t0)
-        return False
-
-    while waiting or running:
-        n_steps += 1
-        drv.new_step()
-        budget = args.max_batched_tokens
-        scheduled: list[BenchReq] = []
-        i = 0
-        while i < len(running) and budget > 0:
-            br = running[i]
-            h = br.handle
-            remaining = drv.num_tokens(h) - drv.computed(h)
-            n = min(remaining, budget)
-            key = "allocate_decode" if remaining == 1 else "allocate_prefill"
-            t0 = pc()
-            ok = drv.allocate(h, n)
-            lat[key].append(pc() - t0)
-            if not ok:
-                n_alloc_fail += 1
-                victim = running.pop()
-                do_preempt(victim)
-                if victim is br:
-                    break
-                continue
-            drv.after_allocate(h, n)
-            budget -= n
-            scheduled.append(br)
-            i += 1
-        while waiting and len(running) < args.max_concurrency and budget > 0:
-            br = waiting[-1]
-            if br.handle is None:
-                t0 = pc()
-                br.handle = drv.add(br)
-                lat["add"].append(pc() - t0)
-            h = br.handle
-            t0 = pc()
-            blocks, num_hit = drv.lookup(h)
-            lat["lookup"].append(pc() - t0)
-            n = min(drv.num_tokens(h) - num_hit, budget)
-            t0 = pc()
-            ok = drv.admit(h, n, blocks, num_hit, bool(running))
-            lat["allocate_prefill"].append(pc() - t0)
-            if not ok:
-                n_alloc_fail += 1
-                break
-            waiting.pop()
-            if drv.num_preemptions(h) == 0:
-                prompt_tokens += drv.num_tokens(h)
-                hit_tokens += num_hit
-            drv.after_admit(h, n, num_hit)
-            budget -= n
-            running.append(br)
-            scheduled.append(br)
-        done = {id(br) for br in scheduled if after_compute(br)}
-        if done:
-            running = [br for br in running if id(br) not in done]
-        if n_steps % 256 == 0:
-            usage_samples.append(drv.usage())
-        if not scheduled and waiting:
-            raise RuntimeError("request can never be admitted; raise --num-blocks")
-    t_wall = time.perf_counter() - t_wall
-    if profiler is not None:
-        profiler.disable()
-    gc.unfreeze()
-
-    mgr_ns = sum(sum(lat[k]) for k in MANAGER_KEYS)
-    mgr_ops = sum(len(lat[k]) for k in MANAGER_KEYS)
-    all_ns = sum(sum(v) for v in lat.values())
-    all_ops = sum(len(v) for v in lat.values())
-    return {
-        "side": side,
-        "config": kind,
-        "workload": {"gen_s": round(t_gen, 2)},
-        "results": {
-            "finished": finished,
-            "steps": n_steps,
-            "prefix_hit_rate": round(hit_tokens / max(1, prompt_tokens), 4),
-            "hit_tokens_first_admission": hit_tokens,
-            "alloc_failures": n_alloc_fail,
-            "preemptions": n_preempt,
-            "mean_usage": round(sum(usage_samples) / max(1, len(usage_samples)), 3),
-            "wall_s": round(t_wall, 2),
-            "manager_ops": mgr_ops,
-            "manager_s": round(mgr_ns / 1e9, 3),
-            "manager_ops_per_s": round(mgr_ops / (mgr_ns / 1e9), 1) if mgr_ns else None,
-            "all_ops_incl_hashing": all_ops,
-            "all_ops_per_s": round(all_ops / (all_ns / 1e9), 1) if all_ns else None,
-        },
-        "latency": {k: summarize_ns(v) for k, v in lat.items()},
-    }
+    """Runs the workload on one side and config (core_loop.run_loop): the scheduler's
+    decisions, the manager's time and op rates, and per-op latencies."""
+    drv, mamba = make_side(side, kind, args)
+    return run_loop(side, kind, drv, args, mamba_block_size=mamba, profiler=profiler)
 
 
 # --- vLLM through the oracle ----------------------------------------------------------------
 
-def oracle_args(args: argparse.Namespace, kind: str) -> list[str]:
-    """The vLLM oracle's command line for the same workload and config."""
-    return ["--bench", "--json", "--scenario", kind, "--num-blocks", str(args.num_blocks),
-            "--block-size", str(args.block_size), "--sliding-window", str(args.sliding_window),
-            "--max-model-len", str(args.max_model_len), "--hash-fn", args.hash_fn,
-            "--num-requests", str(args.num_requests), "--prompt-min", str(args.prompt_min),
-            "--prompt-max", str(args.prompt_max), "--decode-min", str(args.decode_min),
-            "--decode-max", str(args.decode_max), "--num-prefixes", str(args.num_prefixes),
-            "--prefix-min", str(args.prefix_min), "--prefix-max", str(args.prefix_max),
-            "--shared-frac", str(args.shared_frac), "--max-concurrency",
-            str(args.max_concurrency), "--max-batched-tokens", str(args.max_batched_tokens),
-            "--seed", str(args.seed)]
-
-
 def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
-    """The vLLM side, run by the oracle's interpreter (None when it is not installed or not
-    asked for)."""
+    """The vLLM side: core_loop.py run by the oracle's interpreter on this run's workload
+    (None when it is not installed or not asked for, or failed)."""
     py = Path(args.oracle_python)
     if args.no_oracle or not py.exists():
         return None
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    proc = subprocess.run([str(py), str(ORACLE_DIR / "vllm_oracle.py"), *oracle_args(args, kind)],
-                          capture_output=True, text=True, env=env, timeout=3600)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHASHSEED", "PYTHONPATH")}
+    argv = [str(py), str(HERE / "core_loop.py"), "--vllm", "--oracle-dir", str(ORACLE_DIR),
+            "--config", kind, *workload_argv(args)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         print(f"oracle failed ({kind}): {proc.stderr[-2000:]}", file=sys.stderr)
         return None
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["side"], out["config"] = "vllm", kind
+    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
 
 
@@ -531,42 +375,76 @@ def decisions(r: dict[str, Any]) -> tuple:
             res["preemptions"], res["finished"])
 
 
-def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]]) -> dict[str, Any]:
-    """The summary per config: each side's numbers against the core's, and whether their
-    decisions match."""
-    summary = {}
+def side_label(side: str, variant: str) -> str:
+    """The table name of a side (``core`` is the build this process loaded)."""
+    return {"pure": "pure core", "core": f"{variant} core", "pool": "Pool facade",
+            "naive": "naive", "vllm": "vLLM 0.33"}[side]
+
+
+def report(runs: list[dict[str, Any]], construction: list[dict[str, Any]],
+           variant: str, vllm_note: str) -> dict[str, Any]:
+    """The summary per config: each side's numbers against the core's and vLLM's, whether
+    their decisions and workloads match; then every config's sides in one table
+    (``vllm_note`` where the vLLM column is absent)."""
+    summary: dict[str, Any] = {}
+    side_by_side = []
     for kind in CONFIGS:
         by_side = {r["side"]: r for r in runs if r["config"] == kind}
         if not by_side:
             continue
-        core = by_side.get("core")
+        core, vllm = by_side.get("core"), by_side.get("vllm")
         rows, lat_rows = [], []
-        for side in ("core", "pool", "naive", "vllm"):
+        for side in SIDES:
             r = by_side.get(side)
             if r is None:
                 continue
             res, lat = r["results"], r["latency"]
             same = "-" if core is None or side == "core" else (
                 "yes" if decisions(r) == decisions(core) else "NO")
-            rows.append([side, res["manager_ops_per_s"],
+            rows.append([side_label(side, variant), res["manager_ops_per_s"],
                          ratio(core and core["results"]["manager_ops_per_s"],
                                res["manager_ops_per_s"]) if side != "core" else "1.00x",
+                         ratio(res["manager_ops_per_s"],
+                               vllm and vllm["results"]["manager_ops_per_s"]),
                          res["manager_ops"], res["manager_s"], res["all_ops_per_s"],
                          res["prefix_hit_rate"], res["preemptions"], res["alloc_failures"],
                          res["steps"], same])
-            lat_rows.append([side] + [lat[k].get(q) for k in LAT_KEYS
-                                      for q in ("p50_us", "p99_us")])
+            lat_rows.append([side_label(side, variant)] + [lat[k].get(q) for k in LAT_KEYS
+                                                           for q in ("p50_us", "p99_us")])
         print_table(f"config {kind}: manager ops (lookups + allocations + frees)",
-                    ["side", "mgr ops/s", "core / side", "mgr ops", "mgr s", "ops/s incl. hashing",
-                     "hit rate", "preemptions", "alloc failures", "steps", "same decisions"], rows)
+                    ["side", "mgr ops/s", "core / side", "side / vLLM", "mgr ops", "mgr s",
+                     "ops/s incl. hashing", "hit rate", "preemptions", "alloc failures", "steps",
+                     "same decisions"], rows)
         print_table(f"config {kind}: per-op latency p50 / p99 (us)",
                     ["side"] + [f"{k} {q}" for k in LAT_KEYS for q in ("p50", "p99")], lat_rows)
         summary[kind] = {side: r["results"]["manager_ops_per_s"] for side, r in by_side.items()}
-        if "vllm" in by_side and core is not None:
-            summary[kind]["core_vs_vllm"] = round(core["results"]["manager_ops_per_s"]
-                                                  / by_side["vllm"]["results"]["manager_ops_per_s"],
-                                                  3)
-            summary[kind]["same_decisions_as_vllm"] = decisions(core) == decisions(by_side["vllm"])
+        digests = {r["workload"].get("digest") for r in by_side.values()}
+        summary[kind]["same_workload"] = len(digests) == 1
+        ops = {side: r["results"]["manager_ops_per_s"] for side, r in by_side.items()}
+        v = ops.get("vllm")
+        if vllm is not None:
+            for side in ("core", "pure", "pool"):
+                if side in ops and ops[side]:
+                    summary[kind][f"{side}_vs_vllm"] = round(ops[side] / v, 3)
+            if core is not None:
+                summary[kind]["same_decisions_as_vllm"] = decisions(core) == decisions(vllm)
+        pure = ops.get("pure") if variant == "compiled" else ops.get("core")
+        compiled = ops.get("core") if variant == "compiled" else None
+        absent = "absent" if v is None else None
+        side_by_side.append([
+            kind, pure if pure else "-", compiled if compiled else "absent (no build)",
+            ops.get("pool", "-"), v or "absent",
+            absent or ratio(pure, v), absent or ratio(compiled, v),
+            absent or ratio(ops.get("pool"), v),
+            absent or ("yes" if core is not None and vllm is not None
+                       and decisions(core) == decisions(vllm) else "NO"),
+            "yes" if summary[kind]["same_workload"] else "NO"])
+    if side_by_side:
+        print_table("manager ops/s side by side (one run, one workload per config)"
+                    + (f"; vLLM: {vllm_note}" if vllm_note else ""),
+                    ["config", "pure core", "compiled core", "Pool facade", "vLLM 0.33",
+                     "pure / vLLM", "compiled / vLLM", "Pool / vLLM",
+                     "same decisions as vLLM", "same workload"], side_by_side)
     if construction:
         print_table(f"construction of a {construction[0]['num_blocks']:,}-block pool",
                     ["side", "seconds", "tracemalloc peak MiB"],
@@ -580,8 +458,7 @@ def plot(summary: dict[str, Any]) -> list[Panel]:
     per config: the ratio bars of the tables above."""
     kinds = [k for k in CONFIGS if k in summary]
     ref = "vllm" if all("vllm" in summary[k] for k in kinds) else "naive"
-    sides = [s for s in ("core", "pool", "naive", "vllm")
-             if s != ref and any(s in summary[k] for k in kinds)]
+    sides = [s for s in SIDES if s != ref and any(s in summary[k] for k in kinds)]
     if not kinds or not all(ref in summary[k] for k in kinds):
         return []
     return [Bars(f"manager ops/s / {ref}'s (higher is faster)", kinds,
@@ -590,25 +467,28 @@ def plot(summary: dict[str, Any]) -> list[Panel]:
 
 
 def run_other(args: argparse.Namespace, script: Path, env: dict[str, str],
-              cwd: Path | None) -> list[dict[str, Any]]:
-    """The core and pool sides of this run's workload, run by ``script`` in a subprocess with
-    ``env`` added (another checkout, or the pure-Python core); its runs."""
+              cwd: Path | None, sides: str = "core,pool",
+              configs: list[str] | None = None) -> list[dict[str, Any]]:
+    """The ``sides`` of this run's workload, run by ``script`` in a subprocess with ``env``
+    added (another checkout, or the pure-Python core), one config per call (a config that
+    script does not know is skipped); its runs."""
     import tempfile  # noqa: PLC0415
 
-    configs = [c for c in args.configs.split(",") if c]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "core.json"
-        argv = [sys.executable, str(script), "--sides", "core,pool", "--configs",
-                ",".join(configs), "--no-oracle", "--pool-blocks", "0", "--out", str(out)]
-        for flag in ("num_requests", "num_blocks", "block_size", "sliding_window",
-                     "max_model_len", "hash_fn", "seed"):
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-        done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=3600,
-                              env={**os.environ, **env})
-        if done.returncode != 0:
-            print(f"the comparison run failed: {done.stderr[-2000:]}", file=sys.stderr)
-            return []
-        return list(json.loads(out.read_text())["runs"])
+    runs: list[dict[str, Any]] = []
+    for kind in configs or [c for c in args.configs.split(",") if c]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "core.json"
+            argv = [sys.executable, str(script), "--sides", sides, "--configs", kind,
+                    "--no-oracle", "--pool-blocks", "0", "--out", str(out), *workload_argv(args)]
+            done = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=3600,
+                                  env={**os.environ, **env})
+            if done.returncode != 0:
+                why = (f"{script} has no config {kind!r}" if "unknown config" in done.stderr
+                       else done.stderr[-2000:])
+                print(f"the comparison run failed ({kind}): {why}", file=sys.stderr)
+                continue
+            runs += json.loads(out.read_text())["runs"]
+    return runs
 
 
 def compare(runs: list[dict[str, Any]],
@@ -635,29 +515,25 @@ def compare(runs: list[dict[str, Any]],
     return out
 
 
+def run_pure(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
+    """The ``pure`` side: this file's core side with ``KVCACHE_CORE=pure`` in a subprocess."""
+    runs = run_other(args, HERE / "bench_core.py", {"KVCACHE_CORE": "pure"}, None,
+                     sides="core", configs=[kind])
+    if not runs:
+        return None
+    runs[0]["side"] = "pure"
+    return runs[0]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the chosen configs and sides, prints the tables and writes the JSON results."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of full,full_swa")
-    p.add_argument("--sides", default="core,pool,naive,vllm",
-                   help="comma list of core,pool,naive,vllm")
-    p.add_argument("--num-requests", type=int, default=10000)
-    p.add_argument("--num-blocks", type=int, default=6144)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--sliding-window", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--hash-fn", default="sha256", choices=("sha256", "sha256_cbor"))
-    p.add_argument("--prompt-min", type=int, default=256)
-    p.add_argument("--prompt-max", type=int, default=4096)
-    p.add_argument("--decode-min", type=int, default=32)
-    p.add_argument("--decode-max", type=int, default=256)
-    p.add_argument("--num-prefixes", type=int, default=64)
-    p.add_argument("--prefix-min", type=int, default=512)
-    p.add_argument("--prefix-max", type=int, default=3072)
-    p.add_argument("--shared-frac", type=float, default=0.75)
-    p.add_argument("--max-concurrency", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=8192)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help="comma list of " + ",".join(CONFIGS))
+    p.add_argument("--sides", default=",".join(SIDES),
+                   help="comma list of " + ",".join(SIDES) + " (pure: only when this run "
+                        "loads the compiled core)")
+    add_workload_args(p)
     p.add_argument("--pool-blocks", type=int, default=1_000_000,
                    help="blocks of the construction measurement (0 = skip)")
     p.add_argument("--no-oracle", action="store_true", help="do not run vLLM")
@@ -678,8 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-interval", type=int, default=512,
                    help="the interval N of the --retention run (default 512)")
     args = p.parse_args(argv)
+    argd = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     if args.retention:
-        out = write_results("core_retention", {"args": vars(args) | {"out": str(args.out)},
+        out = write_results("core_retention", {"args": argd,
                                                **retention_report(args)}, args.out)
         print(f"wrote {out}")
         return 0
@@ -688,14 +565,26 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         if c not in CONFIGS:
             p.error(f"unknown config {c!r}")
-    if "vllm" in sides and (args.no_oracle or not Path(args.oracle_python).exists()):
-        print(f"vLLM oracle venv not found at {args.oracle_python} (or --no-oracle): "
-              "comparing with the naive baseline only", file=sys.stderr)
+    variant = str(build_info()["variant"])
+    vllm_note = ""
+    if "vllm" not in sides:
+        vllm_note = "not asked for"
+    elif args.no_oracle or not Path(args.oracle_python).exists():
+        vllm_note = f"no oracle venv at {args.oracle_python}" if not args.no_oracle \
+            else "--no-oracle"
+        print(f"vLLM column absent ({vllm_note})", file=sys.stderr)
+    if variant != "compiled" and "pure" in sides:
+        sides.remove("pure")  # the core side is the pure one
     runs = []
     for kind in configs:
         for side in sides:
             t = time.perf_counter()
-            r = run_oracle(args, kind) if side == "vllm" else run_bench(side, kind, args)
+            if side == "vllm":
+                r = run_oracle(args, kind)
+            elif side == "pure":
+                r = run_pure(args, kind)
+            else:
+                r = run_bench(side, kind, args)
             if r is not None:
                 runs.append(r)
                 print(f"  {kind}/{side}: {r['results']['manager_ops_per_s']:,.0f} manager ops/s "
@@ -711,20 +600,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ncProfile of our core, config {kind} (top 25 by own time):")
             print("\n".join(buf.getvalue().splitlines()[:45]))
     construction = measure_construction(args) if args.pool_blocks else []
-    summary = report(runs, construction)
+    summary = report(runs, construction, variant, vllm_note)
     others = {}
     if args.baseline_tree is not None:
         tree = args.baseline_tree.resolve()
         others["baseline tree"] = run_other(args, tree / "bench" / "bench_core.py",
                                             {"PYTHONPATH": str(tree)}, tree)
     if args.vs_pure:
-        others["pure Python"] = run_other(args, Path(__file__).resolve(),
+        others["pure Python"] = run_other(args, HERE / "bench_core.py",
                                           {"KVCACHE_CORE": "pure"}, None)
     if others:
         summary["compared"] = compare(runs, others)
-    # Paths as strings: the results are JSON.
-    shown = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    path = write_results("core", {"args": shown,
+    path = write_results("core", {"args": argd,
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
                          args.out, plot=plot(summary))

@@ -103,6 +103,14 @@ def check_tokens(token_ids: Any, limit: int, name: str = "token_ids") -> list[in
         raise InvalidArgument(f"{name} must be a sequence of integers", field=name) from None
     if not tokens:
         raise InvalidArgument(f"{name} must not be empty", field=name)
+    # One pass: cheaper than set / min / max in both cores (callgrind: -2% on adding
+    # 256-token prompts in the pure core, most of the check in the compiled one); a bad
+    # value falls through to the checks that name the first one (types before ranges).
+    for t in tokens:
+        if type(t) is not int or t < 0 or t >= limit:
+            break
+    else:
+        return tokens
     if set(map(type, tokens)) != {int}:
         i = next(i for i, t in enumerate(tokens) if type(t) is not int)
         raise InvalidArgument(f"{name}[{i}] must be an integer, got {tokens[i]!r}",
@@ -248,6 +256,18 @@ class Simulated:
     may_have_computed: bool = False
     num_placeholders: int = 0
     num_computed: int = 0
+
+    # Written out (here and on the pool's result dataclasses): the dataclasses module's
+    # generated __init__ is Python bytecode even in the compiled core, and these are built
+    # per op and per request.
+    def __init__(self, exists: bool = False, num_tokens: int = 0,
+                 may_have_computed: bool = False, num_placeholders: int = 0,
+                 num_computed: int = 0) -> None:
+        self.exists = exists
+        self.num_tokens = num_tokens
+        self.may_have_computed = may_have_computed
+        self.num_placeholders = num_placeholders
+        self.num_computed = num_computed
 
 
 class BatchCheck:
@@ -462,7 +482,36 @@ class BatchCheck:
     def _check_decode(self, op: Decode) -> list[Request] | None:
         """Per request, an allocate of 1 token with 1 appended. The pool's request
         objects when no earlier op of the batch touched them (the usual case), else None."""
+        reqs = self._usual_decode(op)
+        if reqs is not None:
+            return reqs
         return run_to_end(self.decode_checks(op, 1 << 62))
+
+    def _usual_decode(self, op: Decode) -> list[Request] | None:
+        """:meth:`_check_decode` of the usual decode op in one pass, without a generator:
+        no placeholders, every request registered, untouched earlier in the batch, in
+        decode (no placeholder behind) and below ``max_model_len``. None (nothing changed
+        but ``blocks_moved``) for any other op: :meth:`decode_checks` then decides, and
+        names the field of an error."""
+        if op.placeholders is not False:
+            return None
+        rids, _ = check_decode_args(op.request_ids, op.token_ids, self.limits.token_limit)
+        self.blocks_moved = True
+        state = self.state
+        if state and not state.keys().isdisjoint(rids):
+            return None
+        limit = self.limits.max_model_len
+        requests = self.requests
+        reqs: list[Request] = []
+        for rid in rids:
+            req = requests.get(rid)
+            if req is None or len(req.all_token_ids) >= limit or req.num_placeholders:
+                return None
+            reqs.append(req)
+        if not self.last:  # the simulation only matters to later ops
+            for rid, req in zip(rids, reqs):
+                state[rid] = Simulated(True, len(req.all_token_ids) + 1, True, 0, -1)
+        return reqs
 
     def decode_checks(self, op: Decode, slice_cost: int
                       ) -> Generator[None, None, list[Request] | None]:

@@ -335,7 +335,7 @@ class BlockPool:
         parent = external_block_hash(block_hashes[start - 1]) if start > 0 else None
         lora, salt = request.lora_name, request.cache_salt
         lookahead = self.hash_lookahead
-        extra: list[tuple[Any, ...] | None] = []
+        extra: list[tuple[Any, ...] | None]
         ahead: list[list[int]] | None = None
         if request.mm_items or request.prompt_embeds or lookahead:
             extra = self._window_event_keys(request, stored, block_size)
@@ -343,7 +343,10 @@ class BlockPool:
                 tokens = request.all_token_ids
                 ahead = [list(tokens[(i + 1) * block_size:(i + 1) * block_size + lookahead])
                          for i in stored]
+        elif lora is None and not salt:
+            extra = [None] * len(stored)  # the usual request: no extra keys
         else:
+            extra = []
             for i in stored:
                 keys: list[str] = []
                 if lora is not None:
@@ -351,19 +354,14 @@ class BlockPool:
                 if salt and i == 0:
                     keys.append(salt)
                 extra.append(tuple(keys) if keys else None)
+        # Positional, in field order (the compiled constructor's cheapest call); the slice
+        # of the token list is already a new list.
         return BlockStored(
-            block_hashes=[external_block_hash(block_hashes[i]) for i in stored],
-            parent_block_hash=parent,
-            token_ids=list(request.all_token_ids[start * block_size:end * block_size]),
-            block_size=block_size,
-            lora_name=lora,
-            extra_keys=extra or None,
-            group_idx=group_id,
-            prefix_lengths=[(i + 1) * block_size for i in stored],
-            start_token=start * block_size,
-            session_id=request.session_id,
-            lookahead_token_ids=ahead,
-        )
+            [external_block_hash(block_hashes[i]) for i in stored], parent,
+            request.all_token_ids[start * block_size:end * block_size], block_size, lora,
+            extra or None, group_id, None, None, "GPU",
+            [(i + 1) * block_size for i in stored], start * block_size, request.session_id,
+            ahead)
 
     def _window_event_keys(self, request: Request, stored: list[int], block_size: int
                            ) -> list[tuple[Any, ...] | None]:

@@ -49,6 +49,31 @@ class BlockStored(RebuiltFromFields):
     #: after it that its hash covers (vLLM 0.33's ``lookahead_token_ids``); else None.
     lookahead_token_ids: list[list[int]] | None = None
 
+    # Written out, not generated: the dataclasses module's generated __init__ is Python
+    # bytecode even in the compiled core, and one is built per caching call of a decode
+    # step (it was most of the cost of building the event). Same signature and defaults.
+    def __init__(self, block_hashes: list[int], parent_block_hash: int | None,
+                 token_ids: list[int], block_size: int, lora_name: str | None = None,
+                 extra_keys: list[tuple[Any, ...] | None] | None = None, group_idx: int = 0,
+                 spec_kind: str | None = None, sliding_window: int | None = None,
+                 medium: str = "GPU", prefix_lengths: list[int] | None = None,
+                 start_token: int = 0, session_id: str | None = None,
+                 lookahead_token_ids: list[list[int]] | None = None) -> None:
+        self.block_hashes = block_hashes
+        self.parent_block_hash = parent_block_hash
+        self.token_ids = token_ids
+        self.block_size = block_size
+        self.lora_name = lora_name
+        self.extra_keys = extra_keys
+        self.group_idx = group_idx
+        self.spec_kind = spec_kind
+        self.sliding_window = sliding_window
+        self.medium = medium
+        self.prefix_lengths = [] if prefix_lengths is None else prefix_lengths
+        self.start_token = start_token
+        self.session_id = session_id
+        self.lookahead_token_ids = lookahead_token_ids
+
 
 @dataclass
 class BlockRemoved(RebuiltFromFields):

@@ -367,7 +367,7 @@ def check_prompt_embeds(digests: object, num_prompt_tokens: int, hash_block_size
 def external_block_hash(h: bytes) -> int:
     """The 64-bit integer published for a block hash in KV events (vLLM 0.33 default):
     the last 8 bytes of the hash as an unsigned big-endian integer."""
-    return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF
+    return int.from_bytes(h[-8:], "big")  # == int.from_bytes(h, "big") & (2**64 - 1)
 
 
 @dataclass(frozen=True)

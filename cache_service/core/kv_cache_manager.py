@@ -289,6 +289,44 @@ class KVCacheManager:
         return self._grow(request, 1, self.empty_blocks, request.num_computed_tokens, 0, 0,
                           need_slots, main, total_computed, 0, None, False)
 
+    def decode_batch(self, requests: list[Request], token_ids: list[int] | None, lo: int,
+                     hi: int, ok: list[bool], grown: dict[int, list[list[int]]],
+                     copies: list[BlockCopy]) -> tuple[int, int]:
+        """The decode steps of ``requests[lo:hi]`` in order, in one call (the loop of
+        ``Pool.decode`` for RUNNING requests): each appends ``token_ids[i]`` (a placeholder
+        when ``token_ids`` is None), takes :meth:`decode_slot` and, when that fits, one more
+        computed token. Answers go into ``ok[i]`` (set False: no room, nothing allocated),
+        ``grown[i]`` (the new block ids per group, only for a request that got some) and
+        ``copies`` (partial hits' copies, in order). Stops before the first request that is
+        not RUNNING with computed tokens (its token not appended: the caller takes it the
+        general way, then calls again after it). Answers (the index it stopped at, ``hi``
+        when all were done; the number of requests that got no room)."""
+        running = RequestStatus.RUNNING
+        partial = self.partial_hits
+        failures = 0
+        i = lo
+        while i < hi:
+            req = requests[i]
+            if req.status != running or not req.num_computed_tokens:
+                break
+            if token_ids is None:
+                req.num_placeholders += 1
+            else:
+                req.append_token(token_ids[i])
+            new = self.decode_slot(req)
+            if new is None:
+                failures += 1
+                ok[i] = False
+            else:
+                req.num_computed_tokens += 1
+                if new and any(new):
+                    grown[i] = [[b.block_id for b in g] for g in new]
+                if partial:
+                    # A copy may come without a new block in the table (see MambaManager).
+                    copies.extend(self.take_block_copies())
+            i += 1
+        return i, failures
+
     def _grow(self, request: Request, num_new_tokens: int, hits: HitBlocks, num_local: int,
               num_external_computed_tokens: int, num_encoder_tokens: int, need_slots: int,
               main: int, total_computed: int, keep_free: int, max_new_blocks: int | None,

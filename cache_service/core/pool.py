@@ -135,6 +135,18 @@ class RequestInfo:
     #: Of ``num_tokens``, the trailing ones whose ids are not known yet.
     num_placeholder_tokens: int = 0
 
+    # Written out, as on the other results built per call (batch.Simulated says why).
+    def __init__(self, request_id: str, num_tokens: int, num_computed_tokens: int,
+                 num_block_hashes: int, status: str, num_preemptions: int,
+                 num_placeholder_tokens: int = 0) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.num_computed_tokens = num_computed_tokens
+        self.num_block_hashes = num_block_hashes
+        self.status = status
+        self.num_preemptions = num_preemptions
+        self.num_placeholder_tokens = num_placeholder_tokens
+
 
 @dataclass(slots=True)
 class PrefixHit:
@@ -148,6 +160,14 @@ class PrefixHit:
     #: The hit across both tiers (docs/semantics.md#host-tier): a lookup's hit already
     #: counts host slots (block id -1 in ``block_ids``), so this equals ``hit_tokens``.
     host_hit_tokens: int = 0
+
+    def __init__(self, hit_tokens: int, block_ids: list[list[int]],
+                 shared_prefix_boundary: int = 0,
+                 groups: list[GroupResidency] | None = None) -> None:
+        self.hit_tokens = hit_tokens
+        self.block_ids = block_ids
+        self.shared_prefix_boundary = shared_prefix_boundary
+        self.groups = groups
 
 
 @dataclass(slots=True)
@@ -164,6 +184,17 @@ class Allocation:
     #: Copies to run before this step's forward pass (partial hits), in order.
     block_copies: list[BlockCopy] = field(default_factory=list)
 
+    def __init__(self, ok: bool, new_block_ids: list[list[int]] | None,
+                 block_ids: list[list[int]] | None, num_computed_tokens: int,
+                 hit_tokens_used: int = 0, block_copies: list[BlockCopy] | None = None
+                 ) -> None:
+        self.ok = ok
+        self.new_block_ids = new_block_ids
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.hit_tokens_used = hit_tokens_used
+        self.block_copies = [] if block_copies is None else block_copies
+
 
 @dataclass(slots=True)
 class DecodeOutcome:
@@ -176,6 +207,12 @@ class DecodeOutcome:
     new_block_ids: dict[int, list[list[int]]]
     #: Copies to run before this step's forward pass (partial hits), in order.
     block_copies: list[BlockCopy] = field(default_factory=list)
+
+    def __init__(self, ok: list[bool], new_block_ids: dict[int, list[list[int]]],
+                 block_copies: list[BlockCopy] | None = None) -> None:
+        self.ok = ok
+        self.new_block_ids = new_block_ids
+        self.block_copies = [] if block_copies is None else block_copies
 
 
 @dataclass(slots=True)
@@ -782,7 +819,7 @@ class Pool:
             reqs = [self._requests[rid] for rid in op.request_ids]
         self._epoch += 1  # as the first allocate of the equivalent op list would
         outcome = DecodeOutcome([True] * len(reqs), {})
-        self._decode_range(reqs, op.token_ids, op.placeholders, 0, len(reqs), outcome)
+        self._decode_range(reqs, _decode_tokens(op), 0, len(reqs), outcome)
         return outcome
 
     def _decode_in_slices(self, op: Decode, reqs: list[Request] | None, slice_cost: int
@@ -792,48 +829,43 @@ class Pool:
             reqs = [self._requests[rid] for rid in op.request_ids]
         self._epoch += 1
         outcome = DecodeOutcome([True] * len(reqs), {})
+        tokens = _decode_tokens(op)
         for lo in range(0, len(reqs), slice_cost):
-            self._decode_range(reqs, op.token_ids, op.placeholders, lo,
-                               min(len(reqs), lo + slice_cost), outcome)
+            self._decode_range(reqs, tokens, lo, min(len(reqs), lo + slice_cost), outcome)
             yield
         return outcome
 
-    def _decode_range(self, reqs: list[Request], token_ids: Sequence[int], placeholders: bool,
-                      lo: int, hi: int, outcome: DecodeOutcome) -> None:
+    def _decode_range(self, reqs: list[Request], tokens: list[int] | None, lo: int, hi: int,
+                      outcome: DecodeOutcome) -> None:
         """Requests ``[lo, hi)`` of a validated decode op, their answers into ``outcome``
-        (with ``placeholders`` each appends a placeholder instead of ``token_ids[i]``)."""
-        decode_slot = self._manager.decode_slot
-        running = RequestStatus.RUNNING
+        (``tokens`` None: each appends a placeholder instead of ``tokens[i]``)."""
+        manager = self._manager
         ok = outcome.ok
         grown = outcome.new_block_ids
+        copies = outcome.block_copies
         # With a quota every request takes the general path (which checks and counts it),
         # and with eviction classes (which sets the class of what it releases).
         fast = self._quota is None and self._classes is None
-        for i in range(lo, hi):
+        i = lo
+        while i < hi:
+            if fast:
+                # The RUNNING requests from i on, in one call into the manager.
+                i, failures = manager.decode_batch(reqs, tokens, i, hi, ok, grown, copies)
+                self._allocation_failures += failures
+                if i >= hi:
+                    break
             req = reqs[i]
-            if placeholders:
+            if tokens is None:
                 req.num_placeholders += 1
             else:
-                req.append_token(token_ids[i])
-            if fast and req.status == running and req.num_computed_tokens:
-                new = decode_slot(req)
-                if new is None:
-                    self._allocation_failures += 1
-                    ok[i] = False
-                    continue
-                req.num_computed_tokens += 1
-                if any(new):
-                    grown[i] = [[b.block_id for b in g] for g in new]
-                if self._manager.partial_hits:
-                    # A copy may come without a new block in the table (see MambaManager).
-                    outcome.block_copies += self._manager.take_block_copies()
-            else:
-                r = self._allocate(req, 1, include_tables=False)
-                ok[i] = r.ok
-                new_ids = r.new_block_ids
-                if r.ok and new_ids is not None and any(new_ids):
-                    grown[i] = new_ids
-                outcome.block_copies += r.block_copies
+                req.append_token(tokens[i])
+            r = self._allocate(req, 1, include_tables=False)
+            ok[i] = r.ok
+            new_ids = r.new_block_ids
+            if r.ok and new_ids is not None and any(new_ids):
+                grown[i] = new_ids
+            copies.extend(r.block_copies)
+            i += 1
 
     # -- release ----------------------------------------------------------------------------
     def _free(self, req: Request, tail_first_across_groups: bool) -> None:
@@ -1154,3 +1186,10 @@ class Pool:
             queue.check_invariants()
             assert set(self._classes or ()) <= set(self._requests), "class of a gone request"
 
+
+def _decode_tokens(op: Decode) -> list[int] | None:
+    """A validated decode op's token ids as a list (None: it appends placeholders)."""
+    if op.placeholders:
+        return None
+    tokens = op.token_ids
+    return tokens if isinstance(tokens, list) else list(tokens)
