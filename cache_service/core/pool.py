@@ -163,11 +163,13 @@ class PrefixHit:
 
     def __init__(self, hit_tokens: int, block_ids: list[list[int]],
                  shared_prefix_boundary: int = 0,
-                 groups: list[GroupResidency] | None = None) -> None:
+                 groups: list[GroupResidency] | None = None,
+                 host_hit_tokens: int = 0) -> None:
         self.hit_tokens = hit_tokens
         self.block_ids = block_ids
         self.shared_prefix_boundary = shared_prefix_boundary
         self.groups = groups
+        self.host_hit_tokens = host_hit_tokens
 
 
 @dataclass(slots=True)
