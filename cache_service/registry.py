@@ -78,6 +78,12 @@ class PoolEntry:
         """The pool's KV cache configuration."""
         return self.pool.config
 
+    @property
+    def budget_blocks(self) -> int:
+        """What the pool takes of block budgets (--max-total-blocks, a tenant's
+        max_blocks): see :func:`budget_blocks`."""
+        return budget_blocks(self.config, self.description)
+
     def flush_events(self) -> None:
         """Moves the allocator's pending KV events into the feed (call after mutations)."""
         events = self.pool.take_events()
@@ -109,6 +115,13 @@ def first_difference(old: PoolDescription, new: PoolDescription) -> str | None:
     if old.skip_capacity_check != new.skip_capacity_check:
         return "options.skip_capacity_check"
     return None
+
+
+def budget_blocks(config: KVCacheConfig, desc: PoolDescription) -> int:
+    """Device blocks plus host-tier slots (options.host_tier_blocks per group): a host
+    slot costs the server the same bookkeeping as a cached block, so block budgets
+    bound both and a tier cannot grow a pool's metadata past them."""
+    return config.num_blocks + desc.options.host_tier_blocks * len(config.groups)
 
 
 def budget_field(desc: PoolDescription) -> str:
@@ -206,11 +219,16 @@ class PoolRegistry:
             raise AlreadyExists(f"pool {pool_id!r} exists with a different description "
                                 f"(first difference: {diff})", field=diff)
         config = build_config(desc)
-        if self.total_blocks + config.num_blocks > self.max_total_blocks:
+        need = budget_blocks(config, desc)
+        if self.total_blocks + need > self.max_total_blocks:
+            host = need - config.num_blocks
             raise ResourceExhausted(
-                f"the pool would have {config.num_blocks} blocks; the server's block budget "
-                f"(--max-total-blocks) has {self.max_total_blocks - self.total_blocks} of "
-                f"{self.max_total_blocks} left", field=budget_field(desc))
+                f"the pool would have {config.num_blocks} blocks"
+                + (f" and {host} host-tier slots" if host else "")
+                + f"; the server's block budget (--max-total-blocks) has "
+                f"{self.max_total_blocks - self.total_blocks} of {self.max_total_blocks} left",
+                field="options.host_tier_blocks" if host and config.num_blocks
+                + self.total_blocks <= self.max_total_blocks else budget_field(desc))
         try:
             pool = Pool(config, desc.options)
         except KVCacheError as exc:
@@ -233,7 +251,7 @@ class PoolRegistry:
         would lose the clients' state; the pool existed within the cluster's budget)."""
         assert entry.pool_id not in self._pools, f"pool {entry.pool_id!r} registered twice"
         self._pools[entry.pool_id] = entry
-        self.total_blocks += entry.config.num_blocks
+        self.total_blocks += entry.budget_blocks
         self.index.attach(entry.pool_id, entry.pool, keyspace_of(entry.pool,
                                                                   tenant_of(entry.pool_id)))
         self.version += 1
@@ -278,7 +296,7 @@ class PoolRegistry:
         """Drops a pool; answers how many requests it still had. Subscribers' feeds close."""
         entry = self.get(pool_id)
         del self._pools[pool_id]
-        self.total_blocks -= entry.config.num_blocks
+        self.total_blocks -= entry.budget_blocks
         self.index.detach(pool_id)
         self.version += 1
         entry.feed.close()

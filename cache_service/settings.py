@@ -46,8 +46,9 @@ class Settings(BaseSettings):
                                           "--auth-token)")
     tenant_max_pools: int = Field(0, ge=0, description="pools one tenant may hold at once "
                                   "(0 = no limit); a tenants-file line may override it")
-    tenant_max_blocks: int = Field(0, ge=0, description="sum of num_blocks over one "
-                                   "tenant's pools (0 = no limit beyond "
+    tenant_max_blocks: int = Field(0, ge=0, description="sum of num_blocks (plus "
+                                   "host-tier slots) over one tenant's pools (0 = no limit "
+                                   "beyond "
                                    "--max-total-blocks); a tenants-file line may override it")
     tenant_max_pinned_blocks: int = Field(0, ge=0, description="pinned blocks (PinPrefix) "
                                           "charged over one tenant's pools (0 = no limit "
@@ -69,7 +70,8 @@ class Settings(BaseSettings):
                                  "hashes) times hash recipes (times pools with explain) in "
                                  "one PeekPrefix")
     max_total_blocks: int = Field(DEFAULT_MAX_TOTAL_BLOCKS, ge=2, description="the server's "
-                                  "block budget: the sum of num_blocks over all pools; a "
+                                  "block budget: the sum of num_blocks (plus host-tier "
+                                  "slots: options.host_tier_blocks per group) over all pools; a "
                                   "RegisterPool beyond it is RESOURCE_EXHAUSTED (the allocator "
                                   "keeps ~100 bytes per block ever handed out)")
     lease_ttl_seconds: float = Field(30.0, gt=0, description="session lease: a session "

@@ -462,12 +462,17 @@ class ServiceState:
         if limits.max_pools and len(held) + 1 > limits.max_pools:
             raise ResourceExhausted(f"tenant {owner!r} holds {len(held)} pools, its limit "
                                     f"(max_pools) is {limits.max_pools}", field="pool_id")
-        blocks = sum(e.config.num_blocks for e in held)
-        if limits.max_blocks and blocks + entry.config.num_blocks > limits.max_blocks:
+        blocks = sum(e.budget_blocks for e in held)
+        need = entry.budget_blocks
+        if limits.max_blocks and blocks + need > limits.max_blocks:
+            host = need - entry.config.num_blocks
             raise ResourceExhausted(
-                f"the pool would have {entry.config.num_blocks} blocks; tenant {owner!r} "
-                f"holds {blocks} of its limit (max_blocks) of {limits.max_blocks}",
-                field=budget_field(entry.description))
+                f"the pool would have {entry.config.num_blocks} blocks"
+                + (f" and {host} host-tier slots" if host else "")
+                + f"; tenant {owner!r} holds {blocks} of its limit (max_blocks) of "
+                f"{limits.max_blocks}",
+                field="options.host_tier_blocks" if host and blocks + entry.config.num_blocks
+                <= limits.max_blocks else budget_field(entry.description))
 
     # -- pools taken over (cluster mode) ---------------------------------------------------
 

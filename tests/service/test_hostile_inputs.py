@@ -275,6 +275,9 @@ CASES = [
     # Within the field's own range but beyond the server's block budget (--max-total-blocks):
     Case("num_blocks beyond the server budget", "RegisterPool", register(num_blocks=2**31),
          Code.RESOURCE_EXHAUSTED, "num_blocks"),
+    Case("host tier beyond the server budget", "RegisterPool",
+         register(options=lambda r: setattr(r.options, "host_tier_blocks", 2**24)),
+         Code.RESOURCE_EXHAUSTED, "options.host_tier_blocks"),
     Case("memory budget of tiny pages beyond the server budget", "RegisterPool",
          register(available_memory_bytes=2**60), Code.RESOURCE_EXHAUSTED,
          "available_memory_bytes"),
