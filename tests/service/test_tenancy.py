@@ -169,6 +169,15 @@ def test_per_tenant_limits_on_pools_and_blocks(channel) -> None:
         small.RegisterPool(register("big", num_blocks=101))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert err.value.details().startswith("num_blocks:") and "max_blocks" in err.value.details()
+    # Host-tier slots count against max_blocks too: 60 blocks + 41 slots of one group.
+    tiered = register("tiered", num_blocks=60)
+    tiered.options.host_tier_blocks = 41
+    with pytest.raises(grpc.RpcError) as err:
+        small.RegisterPool(tiered)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details().startswith("options.host_tier_blocks:")
+    assert "41 host-tier slots" in err.value.details()
+    assert small.ListPools(pb.ListPoolsRequest()).pools == []
     assert small.RegisterPool(register("one", num_blocks=100)).created
     assert not small.RegisterPool(register("one", num_blocks=100)).created  # idempotent
     with pytest.raises(grpc.RpcError) as err:
