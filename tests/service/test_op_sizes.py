@@ -19,7 +19,7 @@ def test_the_table_has_one_row_per_kind_of_op_in_the_protocol() -> None:
     assert sorted(f.name for f in oneof.fields) == KINDS
     core_kinds = {cls.KIND for cls in (ops.AddRequest, ops.Lookup, ops.Allocate,
                                        ops.AppendTokens, ops.Free, ops.Preempt, ops.NewStep,
-                                       ops.Decode, ops.FillPlaceholders)}
+                                       ops.Decode, ops.FillPlaceholders, ops.ResetHostTierOp)}
     assert core_kinds == set(KINDS)
 
 
