@@ -32,6 +32,7 @@ from cache_service.core.operations import (
 )
 from cache_service.core.pool import Pool
 from cache_service.core.residency import MissReason
+from cache_service.core.slices import run_to_end
 from cache_service.replay import load_config
 
 from builders import (
@@ -407,6 +408,28 @@ def test_the_other_core_plans_the_same_and_its_snapshot_loads_here(name: str,
     assert theirs.tier_copies == ours.tier_copies
     assert snapshot(theirs)[1:] == snapshot(ours)[1:]
     assert theirs.stats().host_promotions == ours.stats().host_promotions > 0
+
+
+def test_sliced_and_prepared_batches_plan_what_apply_batch_plans() -> None:
+    pools = [make_pool(16, full(4), max_model_len=256, host_tier_blocks=8) for _ in range(3)]
+    for i, prompt in enumerate(_prompts(30, 32, seed=11)):
+        rid = f"r{i}"
+        batch = [AddRequest(rid, prompt), Lookup(rid)]
+        outs = [pools[0].apply_batch(batch[:2])]
+        outs.append(pools[1].prepare_batch(batch[:2]).apply())
+        outs.append(run_to_end(pools[2].prepare_batch(batch[:2]).apply_in_slices(1)))
+        n = len(prompt) - outs[0][1].hit_tokens
+        alloc = [Free(f"r{i - 1}"), Allocate(rid, n)] if i else [NewStep(), Allocate(rid, n)]
+        res = [pools[0].apply_batch(alloc), pools[1].prepare_batch(alloc).apply(),
+               run_to_end(run_to_end(pools[2].prepare_batch_in_slices(
+                   alloc, slice_cost=1)).apply_in_slices(1))]
+        assert [r[1].ok for r in res] == [True] * 3
+        assert pools[0].tier_copies == pools[1].tier_copies == pools[2].tier_copies
+        for pool in pools:
+            check_copies(pool)
+            pool.check_invariants()
+    assert pools[0].stats() == pools[1].stats() == pools[2].stats()
+    assert pools[0].stats().host_promotions > 0
 
 
 # -- peek and miss reasons ----------------------------------------------------------------------
