@@ -111,7 +111,7 @@ class EventLedger:
 
     def follow(self, pool: Pool) -> None:
         for e in pool.take_events():
-            if type(e) is AllBlocksCleared:
+            if isinstance(e, AllBlocksCleared):
                 for (medium, g) in list(self.held):
                     if medium == e.medium:
                         self.held[(medium, g)].clear()
