@@ -104,6 +104,7 @@ class BlockPool:
         #: While set (core/release_hints.py), frees put every released block at the front.
         self.free_to_front = False
         self.observer: CacheObserver | None = None
+        self.host_tier = None  # set by KVCacheCoordinator.configure_host_tier
 
     def _materialize(self, block_id: int) -> KVCacheBlock:
         block = self.blocks.get(block_id)

@@ -136,6 +136,7 @@ class KVCacheCoordinator:
         # whole prompt's last hash-block boundary, not the resend's).
         self._tail_slack = 0
         self.empty_blocks: HitBlocks = tuple([] for _ in managers)  # shared: never mutated
+        self.host_view = None  # see configure_host_tier
 
     def configure_retention(self, retention_interval: int | None) -> None:
         """Set the checkpoint retention of every group (docs/semantics.md#checkpoint-retention).

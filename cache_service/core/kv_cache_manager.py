@@ -18,11 +18,10 @@ from cache_service.core.block import KVCacheBlock
 from cache_service.core.coordinator import KVCacheCoordinator, make_coordinator
 from cache_service.core.errors import Checked, ConfigError, InvalidArgument
 from cache_service.core.events import BlockStored, KVEvent
-from cache_service.core.hashing import external_block_hash
 from cache_service.core.host_tier import HostTier
 from cache_service.core.request import Request, RequestStatus
 from cache_service.core.restore import RebuiltFromFields
-from cache_service.core.single_type_managers import HitBlocks, MambaManager
+from cache_service.core.single_type_managers import HitBlocks, MambaManager, hash_view
 from cache_service.core.specs import (
     KVCacheConfig,
     MambaSpec,
@@ -346,7 +345,8 @@ class KVCacheManager:
             return None
         if hits is not self.empty_blocks or num_external_computed_tokens > 0:
             if self.host_tier is not None and hits is not self.empty_blocks:
-                self._adopt_with_promotions(rid, hits, num_local, num_external_computed_tokens)
+                self._adopt_with_promotions(request, hits, num_local,
+                                            num_external_computed_tokens)
             else:
                 coordinator.allocate_new_computed_blocks(rid, hits, num_local,
                                                          num_external_computed_tokens)
@@ -361,7 +361,7 @@ class KVCacheManager:
         coordinator.cache_blocks(request, n_cache)
         return new_blocks
 
-    def _adopt_with_promotions(self, rid: str, hits: HitBlocks, num_local: int,
+    def _adopt_with_promotions(self, request: Request, hits: HitBlocks, num_local: int,
                                num_external: int) -> None:
         """``allocate_new_computed_blocks`` of hits that may hold host placeholders
         (block id < 0), after the room check passed: each placeholder the request keeps
@@ -378,6 +378,7 @@ class KVCacheManager:
         request's reference, promoted blocks with exactly one (the request's)."""
         tier = self.host_tier
         assert tier is not None
+        rid = request.request_id
         coordinator = self.coordinator
         pool = self.pool
         total = num_local + num_external
@@ -410,14 +411,27 @@ class KVCacheManager:
             adopted[gid][idx] = block
             tier.promoted(placeholder, block)
             if events:
-                # The key is cached on the device again (a router follows GPU events).
-                pool.events.append(BlockStored(
-                    block_hashes=[external_block_hash(key)], parent_block_hash=None,
-                    token_ids=[], block_size=coordinator.managers[gid].block_size,
-                    group_idx=gid, prefix_lengths=[placeholder.hash_num_tokens or 0]))
+                # The key is cached on the device again: announced as caching it would.
+                pool.events.append(self._promoted_event(request, gid, placeholder))
         coordinator.allocate_new_computed_blocks(rid, adopted, num_local, num_external)
         # Our references: every device hit's touch above and every promoted block's pop.
         pool.free_blocks(device + fresh)
+
+    def _promoted_event(self, request: Request, gid: int,
+                        placeholder: KVCacheBlock) -> BlockStored:
+        """The BlockStored (medium GPU) of a promoted block: the one block the request's
+        caching would have announced for its key (a partial entry: the hash block that
+        ends at its boundary, as ``cache_partial_block`` announces it)."""
+        pool = self.pool
+        bs = self.coordinator.managers[gid].block_size
+        hbs = pool.hash_block_size
+        num_tokens = placeholder.hash_num_tokens or 0
+        if num_tokens % bs == 0:
+            i = num_tokens // bs - 1
+            view = hash_view(request.block_hashes, hbs, bs)
+            return pool._stored_event(request, view, [i], i, i + 1, bs, gid)
+        n = num_tokens // hbs
+        return pool._stored_event(request, request.block_hashes, [n - 1], n - 1, n, hbs, gid)
 
     def take_block_copies(self) -> list[BlockCopy]:
         """The copies queued by allocations since the last call, in order. Their source

@@ -630,7 +630,10 @@ class Pool:
     @property
     def tier_copies(self) -> tuple[list[TierCopy], list[TierCopy]]:
         """(demotions, promotions) the last batch planned, in order (empty without a
-        host tier). Run every demotion, then every promotion, before the batch's block
+        host tier): a batch is :meth:`apply_batch`, a prepared batch's ``apply`` /
+        ``apply_in_slices``, or a single-op method (a batch of one); each clears the last
+        batch's copies and releases their host slots first (the other methods plan none and
+        keep them). Run every demotion, then every promotion, before the batch's block
         copies and forward pass (docs/semantics.md#host-tier)."""
         tier = self._manager.host_tier
         if tier is None:

@@ -10,6 +10,7 @@ import pickle
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 
 from cache_service.core import _variant
 from cache_service.core.errors import ConfigError
-from cache_service.core.events import BlockRemoved, BlockStored
+from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cache_service.core.hashing import external_block_hash
 from cache_service.core.host_tier import HostTier, TierCopy, slot_of
 from cache_service.core.operations import (
     AddRequest,
@@ -32,6 +34,7 @@ from cache_service.core.operations import (
 )
 from cache_service.core.pool import Pool
 from cache_service.core.residency import MissReason
+from cache_service.core.slices import run_to_end
 from cache_service.replay import load_config
 
 from builders import (
@@ -99,6 +102,38 @@ def check_copies(pool: Pool) -> None:
     assert len({(c.group, c.host_slot) for c in demotions}) == len(demotions)
 
 
+class EventLedger:
+    """What a router following a pool's events believes each tier holds: per (medium,
+    group) the multiset of external hashes stored less those removed."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, int], Counter[int]] = {}
+
+    def follow(self, pool: Pool) -> None:
+        for e in pool.take_events():
+            if isinstance(e, AllBlocksCleared):
+                for (medium, g) in list(self.held):
+                    if medium == e.medium:
+                        self.held[(medium, g)].clear()
+                continue
+            held = self.held.setdefault((e.medium, e.group_idx), Counter())
+            for h in e.block_hashes:
+                if type(e) is BlockStored:
+                    held[h] += 1
+                else:
+                    held[h] -= 1
+                    assert held[h] >= 0, f"{e.medium} removal of a hash never stored"
+        device = pool.prefix_snapshot()
+        for g in range(pool.num_groups):
+            want = Counter(external_block_hash(h) for h in device[g])
+            assert +self.held.get(("GPU", g), Counter()) == want, f"group {g}: GPU events"
+        tier = pool.manager.host_tier
+        if tier is not None:
+            for g, lru in enumerate(tier.lru):
+                want = Counter(external_block_hash(h) for h in lru)
+                assert +self.held.get(("CPU", g), Counter()) == want, f"group {g}: CPU events"
+
+
 # -- options ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [-1, 16777217, True, 1.5, "4"])
 def test_host_tier_blocks_is_checked(bad: Any) -> None:
@@ -153,7 +188,10 @@ def test_an_evicted_block_is_demoted_and_a_later_hit_promotes_it() -> None:
     assert promoted.ref_cnt == 1 and promoted.hash_num_tokens == 16
     # The key is cached on the device again (announced), and stays in host memory.
     stored = [e for e in pool.take_events() if type(e) is BlockStored and e.medium == "GPU"]
-    assert stored[0].block_hashes == cpu[0].block_hashes and stored[0].token_ids == []
+    assert stored[0].block_hashes == cpu[0].block_hashes
+    assert (stored[0].token_ids, stored[0].start_token, stored[0].prefix_lengths) \
+        == (PROMPT_A[12:16], 12, [16])
+    assert stored[0].parent_block_hash is not None
     check_copies(pool)
     pool.check_invariants()
     stats = pool.stats()
@@ -409,6 +447,28 @@ def test_the_other_core_plans_the_same_and_its_snapshot_loads_here(name: str,
     assert theirs.stats().host_promotions == ours.stats().host_promotions > 0
 
 
+def test_sliced_and_prepared_batches_plan_what_apply_batch_plans() -> None:
+    pools = [make_pool(16, full(4), max_model_len=256, host_tier_blocks=8) for _ in range(3)]
+    for i, prompt in enumerate(_prompts(30, 32, seed=11)):
+        rid = f"r{i}"
+        batch = [AddRequest(rid, prompt), Lookup(rid)]
+        outs = [pools[0].apply_batch(batch[:2])]
+        outs.append(pools[1].prepare_batch(batch[:2]).apply())
+        outs.append(run_to_end(pools[2].prepare_batch(batch[:2]).apply_in_slices(1)))
+        n = len(prompt) - outs[0][1].hit_tokens
+        alloc = [Free(f"r{i - 1}"), Allocate(rid, n)] if i else [NewStep(), Allocate(rid, n)]
+        res = [pools[0].apply_batch(alloc), pools[1].prepare_batch(alloc).apply(),
+               run_to_end(run_to_end(pools[2].prepare_batch_in_slices(
+                   alloc, slice_cost=1)).apply_in_slices(1))]
+        assert [r[1].ok for r in res] == [True] * 3
+        assert pools[0].tier_copies == pools[1].tier_copies == pools[2].tier_copies
+        for pool in pools:
+            check_copies(pool)
+            pool.check_invariants()
+    assert pools[0].stats() == pools[1].stats() == pools[2].stats()
+    assert pools[0].stats().host_promotions > 0
+
+
 # -- peek and miss reasons ----------------------------------------------------------------------
 def test_peek_reports_both_tiers_and_evicted_means_from_both() -> None:
     pool = make_pool(9, full(4), host_tier_blocks=16)
@@ -457,6 +517,7 @@ def _drive(pool: Pool, ops: list[tuple[str, int, int]], seed: int = 0) -> list[A
     stems = [[rng.randrange(1, 500) for _ in range(80)] for _ in range(3)]
     out: list[Any] = []
     tiered = pool.manager.host_tier is not None
+    ledger = EventLedger()
     for n, (kind, a, b) in enumerate(ops):
         rid = f"r{a}"
         if kind == "add" and not pool.has_request(rid):
@@ -487,6 +548,8 @@ def _drive(pool: Pool, ops: list[tuple[str, int, int]], seed: int = 0) -> list[A
         pool.check_invariants()
         if not tiered:
             out.append(pool.take_events())
+        else:
+            ledger.follow(pool)
     return out
 
 
@@ -534,6 +597,20 @@ def test_a_tier_never_hits_less_than_no_tier(name: str, picks, host: int) -> Non
         h_plain = serve(plain, f"r{i}", prompt, chunk=8)
         h_tier = serve(tiered, f"r{i}", prompt, chunk=8)
         assert h_tier >= h_plain, (i, h_tier, h_plain)
+
+
+@pytest.mark.parametrize("name", ["full", "full_eagle", "full_swa", "full_mamba32",
+                                  "full_swa_mamba", "full_mamba_eagle_r0"])
+def test_long_random_runs_promote_and_their_events_add_up(name: str) -> None:
+    """400 seeded random ops (rare resets): promotions happen, the invariants hold after
+    every op, and both tiers' events add up to what each tier holds."""
+    rng = random.Random(name)
+    kinds = [k for k in _KINDS if k != "reset"] * 4 + ["reset"]
+    ops = [(rng.choice(kinds), rng.randrange(8), rng.randrange(1, 41)) for _ in range(400)]
+    pool = _pool(name, 16)
+    _drive(pool, ops)
+    stats = pool.stats()
+    assert stats.host_promotions > 0 and stats.host_demotions > 0, stats
 
 
 # -- hit rate ------------------------------------------------------------------------------------
