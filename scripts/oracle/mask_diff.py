@@ -50,7 +50,8 @@ def main() -> int:
         final = rng.choice([None, rng.randint(0, 80)])
         if rng.random() < 0.6:
             window = rng.randint(1, 12 * bs)
-            ours_spec: KVCacheSpec = SlidingWindowSpec(block_size=bs, sliding_window=window)
+            ours_spec: KVCacheSpec = SlidingWindowSpec(block_size=bs,
+                                                       sliding_window=window)
             theirs_spec: Any = VSlidingWindowSpec(block_size=bs, sliding_window=window, num_kv_heads=1,
                                              head_size=1, dtype=torch.float32)
             cls: Any = SlidingWindowManager
