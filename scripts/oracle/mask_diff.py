@@ -52,8 +52,9 @@ def main() -> int:
             window = rng.randint(1, 12 * bs)
             ours_spec: KVCacheSpec = SlidingWindowSpec(block_size=bs,
                                                        sliding_window=window)
-            theirs_spec: Any = VSlidingWindowSpec(block_size=bs, sliding_window=window, num_kv_heads=1,
-                                             head_size=1, dtype=torch.float32)
+            theirs_spec: Any = VSlidingWindowSpec(block_size=bs, sliding_window=window,
+                                                  num_kv_heads=1, head_size=1,
+                                                  dtype=torch.float32)
             cls: Any = SlidingWindowManager
         else:
             eagle, final = False, None  # not arguments vLLM's Mamba rule reads
