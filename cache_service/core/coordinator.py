@@ -349,7 +349,7 @@ class KVCacheCoordinator:
         (as in vLLM, whose allocations always pass it)."""
         for manager in self._skipping:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
-        if num_prompt_tokens is not None:
+        if self._gaps and num_prompt_tokens is not None:
             for gap in self._gaps:
                 assert isinstance(gap, RSWAManager)
                 gap.remove_gap_blocks(request_id, num_computed_tokens, num_prompt_tokens)

@@ -584,11 +584,13 @@ class Pool:
                 self._pins_after_batch()  # growing pins take their blocks first
             if self._classes is not None:
                 self._release_as(self._classes.pop(op.request_id, 0))
-            if op.evict_first:
+            if op.tail_first_across_groups:
+                self._free_deferred_order(req, op.evict_first)
+            elif op.evict_first:
                 with evict_first(self._manager.pool):
-                    self._free(req, op.tail_first_across_groups)
+                    self._manager.free(req)
             else:
-                self._free(req, op.tail_first_across_groups)
+                self._manager.free(req)
             if self._classes is not None:
                 self._release_as(0)
             if self._quota is not None:
@@ -873,14 +875,16 @@ class Pool:
             i += 1
 
     # -- release ----------------------------------------------------------------------------
-    def _free(self, req: Request, tail_first_across_groups: bool) -> None:
-        """Release a request's blocks: group by group, or (``tail_first_across_groups``)
-        in the order of vLLM's deferred free."""
+    def _free_deferred_order(self, req: Request, to_front: bool) -> None:
+        """Release a request's blocks in the order of vLLM's deferred free (every group's
+        table concatenated, last block first); ``to_front``: as an evict-first hint."""
         manager = self._manager
-        if tail_first_across_groups:
-            manager.pool.free_blocks(reversed(manager.pop_blocks_for_free(req)))
+        blocks = manager.pop_blocks_for_free(req)
+        if to_front:
+            with evict_first(manager.pool):
+                manager.pool.free_blocks(reversed(blocks))
         else:
-            manager.free(req)
+            manager.pool.free_blocks(reversed(blocks))
 
     def free(self, request_id: Checked[str]) -> int:
         """Free the request's blocks (tail first) and forget it; returns free blocks."""

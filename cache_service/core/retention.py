@@ -45,23 +45,25 @@ def reachable_block_mask(spec: KVCacheSpec, start_block: int, end_block: int,
     if alignment_tokens is None:
         return None
     if isinstance(spec, SlidingWindowSpec):
-        return _window_mask(spec, start_block, end_block, alignment_tokens, use_eagle,
-                            retention_interval, reachable_boundaries, final_segment_end_block)
+        return window_mask(spec.block_size, spec.sliding_window, start_block, end_block,
+                           alignment_tokens, use_eagle, retention_interval,
+                           reachable_boundaries, final_segment_end_block)
     if isinstance(spec, MambaSpec):
-        return _state_mask(spec.block_size, start_block, end_block, alignment_tokens,
-                           retention_interval, reachable_boundaries)
+        return state_mask(spec.block_size, start_block, end_block, alignment_tokens,
+                          retention_interval, reachable_boundaries)
     return None
 
 
-def _window_mask(spec: SlidingWindowSpec, start_block: int, end_block: int, alignment: int,
-                 use_eagle: bool, retention: int | None, boundaries: Sequence[int],
-                 final_end: int | None) -> list[bool] | None:
-    bs = spec.block_size
+def window_mask(bs: int, window: int, start_block: int, end_block: int, alignment: int,
+                use_eagle: bool, retention: int | None, boundaries: Sequence[int],
+                final_end: int | None = None) -> list[bool] | None:
+    """:func:`reachable_block_mask` of a sliding window of ``window`` tokens in blocks of
+    ``bs`` (the managers call it with their own attributes, on every block they cache)."""
     if alignment % bs:
         # Boundaries inside blocks cannot be told apart block by block: keep everything
         # rather than drop a block some hit could read.
         return None
-    need = -(-(spec.sliding_window - 1) // bs)
+    need = -(-(window - 1) // bs)
     # EAGLE: one more block, and each run ends one block later (the block its hit drops).
     shift = 0
     if use_eagle:
@@ -93,9 +95,10 @@ def _window_mask(spec: SlidingWindowSpec, start_block: int, end_block: int, alig
     return mask
 
 
-def _state_mask(bs: int, start_block: int, end_block: int, alignment: int,
-                retention: int | None, boundaries: Sequence[int]) -> list[bool] | None:
-    """Block ``i`` holds the state after ``(i + 1) * bs`` tokens: keep one per
+def state_mask(bs: int, start_block: int, end_block: int, alignment: int,
+               retention: int | None, boundaries: Sequence[int]) -> list[bool] | None:
+    """:func:`reachable_block_mask` of Mamba states in blocks of ``bs`` tokens: block ``i``
+    holds the state after ``(i + 1) * bs`` tokens; keep one per
     ``retention`` segment (none for 0) and the one at each boundary rounded down to the
     alignment. None: dense, or a segment of at most one block (every state is kept)."""
     if retention is None:

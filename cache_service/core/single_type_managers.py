@@ -22,7 +22,7 @@ from mypy_extensions import mypyc_attr
 
 from cache_service.core.block import KVCacheBlock
 from cache_service.core.block_pool import BlockPool, CachedBlockLookup
-from cache_service.core.retention import reachable_block_mask
+from cache_service.core.retention import state_mask, window_mask
 from cache_service.core.specs import (
     ChunkedLocalAttentionSpec,
     CircularBufferSpec,
@@ -621,10 +621,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # a boundary at every aligned segment (under hybrid alignment, the others are
         # not worth a cache entry); sparse: see docs/semantics.md#checkpoint-retention.
         retention = self.retention_interval
-        return reachable_block_mask(
-            self.spec, start_block, end_block, self.cache_hit_alignment_tokens,
-            use_eagle=self.use_eagle, retention_interval=retention,
-            reachable_boundaries=() if retention is None else self.reachable_boundaries(request))
+        return window_mask(self.block_size, self.sliding_window, start_block, end_block,
+                           self.cache_hit_alignment_tokens, self.use_eagle, retention,
+                           () if retention is None else self.reachable_boundaries(request))
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes: Sequence[Hashable], max_length: int,
@@ -917,10 +916,9 @@ class MambaManager(SingleTypeKVCacheManager):
         block ``i`` holds the state after ``(i + 1) * block_size`` tokens; keep one per
         ``retention_interval`` segment (none for 0) plus the state at each reachable
         boundary rounded down to the hit alignment. None = keep all."""
-        return reachable_block_mask(
-            self.spec, start_block, end_block, self.cache_hit_alignment_tokens,
-            retention_interval=self.retention_interval,
-            reachable_boundaries=self.reachable_boundaries(request))
+        return state_mask(self.block_size, start_block, end_block,
+                          self.cache_hit_alignment_tokens, self.retention_interval,
+                          self.reachable_boundaries(request))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         rid = request.request_id

@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import types
+from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("KVCACHE_CORE", "pure")
@@ -31,7 +32,7 @@ except ImportError:
     sys.modules["mypy_extensions"] = stub
 
 from cache_service.core.retention import reachable_block_mask  # noqa: E402
-from cache_service.core.specs import MambaSpec, SlidingWindowSpec  # noqa: E402
+from cache_service.core.specs import KVCacheSpec, MambaSpec, SlidingWindowSpec  # noqa: E402
 
 
 def main() -> int:
@@ -49,11 +50,12 @@ def main() -> int:
         final = rng.choice([None, rng.randint(0, 80)])
         if rng.random() < 0.6:
             window = rng.randint(1, 12 * bs)
-            ours_spec: SlidingWindowSpec | MambaSpec = SlidingWindowSpec(
-                block_size=bs, sliding_window=window)
-            theirs_spec = VSlidingWindowSpec(block_size=bs, sliding_window=window, num_kv_heads=1,
-                                             head_size=1, dtype=torch.float32)
-            cls = SlidingWindowManager
+            ours_spec: KVCacheSpec = SlidingWindowSpec(block_size=bs,
+                                                       sliding_window=window)
+            theirs_spec: Any = VSlidingWindowSpec(block_size=bs, sliding_window=window,
+                                                  num_kv_heads=1, head_size=1,
+                                                  dtype=torch.float32)
+            cls: Any = SlidingWindowManager
         else:
             eagle, final = False, None  # not arguments vLLM's Mamba rule reads
             ours_spec = MambaSpec(block_size=bs, shapes=((1,),), dtypes=("float32",),
