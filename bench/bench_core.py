@@ -722,7 +722,9 @@ def main(argv: list[str] | None = None) -> int:
                                           {"KVCACHE_CORE": "pure"}, None)
     if others:
         summary["compared"] = compare(runs, others)
-    path = write_results("core", {"args": vars(args) | {"out": str(args.out)},
+    # (Paths as strings: --baseline-tree is one, and JSON has no paths.)
+    path = write_results("core", {"args": {k: str(v) if isinstance(v, Path) else v
+                                           for k, v in vars(args).items()},
                                   "summary": summary, "runs": runs,
                                   "construction": construction, "profile": profile},
                          args.out, plot=plot(summary))

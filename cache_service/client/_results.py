@@ -318,6 +318,8 @@ class Event:
     #: block_stored with lookahead hashing: per stored block, the tokens after it that
     #: its hash covers (None without lookahead).
     lookahead_token_ids: list[list[int]] | None = None
+    #: block_stored: the storing request's LoRA int id (None = none).
+    lora_id: int | None = None
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -406,7 +408,7 @@ def _event_from(e: pb.KVEvent) -> Event:
                      LAYER_KINDS.name(s.kind), s.sliding_window, s.lora_name,
                      list(s.prefix_lengths), s.start_token, session_id=s.session_id,
                      lookahead_token_ids=[list(t.token_ids) for t in s.lookahead_token_ids]
-                     or None)
+                     or None, lora_id=s.lora_id if s.HasField("lora_id") else None)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
                      group_idx=e.block_removed.group_idx)

@@ -341,6 +341,7 @@ class BlockPool:
             start_token=start * block_size,
             session_id=request.session_id,
             lookahead_token_ids=ahead,
+            lora_id=request.lora_id,
         )
 
     def _window_event_keys(self, request: Request, stored: list[int], block_size: int

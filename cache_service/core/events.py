@@ -48,6 +48,8 @@ class BlockStored(RebuiltFromFields):
     #: With lookahead hashing (docs/hashing.md#lookahead): per stored block, the tokens
     #: after it that its hash covers (vLLM 0.33's ``lookahead_token_ids``); else None.
     lookahead_token_ids: list[list[int]] | None = None
+    #: The storing request's LoRA int id (vLLM 0.33's ``lora_id``); None = none.
+    lora_id: int | None = None
 
 
 @dataclass
