@@ -329,13 +329,14 @@ def test_block_stored_names_the_lora_id(client: CacheClient, new_pool) -> None:
     """vLLM 0.33's BlockStored.lora_id: the storing request's LoRA int id (not hashed)."""
     info = new_pool()
     pid = info.pool_id
-    lora = dict(lora_name="sql", lora_path="/a/sql")
-    client.step(pid, [ops.add("a", list(range(32)), lora_id=7, **lora), ops.allocate("a", 32),
+    client.step(pid, [ops.add("a", list(range(32)), lora_id=7, lora_name="sql",
+                              lora_path="/a/sql"), ops.allocate("a", 32),
                       ops.add("b", list(range(100, 132))), ops.allocate("b", 32)])
     events = list(_take(client.subscribe_events(pid, 1), 2))
     assert [(e.lora_name, e.lora_id) for e in events] == [("sql", 7), ("", None)]
-    # The id is no part of the hash: the same adapter under another id hits.
-    assert client.peek_prefix([pid], list(range(32)) + [1], **lora) == {pid: 32}
+    # The id is no part of the hash: the same adapter's prompt hits whatever its id.
+    assert client.peek_prefix([pid], list(range(32)) + [1], lora_name="sql",
+                              lora_path="/a/sql") == {pid: 32}
 
 
 def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
