@@ -281,6 +281,8 @@ def _event_to_proto(sequence: int, event: ev.KVEvent) -> pb.KVEvent:
             sliding_window=event.sliding_window or 0, medium=event.medium,
             prefix_lengths=event.prefix_lengths, start_token=event.start_token,
             session_id=event.session_id or "")
+        if event.lora_id is not None:
+            stored.lora_id = event.lora_id
         if event.lookahead_token_ids:
             stored.lookahead_token_ids.extend(pb.LookaheadTokens(token_ids=t)
                                               for t in event.lookahead_token_ids)
@@ -340,7 +342,8 @@ def op_from_proto(op: pb.Op, hash_algo: str, account: str = "") -> operations.Op
         return operations.AddRequest(m.request_id, m.token_ids, hashes, m.cache_salt or None,
                               m.lora_name or None, m.lora_path or None, declared,
                               account, m.eviction_class, mm_items_from_proto(m.mm_items),
-                              list(m.prompt_embeds_digests))
+                              list(m.prompt_embeds_digests),
+                              m.lora_id if m.lora_id else None)
     if kind == "lookup":
         return operations.Lookup(op.lookup.request_id, op.lookup.explain)
     if kind == "free":

@@ -105,11 +105,13 @@ class StepBuilder:
             lora_name: str | None = None, lora_path: str | None = None,
             hash_recipe: pb.HashRecipe | None = None, eviction_class: int = 0,
             mm_items: Sequence[tuple[str, int, int]] = (),
-            prompt_embeds_digests: Sequence[bytes] = ()) -> StepBuilder:
+            prompt_embeds_digests: Sequence[bytes] = (),
+            lora_id: int | None = None) -> StepBuilder:
         """Appends an add op (a new request and its prompt; ``block_hashes`` when the client
         hashed it itself; ``eviction_class``: docs/semantics.md, "Eviction classes";
         ``mm_items`` ``(identifier, offset, length)`` and ``prompt_embeds_digests``:
-        docs/hashing.md section 2); returns the builder, for chaining."""
+        docs/hashing.md section 2; ``lora_id``: vLLM's LoRA int id, named by the events);
+        returns the builder, for chaining."""
         m = self._add().add_request
         m.request_id = request_id
         m.token_ids.extend(token_ids)
@@ -129,6 +131,8 @@ class StepBuilder:
             m.mm_items.add(identifier=identifier, offset=offset, length=length)
         if prompt_embeds_digests:
             m.prompt_embeds_digests.extend(prompt_embeds_digests)
+        if lora_id is not None:
+            m.lora_id = lora_id
         return self
 
     def lookup(self, request_id: str, *, explain: bool = False) -> StepBuilder:
@@ -233,7 +237,8 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
             lora_name: str | None = None, lora_path: str | None = None,
             hash_recipe: pb.HashRecipe | None = None,
             mm_items: Sequence[tuple[str, int, int]] = (),
-            prompt_embeds_digests: Sequence[bytes] = ()) -> pb.Op:
+            prompt_embeds_digests: Sequence[bytes] = (),
+            lora_id: int | None = None) -> pb.Op:
         """Register a request (its prompt tokens; optionally client-computed hashes, and
         the recipe they were computed with, checked against the pool's). A LoRA request
         hashes ``("lora", lora_name, lora_path)`` as vLLM does; multimodal items and
@@ -241,7 +246,8 @@ class ops:  # noqa: N801 - a namespace of builders, used as ops.allocate(...)
         return _one().add(request_id, token_ids, block_hashes=block_hashes,
                           cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
                           hash_recipe=hash_recipe, mm_items=mm_items,
-                          prompt_embeds_digests=prompt_embeds_digests).request.ops[0]
+                          prompt_embeds_digests=prompt_embeds_digests,
+                          lora_id=lora_id).request.ops[0]
 
     @staticmethod
     def lookup(request_id: str, *, explain: bool = False) -> pb.Op:

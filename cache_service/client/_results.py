@@ -369,6 +369,8 @@ class Event:
     #: block_stored with lookahead hashing: per stored block, the tokens after it that
     #: its hash covers (None without lookahead).
     lookahead_token_ids: list[list[int]] | None = None
+    #: block_stored: the storing request's LoRA int id (None = none).
+    lora_id: int | None = None
 
 
 def tables_from(tables: Iterable[pb.BlockTable]) -> list[list[int]]:
@@ -468,7 +470,7 @@ def _event_from(e: pb.KVEvent) -> Event:
                      list(s.prefix_lengths), s.start_token, session_id=s.session_id,
                      medium=s.medium,
                      lookahead_token_ids=[list(t.token_ids) for t in s.lookahead_token_ids]
-                     or None)
+                     or None, lora_id=s.lora_id if s.HasField("lora_id") else None)
     if kind == "block_removed":
         return Event(e.sequence, kind, list(e.block_removed.block_hashes),
                      group_idx=e.block_removed.group_idx, medium=e.block_removed.medium)

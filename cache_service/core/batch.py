@@ -404,6 +404,10 @@ class BatchCheck:
                                   f"max_model_len {limits.max_model_len}",
                                   field="token_ids")
         check_extra_keys(op.cache_salt, op.lora_name, op.lora_path)
+        if op.lora_id is not None:
+            check_int(op.lora_id, "lora_id", minimum=1, maximum=(1 << 63) - 1)
+            if op.lora_name is None:
+                raise InvalidArgument("lora_id needs lora_name", field="lora_id")
         if op.eviction_class:
             check_int(op.eviction_class, "eviction_class", minimum=0, maximum=MAX_CLASS)
         if op.hash_recipe is not None:

@@ -362,7 +362,7 @@ class BlockPool:
             request.all_token_ids[start * block_size:end * block_size], block_size, lora,
             extra or None, group_id, None, None, "GPU",
             [(i + 1) * block_size for i in stored], start * block_size, request.session_id,
-            ahead)
+            ahead, request.lora_id)
 
     def _window_event_keys(self, request: Request, stored: list[int], block_size: int
                            ) -> list[tuple[Any, ...] | None]:

@@ -48,6 +48,8 @@ class BlockStored(RebuiltFromFields):
     #: With lookahead hashing (docs/hashing.md#lookahead): per stored block, the tokens
     #: after it that its hash covers (vLLM 0.33's ``lookahead_token_ids``); else None.
     lookahead_token_ids: list[list[int]] | None = None
+    #: The storing request's LoRA int id (vLLM 0.33's ``lora_id``); None = none.
+    lora_id: int | None = None
 
     # Written out, not generated: the dataclasses module's generated __init__ is Python
     # bytecode even in the compiled core, and one is built per caching call of a decode
@@ -58,7 +60,8 @@ class BlockStored(RebuiltFromFields):
                  spec_kind: str | None = None, sliding_window: int | None = None,
                  medium: str = "GPU", prefix_lengths: list[int] | None = None,
                  start_token: int = 0, session_id: str | None = None,
-                 lookahead_token_ids: list[list[int]] | None = None) -> None:
+                 lookahead_token_ids: list[list[int]] | None = None,
+                 lora_id: int | None = None) -> None:
         self.block_hashes = block_hashes
         self.parent_block_hash = parent_block_hash
         self.token_ids = token_ids
@@ -73,6 +76,7 @@ class BlockStored(RebuiltFromFields):
         self.start_token = start_token
         self.session_id = session_id
         self.lookahead_token_ids = lookahead_token_ids
+        self.lora_id = lora_id
 
 
 @dataclass

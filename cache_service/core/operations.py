@@ -48,6 +48,9 @@ class AddRequest:
     #: Per-block prompt-embedding digests (docs/hashing.md#prompt-embeddings), one per
     #: block with an embedding row, or none.
     prompt_embeds_digests: Sequence[bytes] = ()
+    #: vLLM's ``LoRARequest.lora_int_id`` (>= 1; needs ``lora_name``): not hashed, only
+    #: named by the BlockStored events the request triggers (vLLM's ``lora_id``).
+    lora_id: Checked[int | None] = None
 
 
 @dataclass(slots=True)

@@ -549,6 +549,7 @@ class Pool:
             req.client_hashes = op.block_hashes is not None
             # The session that added it: named by the BlockStored events it triggers.
             req.session_id = op.account or None
+            req.lora_id = op.lora_id
             self._requests[op.request_id] = req
             if op.cache_salt or op.lora_name is not None:
                 self._log.saw_keys(ExtraKeys(op.cache_salt, op.lora_name, op.lora_path))

@@ -41,7 +41,7 @@ _FIELDS: Final = ("request_id", "all_token_ids", "num_prompt_tokens", "num_compu
                   "status", "num_preemptions", "cache_salt", "lora_name", "lora_path",
                   "block_hashes", "_hash_fn", "_hash_block_size", "num_in_flight_tokens",
                   "client_hashes", "num_placeholders", "shared_prefix_boundary", "session_id",
-                  "mm_items", "prompt_embeds", "_hash_lookahead")
+                  "mm_items", "prompt_embeds", "_hash_lookahead", "lora_id", "_next_hash_at")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # unpickled without __init__: restore.py
@@ -74,6 +74,8 @@ class Request:
         # The client session that added the request (None = none): BlockStored events
         # it triggers carry it, as vLLM's do.
         self.session_id: str | None = None
+        # vLLM's LoRA int id (None = none): named by the BlockStored events, not hashed.
+        self.lora_id: int | None = None
         self.cache_salt = cache_salt
         self.lora_name = lora_name
         # Hashed with the name as ("lora", name, path), as vLLM does (it always has a path).
@@ -84,6 +86,9 @@ class Request:
         self.prompt_embeds = prompt_embeds
         self._hash_lookahead = hash_lookahead
         self.block_hashes: list[bytes] = []
+        # The token count at which the next block gets its hash (-1: never, caching off):
+        # the decode hot path compares one int.
+        self._next_hash_at = -1
         # The leading hashes came from the client (miss reasons check their recipe).
         self.client_hashes = block_hashes is not None
         if hash_fn is not None:
@@ -113,11 +118,11 @@ class Request:
     def append_token(self, token_id: int) -> None:
         """:meth:`append_tokens` of one token (the decode hot path). Hashes stay complete
         up to the last full block, so a block completes exactly when the token count
-        reaches a multiple of the hash block size (plus the lookahead)."""
+        reaches ``_next_hash_at`` (a multiple of the hash block size, plus the
+        lookahead)."""
         tokens = self.all_token_ids
         tokens.append(token_id)
-        if self._hash_fn is not None \
-                and not (len(tokens) - self._hash_lookahead) % self._hash_block_size:
+        if len(tokens) == self._next_hash_at:
             self._update_block_hashes()
 
     def fill_placeholder(self, token_id: int) -> None:
@@ -129,15 +134,17 @@ class Request:
         hashes = self.block_hashes
         bs = self._hash_block_size
         start = len(hashes)
-        if (start + 1) * bs + self._hash_lookahead > len(self.all_token_ids):
-            return
-        assert self._hash_fn is not None
-        hashes.extend(hash_request_tokens(
-            self._hash_fn, self.all_token_ids, bs,
-            parent=hashes[-1] if hashes else None, start_block=start,
-            lora_name=self.lora_name, lora_path=self.lora_path, cache_salt=self.cache_salt,
-            mm_items=self.mm_items, prompt_embeds=self.prompt_embeds,
-            lookahead=self._hash_lookahead))
+        if (start + 1) * bs + self._hash_lookahead <= len(self.all_token_ids):
+            assert self._hash_fn is not None
+            hashes.extend(hash_request_tokens(
+                self._hash_fn, self.all_token_ids, bs,
+                parent=hashes[-1] if hashes else None, start_block=start,
+                lora_name=self.lora_name, lora_path=self.lora_path,
+                cache_salt=self.cache_salt, mm_items=self.mm_items,
+                prompt_embeds=self.prompt_embeds, lookahead=self._hash_lookahead))
+        # Every block with its tokens (and lookahead) known has a hash now, so this
+        # lies past the current length.
+        self._next_hash_at = (len(hashes) + 1) * bs + self._hash_lookahead
 
 
 def _restore_request(state: dict[str, Any]) -> Request:
@@ -148,9 +155,13 @@ def _restore_request(state: dict[str, Any]) -> Request:
     req.mm_items = ()  # ... and before multimodal / prompt-embedding keys and lookahead
     req.prompt_embeds = ()
     req._hash_lookahead = 0
+    req.lora_id = None  # ... and before events named the LoRA id
     state["all_token_ids"] = state["all_token_ids"].tolist()
     for name, value in state.items():
         setattr(req, name, value)
+    if "_next_hash_at" not in state:  # a snapshot from before it existed
+        req._next_hash_at = -1 if req._hash_fn is None else (
+            (len(req.block_hashes) + 1) * req._hash_block_size + req._hash_lookahead)
     return req
 
 

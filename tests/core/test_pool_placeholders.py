@@ -49,7 +49,13 @@ class Gen:
         return self.prompt + self.outputs[:self.decoded]
 
 
-@pytest.mark.parametrize("name", SAMPLE_CONFIGS)
+# With lookahead hashing a block's hash waits for the token after it too, which in the
+# lagging run is a placeholder one call longer: its blocks are cached a call later, as in
+# vLLM under async scheduling (its hasher reads only known tokens). Not the same per call.
+SYNC_LIKE_CONFIGS = [name for name in SAMPLE_CONFIGS if "_la" not in name]
+
+
+@pytest.mark.parametrize("name", SYNC_LIKE_CONFIGS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.data_too_large])
 @given(data=st.data())

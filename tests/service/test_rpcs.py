@@ -341,6 +341,20 @@ def test_reset_with_block_ids_drops_only_those_entries_even_in_use(client: Cache
     assert client.stats(info.pool_id).num_cached_blocks == 3  # blocks 0, 1 and 3 stay
 
 
+def test_block_stored_names_the_lora_id(client: CacheClient, new_pool) -> None:
+    """vLLM 0.33's BlockStored.lora_id: the storing request's LoRA int id (not hashed)."""
+    info = new_pool()
+    pid = info.pool_id
+    client.step(pid, [ops.add("a", list(range(32)), lora_id=7, lora_name="sql",
+                              lora_path="/a/sql"), ops.allocate("a", 32),
+                      ops.add("b", list(range(100, 132))), ops.allocate("b", 32)])
+    events = list(_take(client.subscribe_events(pid, 1), 2))
+    assert [(e.lora_name, e.lora_id) for e in events] == [("sql", 7), ("", None)]
+    # The id is no part of the hash: the same adapter's prompt hits whatever its id.
+    assert client.peek_prefix([pid], list(range(32)) + [1], lora_name="sql",
+                              lora_path="/a/sql") == {pid: 32}
+
+
 def test_events_stream_resume_and_out_of_range(client: CacheClient, new_pool) -> None:
     info = new_pool(hybrid_layers())
     prompt = list(range(64))

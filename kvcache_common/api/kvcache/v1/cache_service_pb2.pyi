@@ -284,7 +284,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self, num_requests_dropped: _Optional[int] = ...) -> None: ...
 
 class AddRequestOp(_message.Message):
-    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class", "mm_items", "prompt_embeds_digests")
+    __slots__ = ("request_id", "token_ids", "block_hashes", "cache_salt", "lora_name", "lora_path", "hash_recipe", "eviction_class", "mm_items", "prompt_embeds_digests", "lora_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,7 @@ class AddRequestOp(_message.Message):
     EVICTION_CLASS_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -305,7 +306,8 @@ class AddRequestOp(_message.Message):
     eviction_class: int
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., hash_recipe: _Optional[_Union[HashRecipe, _Mapping]] = ..., eviction_class: _Optional[int] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class LookupOp(_message.Message):
     __slots__ = ("request_id", "explain")
@@ -770,7 +772,7 @@ class SubscribeEventsRequest(_message.Message):
     def __init__(self, pool_id: _Optional[str] = ..., from_sequence: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token", "session_id", "lookahead_token_ids")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_name", "group_idx", "kind", "sliding_window", "medium", "prefix_lengths", "start_token", "session_id", "lookahead_token_ids", "lora_id")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -784,6 +786,7 @@ class BlockStored(_message.Message):
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     parent_block_hash: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -797,7 +800,8 @@ class BlockStored(_message.Message):
     start_token: int
     session_id: str
     lookahead_token_ids: _containers.RepeatedCompositeFieldContainer[LookaheadTokens]
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., session_id: _Optional[str] = ..., lookahead_token_ids: _Optional[_Iterable[_Union[LookaheadTokens, _Mapping]]] = ...) -> None: ...
+    lora_id: int
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., parent_block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_name: _Optional[str] = ..., group_idx: _Optional[int] = ..., kind: _Optional[_Union[LayerKind, str]] = ..., sliding_window: _Optional[int] = ..., medium: _Optional[str] = ..., prefix_lengths: _Optional[_Iterable[int]] = ..., start_token: _Optional[int] = ..., session_id: _Optional[str] = ..., lookahead_token_ids: _Optional[_Iterable[_Union[LookaheadTokens, _Mapping]]] = ..., lora_id: _Optional[int] = ...) -> None: ...
 
 class LookaheadTokens(_message.Message):
     __slots__ = ("token_ids",)
