@@ -312,6 +312,7 @@ def run_oracle(args: argparse.Namespace, kind: str) -> dict[str, Any] | None:
 
 _VLLM_CONSTRUCT = """
 import gc, json, sys, time, tracemalloc
+sys.path.insert(0, {dir!r})
 import vllm_oracle as vo
 cfg = vo.OracleConfig(scenario="full", num_blocks={n}, block_size={bs}, max_model_len={mml})
 kv, sbs, hbs = vo.build_kv_cache_config(cfg)
@@ -350,7 +351,7 @@ def measure_construction(args: argparse.Namespace) -> list[dict[str, Any]]:
         rows.append({"side": side, "num_blocks": n, "construct_s": round(t, 4),
                      "tracemalloc_peak_bytes": peak})
     py = Path(args.oracle_python)
-    if not args.no_oracle and py.exists():
+    if not args.no_oracle and py.exists() and (ORACLE_DIR / "vllm_oracle.py").exists():
         code = _VLLM_CONSTRUCT.format(dir=str(ORACLE_DIR), n=n, bs=args.block_size,
                                       mml=args.max_model_len)
         proc = subprocess.run([str(py), "-c", code], capture_output=True, text=True,
@@ -569,9 +570,14 @@ def main(argv: list[str] | None = None) -> int:
     vllm_note = ""
     if "vllm" not in sides:
         vllm_note = "not asked for"
-    elif args.no_oracle or not Path(args.oracle_python).exists():
-        vllm_note = f"no oracle venv at {args.oracle_python}" if not args.no_oracle \
-            else "--no-oracle"
+    elif args.no_oracle:
+        vllm_note = "--no-oracle"
+    elif not Path(args.oracle_python).exists():
+        vllm_note = f"no oracle venv at {args.oracle_python}"
+    elif not (ORACLE_DIR / "vllm_oracle.py").exists():
+        vllm_note = f"no vllm_oracle.py in {ORACLE_DIR} (VLLM_ORACLE_DIR)"
+    if vllm_note and "vllm" in sides:
+        sides.remove("vllm")
         print(f"vLLM column absent ({vllm_note})", file=sys.stderr)
     if variant != "compiled" and "pure" in sides:
         sides.remove("pure")  # the core side is the pure one

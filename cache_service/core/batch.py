@@ -26,7 +26,7 @@ Errors name fields relative to the op (``num_new_tokens``); ``apply_batch`` pref
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,7 +278,9 @@ class BatchCheck:
     prepared arguments the pool applies (token lists, or a decode's request objects): one
     method per kind of op (``_CHECKS``)."""
 
-    def __init__(self, requests: Mapping[str, Request], limits: BatchLimits,
+    # A dict (the pool's own), not any Mapping: the compiled core then reads it with
+    # native dict operations, once per request of every op.
+    def __init__(self, requests: dict[str, Request], limits: BatchLimits,
                  pending_hit: Callable[[str], int | None]) -> None:
         self.requests = requests
         self.limits = limits
