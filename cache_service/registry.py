@@ -19,6 +19,7 @@ from typing import Any
 from cache_service.core.grouping import get_kv_cache_config, page_size_bytes
 from cache_service.core.pool import Pool, PoolOptions
 from cache_service.core.prefix_index import PrefixIndex, keyspace_of
+from cache_service.core.restore import fill_added_attributes
 from cache_service.core.specs import KVCacheConfig, KVCacheSpec, SizingLimits
 from cache_service.errors import (
     AlreadyExists,
@@ -83,6 +84,12 @@ class PoolEntry:
         """What the pool takes of block budgets (--max-total-blocks, a tenant's
         max_blocks): see :func:`budget_blocks`."""
         return budget_blocks(self.config, self.description)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (a snapshot, an AdoptPool record, a standby's catch-up): a pool from
+        an older release's snapshot gets the attributes added since (core/restore.py)."""
+        self.__dict__.update(state)
+        fill_added_attributes(self.pool)
 
     def flush_events(self) -> None:
         """Moves the allocator's pending KV events into the feed (call after mutations)."""

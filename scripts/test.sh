@@ -55,7 +55,7 @@ KVCACHE_CORE=pure python3 -m pytest "$@" || rc=$?
 # A machine without a C compiler or the interpreter's headers prints one line and skips it.
 if [ "$#" = 0 ] && [ "${KVCACHE_TEST_COMPILED:-1}" != 0 ]; then
     if python3 -m cache_service.core.build >/dev/null 2>/tmp/kvcache-core-build.$$.log; then
-        KVCACHE_CORE=compiled python3 -m pytest -q tests/core tests/service/test_replay_equivalence.py || rc=$?
+        KVCACHE_CORE=compiled python3 -m pytest -q tests/core tests/service/test_replay_equivalence.py tests/service/test_upgrade.py || rc=$?
     else
         echo "compiled core: the build failed ($(tail -n 1 /tmp/kvcache-core-build.$$.log)); its test pass is skipped"
     fi

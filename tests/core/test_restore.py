@@ -6,17 +6,20 @@ order, statistics and events."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cache_service.core import _variant
 from cache_service.core.operations import AddRequest, Allocate
 from cache_service.core.pool import Pool
+from cache_service.core.restore import fill_added_attributes
 
 from builders import SAMPLE_CONFIGS, full, make_pool, snapshot_with_events, twin_pools
 
@@ -112,3 +115,29 @@ def test_a_pickle_of_the_other_core_loads_in_this_one(name: str, tmp_path: Path)
     pool = busy_pool(name)
     assert snapshot_with_events(copy) == snapshot_with_events(pool)
     assert go_on(copy) == go_on(pool)
+
+
+PREV_RELEASE = HERE / "data" / "prev_release"  # written by data/write_prev_release.py
+
+
+def _plain(value: Any) -> object:
+    """As data/write_prev_release.py writes an answer (a lookup's hit as its three fields)."""
+    if hasattr(value, "hit_tokens"):
+        return [value.hit_tokens, _plain(value.block_ids), value.shared_prefix_boundary]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return [[_plain(k), _plain(v)] for k, v in sorted(value.items())]
+    return value
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PREV_RELEASE.glob("*.pickle")))
+def test_a_pool_pickled_by_the_previous_release_goes_on_as_it_would_have(name: str) -> None:
+    """A snapshot outlives an upgrade: the previous release's pickle loads in this core,
+    gets the attributes added since (restore.fill_added_attributes, which PoolEntry's
+    unpickling calls) and answers what the previous release answered."""
+    copy = pickle.loads((PREV_RELEASE / f"{name}.pickle").read_bytes())
+    fill_added_attributes(copy)
+    copy.check_invariants()
+    want = json.loads((PREV_RELEASE / "answers.json").read_text())[name]
+    assert json.loads(json.dumps(_plain(go_on(copy)[:-1]))) == want
