@@ -287,6 +287,7 @@ class BatchCheck:
         self.pending_hit = pending_hit
         self.state: dict[str, Simulated] = {}  # by request id, as the batch goes
         self.blocks_moved = False  # a block-changing op came earlier in the batch
+        self.allocated = False  # an allocate came earlier in the batch (it may promote)
         self.last = False  # the op being checked is the batch's last (nothing reads after)
 
     def check(self, op: Any) -> Any:
@@ -354,6 +355,7 @@ class BatchCheck:
         kept lean."""
         limits = self.limits
         rid = op.request_id
+        self.allocated = True
         st = self.state.get(rid) if type(rid) is str else None
         if st is None or not st.exists:
             st = self._require(rid)
@@ -462,6 +464,13 @@ class BatchCheck:
         return None
 
     def _check_reset_host_tier(self, op: ResetHostTierOp) -> None:
+        # An earlier allocate may have planned promotions from the slots this drops, and
+        # the executor that lost them could never run those (the device blocks would be
+        # cached without their data): the reset must come first.
+        if self.allocated:
+            raise InvalidArgument("reset_host_tier must come before every allocate of its "
+                                  "batch (promotions from the dropped slots could not run)",
+                                  field="")
         # A pending hit may name host slots this drops: later allocates look up again.
         self.blocks_moved = True
 

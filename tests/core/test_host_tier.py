@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_service.core import _variant
-from cache_service.core.errors import ConfigError
+from cache_service.core.errors import ConfigError, InvalidArgument
 from cache_service.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from cache_service.core.hashing import external_block_hash
 from cache_service.core.host_tier import HostTier, TierCopy, slot_of
@@ -371,6 +371,20 @@ def test_a_reset_between_lookup_and_allocate_makes_the_allocate_look_up_again() 
     assert out[0].hit_tokens == 16 and out[1] == 1
     assert out[2].ok and out[2].hit_tokens_used == 12
     assert pool.tier_copies[1] == []
+    pool.check_invariants()
+
+
+def test_a_reset_after_an_allocate_of_its_batch_is_refused_and_changes_nothing() -> None:
+    # The allocate may promote from slots the reset drops: copies no executor could run.
+    pool = make_pool(9, full(4), host_tier_blocks=16)
+    serve(pool, "a", PROMPT_A)
+    serve(pool, "b", PROMPT_B)
+    pool.apply_batch([AddRequest("a2", PROMPT_A)])
+    before = (snapshot(pool), _tier_state(pool))
+    with pytest.raises(InvalidArgument) as err:
+        pool.apply_batch([Lookup("a2"), Allocate("a2", 1), ResetHostTierOp()])
+    assert err.value.field == "ops[2].reset_host_tier"
+    assert (snapshot(pool), _tier_state(pool)) == before
     pool.check_invariants()
 
 
