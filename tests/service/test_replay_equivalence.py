@@ -118,7 +118,9 @@ def test_server_replay_equals_the_replay_tool(client: CacheClient, name: str, co
     expected = run_replay_tool(config, trace)
     pool_id = f"replay-{name}"
     register(client, json.loads(config.read_text()), pool_id)
-    replayer = ServerReplayer(client, pool_id)
+    recipe = client.get_pool(pool_id).raw.hash_recipe  # prompt embeddings hash with it
+    replayer = ServerReplayer(client, pool_id, recipe.hash_block_size,
+                              recipe.num_hash_lookahead_tokens)
     for i, (op, want) in enumerate(zip(trace, expected)):
         got = replayer.apply(op)
         if "error" in want or "error" in got:
