@@ -98,8 +98,12 @@ class TimedStandIn:
         self.layout = layout
         self.seconds = forward_ms / 1e3
 
-    def copy_blocks(self, copies: Sequence[tuple[int, int, int]]) -> None:
-        """No device memory to copy: the stand-in holds no cache."""
+    #: No host tier (the stand-in holds no cache): the engine sends no reset.
+    tier = None
+
+    def run_copies(self, answers: Sequence[object]) -> set[tuple[int, int]]:
+        """No device memory to copy (the stand-in holds no cache): no copy can fail."""
+        return set()
 
     def forward(self, tokens: Sequence[Sequence[int]], chunks: Sequence[SeqChunk]) -> torch.Tensor:
         """Sleeps the stand-in's forward time and answers deterministic one-hot logits (no
