@@ -1,0 +1,299 @@
+"""Dev tool (never run by tests): a pytest plugin that runs vLLM 0.33's own KV-cache unit tests
+(``tests/v1/core`` of the ``vllm==0.33.0`` sdist) against this project's core.
+
+Loaded by ``scripts/oracle/vllm_unit_tests.py`` with ``-p vllm_ut_adapter`` under the oracle
+venv's pytest. It always records every test's outcome (JSON lines into ``$VLLM_UT_RESULTS``);
+with ``VLLM_UT_ADAPT=1`` it also replaces, before the test modules are imported, the names
+they import from ``vllm.v1.core`` (``BlockPool``, the single-type managers,
+``KVCacheManager``) by thin adapters over ``cache_service.core``: each translates vLLM's
+constructor arguments and config objects into ours and hands the test our object. Anything
+the adapter cannot translate raises :class:`NotRunnable` naming the missing feature, so the
+report can group "not runnable" tests by what they need. vLLM's own ``Request`` objects
+are passed to our core as they are: the pure core (``KVCACHE_CORE=pure``) reads them by
+their attributes (``request_id``, ``block_hashes``, ``num_tokens``...), which vLLM's share.
+
+Classification of a test run against us (``outcome`` in the records):
+``passed``; ``failed`` (an ``AssertionError``: a behavioural divergence or an adapter
+mismatch the assertion exposed); ``not_runnable`` (a :class:`NotRunnable`, or any other
+exception: the test reached a surface the adapter or our core does not have; ``feature``
+names it). ``touched`` says whether the test built any adapted object at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from typing import Any
+
+import pytest
+
+ADAPT = os.environ.get("VLLM_UT_ADAPT") == "1"
+RESULTS = os.environ.get("VLLM_UT_RESULTS")
+_touched = [0]
+
+
+class NotRunnable(Exception):
+    """The test needs ``feature``, which our core (or this adapter) does not have."""
+
+    def __init__(self, feature: str) -> None:
+        super().__init__(feature)
+        self.feature = feature
+
+
+def _touch() -> None:
+    _touched[0] += 1
+
+
+# -- config translation ------------------------------------------------------------------
+def _dtype(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_our_spec(spec: Any) -> Any:
+    """vLLM's ``KVCacheSpec`` -> ours (NotRunnable for a type we lack)."""
+    from cache_service.core import specs as ours  # noqa: PLC0415
+
+    name = type(spec).__name__
+    attn = dict(block_size=spec.block_size, num_kv_heads=getattr(spec, "num_kv_heads", 1),
+                head_size=getattr(spec, "head_size", 1), dtype=_dtype(getattr(spec, "dtype", "")))
+    if getattr(spec, "page_size_padded", None):
+        attn["page_size_padded"] = spec.page_size_padded
+    if name == "FullAttentionSpec":
+        return ours.FullAttentionSpec(**attn, sliding_window=spec.sliding_window,
+                                      attention_chunk_size=spec.attention_chunk_size)
+    if name == "SlidingWindowSpec":
+        return ours.SlidingWindowSpec(**attn, sliding_window=spec.sliding_window)
+    if name == "ChunkedLocalAttentionSpec":
+        return ours.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=spec.attention_chunk_size)
+    if name == "RSWASpec":
+        return ours.RSWASpec(**attn, rswa_window=spec.rswa_window)
+    if name == "CircularBufferSpec":
+        return ours.CircularBufferSpec(**attn)
+    if name == "MambaSpec":
+        return ours.MambaSpec(block_size=spec.block_size, shapes=tuple(map(tuple, spec.shapes)),
+                              dtypes=tuple(_dtype(d) for d in spec.dtypes),
+                              page_size_padded=spec.page_size_padded,
+                              mamba_type=str(spec.mamba_type),
+                              mamba_cache_mode=spec.mamba_cache_mode,
+                              num_speculative_blocks=spec.num_speculative_blocks)
+    raise NotRunnable(f"spec type {name}")
+
+
+def to_our_config(config: Any) -> Any:
+    """vLLM's ``KVCacheConfig`` -> ours."""
+    from cache_service.core import specs as ours  # noqa: PLC0415
+
+    groups = tuple(ours.KVCacheGroupSpec(layer_names=tuple(g.layer_names),
+                                         spec=to_our_spec(g.kv_cache_spec))
+                   for g in config.kv_cache_groups)
+    return ours.KVCacheConfig(num_blocks=config.num_blocks, groups=groups)
+
+
+def _refuse(kwargs: dict[str, Any], defaults: dict[str, Any], features: dict[str, str]) -> None:
+    """NotRunnable for any keyword set away from the value we support."""
+    for key, value in kwargs.items():
+        if key in defaults and value != defaults[key]:
+            raise NotRunnable(features.get(key, key))
+        if key not in defaults:
+            raise NotRunnable(f"argument {key}")
+
+
+_CP = "decode/prefill context parallel"
+
+
+# -- adapters ------------------------------------------------------------------------------
+def make_adapters() -> dict[str, Any]:
+    """The adapter classes, by the vLLM name they replace."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: PLC0415
+
+    from cache_service.core import block_pool as our_pool  # noqa: PLC0415
+    from cache_service.core import kv_cache_manager as our_kvm  # noqa: PLC0415
+    from cache_service.core import single_type_managers as our_stm  # noqa: PLC0415
+
+    class BlockPool(our_pool.BlockPool):
+        """vLLM's ``BlockPool(num_gpu_blocks, enable_caching, hash_block_size, ...)``."""
+
+        def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                     enable_kv_cache_events: bool = False, **kwargs: Any) -> None:
+            _touch()
+            _refuse(kwargs, {"metrics_collector": None}, {"metrics_collector": "metrics collector"})
+            super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
+                             enable_events=enable_kv_cache_events)
+
+    def manager_adapter(base: type) -> type:
+        class Adapted(base):  # type: ignore[misc, valid-type]
+            def __init__(self, kv_cache_spec: Any, block_pool: Any, enable_caching: bool,
+                         kv_cache_group_id: int, scheduler_block_size: int,
+                         **kwargs: Any) -> None:
+                _touch()
+                _refuse(kwargs, {"dcp_world_size": 1, "pcp_world_size": 1,
+                                 "needs_kv_cache_zeroing": False,
+                                 "max_admission_blocks_per_request": None},
+                        {"dcp_world_size": _CP, "pcp_world_size": _CP,
+                         "needs_kv_cache_zeroing": "needs_kv_cache_zeroing",
+                         "max_admission_blocks_per_request": "admission cap argument"})
+                if not isinstance(block_pool, our_pool.BlockPool):
+                    raise NotRunnable("a vLLM BlockPool built outside the adapter")
+                super().__init__(to_our_spec(kv_cache_spec), block_pool, kv_cache_group_id,
+                                 enable_caching=enable_caching)
+                self.cache_hit_alignment_tokens = scheduler_block_size
+
+            @classmethod
+            def find_longest_cache_hit(cls, block_hashes: Any, max_length: int,
+                                       kv_cache_group_ids: Any, block_pool: Any,
+                                       kv_cache_spec: Any, drop_eagle_block: bool = False,
+                                       alignment_tokens: int | None = None,
+                                       dcp_world_size: int = 1, pcp_world_size: int = 1,
+                                       **kwargs: Any) -> Any:
+                if dcp_world_size != 1 or pcp_world_size != 1:
+                    raise NotRunnable(_CP)
+                if kwargs:
+                    raise NotRunnable(f"argument {sorted(kwargs)[0]}")
+                spec = to_our_spec(kv_cache_spec)
+                return base.find_longest_cache_hit(
+                    block_hashes, max_length, list(kv_cache_group_ids), block_pool, spec,
+                    alignment_tokens if alignment_tokens is not None else spec.block_size,
+                    drop_eagle_block)
+
+        Adapted.__name__ = Adapted.__qualname__ = base.__name__
+        return Adapted
+
+    class KVCacheManager(our_kvm.KVCacheManager):
+        """vLLM's ``KVCacheManager(kv_cache_config, max_model_len, ...)`` over ours; results
+        in vLLM's ``KVCacheBlocks`` container (plain data over our blocks)."""
+
+        def __init__(self, kv_cache_config: Any, max_model_len: int,
+                     scheduler_block_size: int | None = None, hash_block_size: int | None = None,
+                     max_in_flight_tokens: int | None = None, enable_caching: bool = True,
+                     use_eagle: bool = False, num_hash_lookahead_tokens: int = 0,
+                     enable_kv_cache_events: bool = False, watermark: float = 0.0,
+                     enable_mamba_shared_prefix_checkpoint: bool = False,
+                     **kwargs: Any) -> None:
+            _touch()
+            _refuse(kwargs, {"num_prefill_lookahead": 0, "log_stats": False,
+                             "log_stats_ignored": None, "dcp_world_size": 1,
+                             "pcp_world_size": 1, "metrics_collector": None},
+                    {"num_prefill_lookahead": "num_prefill_lookahead",
+                     "dcp_world_size": _CP, "pcp_world_size": _CP,
+                     "metrics_collector": "metrics collector"})
+            config = to_our_config(kv_cache_config)
+            sbs, hbs = our_kvm.resolve_block_sizes(config, enable_caching, scheduler_block_size,
+                                                   hash_block_size)
+            super().__init__(config, max_model_len=max_model_len, scheduler_block_size=sbs,
+                             hash_block_size=hbs, max_in_flight_tokens=max_in_flight_tokens,
+                             enable_caching=enable_caching, enable_events=enable_kv_cache_events,
+                             watermark=watermark, use_eagle=use_eagle,
+                             enable_mamba_shared_prefix_checkpoint=(
+                                 enable_mamba_shared_prefix_checkpoint),
+                             num_hash_lookahead_tokens=num_hash_lookahead_tokens)
+            self.block_pool = self.pool
+            self.kv_cache_config = kv_cache_config
+
+        def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+            blocks, hit, boundary = super().get_computed_blocks(request, *args, **kwargs)
+            request.shared_prefix_boundary = boundary
+            return KVCacheBlocks(tuple(blocks)), hit
+
+        def allocate_slots(self, request: Any, num_new_tokens: int,
+                           num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
+                           *args: Any, **kwargs: Any) -> Any:
+            hit = None if new_computed_blocks is None else tuple(new_computed_blocks.blocks)
+            out = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+                                         hit, *args, **kwargs)
+            return None if out is None else KVCacheBlocks(tuple(out))
+
+        def get_blocks(self, request_id: str) -> Any:
+            return KVCacheBlocks(tuple(super().get_blocks(request_id)))
+
+        def get_block_ids(self, request_id: str) -> Any:
+            return tuple(super().get_block_ids(request_id))
+
+        def create_kv_cache_blocks(self, blocks: Any) -> Any:
+            return KVCacheBlocks(tuple(blocks))
+
+    adapters: dict[str, Any] = {"BlockPool": BlockPool, "KVCacheManager": KVCacheManager}
+    for name in ("FullAttentionManager", "SlidingWindowManager", "ChunkedLocalAttentionManager",
+                 "MambaManager", "RSWAManager", "CircularBufferManager", "CrossAttentionManager"):
+        adapters[name] = manager_adapter(getattr(our_stm, name))
+    return adapters
+
+
+def install() -> None:
+    """Replace the names in every ``vllm.v1.core`` module the tests import them from."""
+    import vllm.v1.core.block_pool as vbp  # noqa: PLC0415
+    import vllm.v1.core.kv_cache_coordinator as vkc  # noqa: PLC0415
+    import vllm.v1.core.kv_cache_manager as vkm  # noqa: PLC0415
+    import vllm.v1.core.single_type_kv_cache_manager as vstm  # noqa: PLC0415
+
+    for name, cls in make_adapters().items():
+        for module in (vbp, vkm, vstm, vkc):
+            if hasattr(module, name):
+                setattr(module, name, cls)
+    # Coordinators and the spec->manager map build vLLM objects; a test that uses them is
+    # driving vLLM's own composition, which we do not adapt.
+    for name in dir(vkc):
+        if name.endswith("Coordinator") and name != "KVCacheCoordinator":
+            setattr(vkc, name, _not_runnable(f"vLLM coordinator class {name}"))
+    setattr(vkc, "get_kv_cache_coordinator", _not_runnable("vLLM get_kv_cache_coordinator"))
+
+
+def _not_runnable(feature: str) -> Any:
+    def refuse(*_args: Any, **_kwargs: Any) -> Any:
+        raise NotRunnable(feature)
+    return refuse
+
+
+# -- pytest hooks ---------------------------------------------------------------------------
+def pytest_configure(config: pytest.Config) -> None:
+    """Install the adapters before any test module is imported."""
+    if ADAPT:
+        install()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Start counting the adapted objects this test builds."""
+    _touched[0] = 0
+
+
+def _feature(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    exc = excinfo.value
+    if isinstance(exc, NotRunnable):
+        return exc.feature
+    cause = exc
+    while cause is not None:  # a NotRunnable wrapped by another exception
+        if isinstance(cause, NotRunnable):
+            return cause.feature
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    frames = traceback.extract_tb(excinfo.tb)
+    where = frames[-1] if frames else None
+    loc = f" at {os.path.basename(where.filename)}:{where.name}" if where else ""
+    msg = str(exc).splitlines()[0][:90] if str(exc) else ""
+    return f"{type(exc).__name__}: {msg}{loc}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Record each test's outcome once (its first failing phase, else its call phase)."""
+    outcome = yield
+    report = outcome.get_result()
+    if RESULTS is None:
+        return
+    if report.when != "call" and not (report.failed or report.skipped):
+        return
+    record: dict[str, Any] = {"nodeid": item.nodeid, "when": report.when,
+                              "touched": _touched[0] > 0}
+    if report.skipped:
+        record["outcome"] = "skipped"
+        record["feature"] = str(report.longrepr[-1] if isinstance(report.longrepr, tuple)
+                                else report.longrepr)[:120]
+    elif report.passed:
+        record["outcome"] = "passed"
+    elif call.excinfo is not None and call.excinfo.errisinstance(AssertionError):
+        record["outcome"] = "failed"
+        record["feature"] = _feature(call.excinfo)
+    else:
+        record["outcome"] = "not_runnable"
+        record["feature"] = _feature(call.excinfo) if call.excinfo else "unknown"
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
