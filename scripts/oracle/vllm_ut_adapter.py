@@ -121,23 +121,48 @@ def make_adapters() -> dict[str, Any]:
             super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
                              enable_events=enable_kv_cache_events)
 
+        def __getattr__(self, name: str) -> Any:
+            if name in ("free_block_queue", "blocks", "cached_block_hash_to_block"):
+                raise NotRunnable(f"vLLM BlockPool internal {name}")
+            raise AttributeError(name)
+
     def manager_adapter(base: type) -> type:
         class Adapted(base):  # type: ignore[misc, valid-type]
             def __init__(self, kv_cache_spec: Any, block_pool: Any, enable_caching: bool,
                          kv_cache_group_id: int, scheduler_block_size: int,
                          **kwargs: Any) -> None:
                 _touch()
+                cap = kwargs.pop("max_admission_blocks_per_request", None)
                 _refuse(kwargs, {"dcp_world_size": 1, "pcp_world_size": 1,
-                                 "needs_kv_cache_zeroing": False,
-                                 "max_admission_blocks_per_request": None},
+                                 "needs_kv_cache_zeroing": False},
                         {"dcp_world_size": _CP, "pcp_world_size": _CP,
-                         "needs_kv_cache_zeroing": "needs_kv_cache_zeroing",
-                         "max_admission_blocks_per_request": "admission cap argument"})
+                         "needs_kv_cache_zeroing": "needs_kv_cache_zeroing (Mamba block "
+                                                   "zeroing)"})
                 if not isinstance(block_pool, our_pool.BlockPool):
                     raise NotRunnable("a vLLM BlockPool built outside the adapter")
                 super().__init__(to_our_spec(kv_cache_spec), block_pool, kv_cache_group_id,
-                                 enable_caching=enable_caching)
+                                 enable_caching=enable_caching, admission_cap=cap)
                 self.cache_hit_alignment_tokens = scheduler_block_size
+
+            def cache_blocks(self, request: Any, num_tokens: int,
+                             retention_interval: int | None = None, *,
+                             replay_boundaries: Any = ()) -> None:
+                # vLLM's coordinator passes the retention and the replay boundaries on
+                # every call; ours sets the first once and derives the second itself.
+                self.retention_interval = retention_interval
+                super().cache_blocks(request, num_tokens)
+
+            def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                                      num_prompt_tokens: int | None = None) -> None:
+                super().remove_skipped_blocks(request_id, processed_computed_tokens)
+                if num_prompt_tokens is not None and hasattr(self, "remove_gap_blocks"):
+                    self.remove_gap_blocks(request_id, processed_computed_tokens,
+                                           num_prompt_tokens)
+
+            def __getattr__(self, name: str) -> Any:
+                if name.startswith("_"):
+                    raise NotRunnable(f"vLLM manager internal {name}")
+                raise AttributeError(name)
 
             @classmethod
             def find_longest_cache_hit(cls, block_hashes: Any, max_length: int,
@@ -249,6 +274,13 @@ def pytest_configure(config: pytest.Config) -> None:
     """Install the adapters before any test module is imported."""
     if ADAPT:
         install()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Both passes skip vLLM's GPU cleanup after each test (this machine has no GPU; vLLM's
+    conftest lets CPU-only tests opt out with this marker)."""
+    for item in items:
+        item.add_marker(pytest.mark.skip_global_cleanup)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
