@@ -47,13 +47,23 @@ def run_pytest(python: Path, sdist: Path, files: list[str], adapt: bool, extra: 
                PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     core = sdist / "tests/v1/core"
     cmd = [str(python), "-m", "pytest", "-q", "-p", "vllm_ut_adapter", "-p", "no:cacheprovider",
-           "--rootdir", str(sdist), *extra, *[str(core / f) for f in files]]
+           "--continue-on-collection-errors", "--rootdir", str(sdist), *extra, *[str(core / f) for f in files]]
+    tail = ""
     try:
-        subprocess.run(cmd, cwd=str(sdist / "tests"), env=env, timeout=timeout,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+        proc = subprocess.run(cmd, cwd=str(sdist / "tests"), env=env, timeout=timeout,
+                              capture_output=True, text=True, check=False)
+        # A file that fails to import is one "error" line in pytest's summary.
+        for line in proc.stdout.splitlines():
+            if line.startswith("ERROR ") and "::" not in line:
+                print(f"collection error ({'adapted' if adapt else 'vLLM'} run): {line[6:]}",
+                      file=sys.stderr)
+        tail = proc.stdout[-3000:] + proc.stderr[-3000:]
     except subprocess.TimeoutExpired:
         print(f"pytest timed out after {timeout}s ({'adapted' if adapt else 'vLLM'} run); "
               "counts are partial", file=sys.stderr)
+    if not results.read_text().strip():
+        print(f"no test ran: {' '.join(cmd)}\n{tail}",
+              file=sys.stderr)
     seen: dict[str, dict[str, Any]] = {}
     for line in results.read_text().splitlines():
         rec = json.loads(line)

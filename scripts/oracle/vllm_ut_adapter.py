@@ -143,6 +143,7 @@ def make_adapters() -> dict[str, Any]:
                 super().__init__(to_our_spec(kv_cache_spec), block_pool, kv_cache_group_id,
                                  enable_caching=enable_caching, admission_cap=cap)
                 self.cache_hit_alignment_tokens = scheduler_block_size
+                self.req_to_blocks = _TablesWithIds(self.req_to_ids)
 
             def cache_blocks(self, request: Any, num_tokens: int,
                              retention_interval: int | None = None, *,
@@ -242,6 +243,19 @@ def make_adapters() -> dict[str, Any]:
                  "MambaManager", "RSWAManager", "CircularBufferManager", "CrossAttentionManager"):
         adapters[name] = manager_adapter(getattr(our_stm, name))
     return adapters
+
+
+class _TablesWithIds(dict):  # type: ignore[type-arg]
+    """``req_to_blocks`` for tests that assign a table directly (vLLM keeps no parallel id
+    list; our managers do): an assignment also sets the ids."""
+
+    def __init__(self, ids: dict[str, list[int]]) -> None:
+        super().__init__()
+        self._ids = ids
+
+    def __setitem__(self, key: str, blocks: Any) -> None:
+        super().__setitem__(key, blocks)
+        self._ids[key] = [b.block_id for b in blocks]
 
 
 def install() -> None:
