@@ -43,7 +43,7 @@ def run_pytest(python: Path, sdist: Path, files: list[str], adapt: bool, extra: 
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as tmp:
         results = Path(tmp.name)
     env = dict(os.environ, VLLM_UT_RESULTS=str(results), VLLM_UT_ADAPT="1" if adapt else "0",
-               KVCACHE_CORE="pure",
+               KVCACHE_CORE="pure", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     core = sdist / "tests/v1/core"
     cmd = [str(python), "-m", "pytest", "-q", "-p", "vllm_ut_adapter", "-p", "no:cacheprovider",

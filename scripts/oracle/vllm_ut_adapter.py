@@ -121,6 +121,15 @@ def make_adapters() -> dict[str, Any]:
             super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
                              enable_events=enable_kv_cache_events)
 
+        def cache_full_blocks(self, request: Any, blocks: Any, num_cached_blocks: int,
+                              num_full_blocks: int, block_size: int, kv_cache_group_id: int,
+                              block_mask: Any = None) -> None:
+            # Ours takes the request's hashes already viewed at block_size.
+            hashes = our_stm.hash_view(request.block_hashes, self.hash_block_size, block_size)
+            super().cache_full_blocks(request, blocks, hashes, num_cached_blocks,
+                                      num_full_blocks, block_size, kv_cache_group_id,
+                                      block_mask)
+
         def __getattr__(self, name: str) -> Any:
             if name in ("free_block_queue", "blocks", "cached_block_hash_to_block"):
                 raise NotRunnable(f"vLLM BlockPool internal {name}")
@@ -218,8 +227,7 @@ def make_adapters() -> dict[str, Any]:
 
         def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
             blocks, hit, boundary = super().get_computed_blocks(request, *args, **kwargs)
-            request.shared_prefix_boundary = boundary
-            return KVCacheBlocks(tuple(blocks)), hit
+            return KVCacheBlocks(tuple(blocks)), hit, boundary
 
         def allocate_slots(self, request: Any, num_new_tokens: int,
                            num_new_computed_tokens: int = 0, new_computed_blocks: Any = None,
@@ -258,6 +266,19 @@ class _TablesWithIds(dict):  # type: ignore[type-arg]
         self._ids[key] = [b.block_id for b in blocks]
 
 
+def _request_fields() -> None:
+    """The fields our core reads from a request that vLLM's ``Request`` names otherwise
+    (its ``lora_request`` holds the LoRA name, path and int id)."""
+    from vllm.v1.request import Request  # noqa: PLC0415
+
+    def lora(attr: str) -> Any:
+        return property(lambda self: getattr(self.lora_request, attr, None))
+
+    Request.lora_name = lora("lora_name")  # type: ignore[attr-defined]
+    Request.lora_path = lora("lora_path")  # type: ignore[attr-defined]
+    Request.lora_id = lora("lora_int_id")  # type: ignore[attr-defined]
+
+
 def install() -> None:
     """Replace the names in every ``vllm.v1.core`` module the tests import them from."""
     import vllm.v1.core.block_pool as vbp  # noqa: PLC0415
@@ -265,6 +286,7 @@ def install() -> None:
     import vllm.v1.core.kv_cache_manager as vkm  # noqa: PLC0415
     import vllm.v1.core.single_type_kv_cache_manager as vstm  # noqa: PLC0415
 
+    _request_fields()
     for name, cls in make_adapters().items():
         for module in (vbp, vkm, vstm, vkc):
             if hasattr(module, name):
