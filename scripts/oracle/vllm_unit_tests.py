@@ -44,10 +44,12 @@ def run_pytest(python: Path, sdist: Path, files: list[str], adapt: bool, extra: 
         results = Path(tmp.name)
     env = dict(os.environ, VLLM_UT_RESULTS=str(results), VLLM_UT_ADAPT="1" if adapt else "0",
                KVCACHE_CORE="pure", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT),
+                                           os.environ.get("PYTHONPATH", "")]))
     core = sdist / "tests/v1/core"
     cmd = [str(python), "-m", "pytest", "-q", "-p", "vllm_ut_adapter", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "--rootdir", str(sdist), *extra, *[str(core / f) for f in files]]
+           "--continue-on-collection-errors", "--rootdir", str(sdist), *extra,
+           *[str(core / f) for f in files]]
     tail = ""
     try:
         proc = subprocess.run(cmd, cwd=str(sdist / "tests"), env=env, timeout=timeout,

@@ -65,14 +65,18 @@ def to_our_spec(spec: Any) -> Any:
     if name == "SlidingWindowSpec":
         return ours.SlidingWindowSpec(**attn, sliding_window=spec.sliding_window)
     if name == "ChunkedLocalAttentionSpec":
-        return ours.ChunkedLocalAttentionSpec(**attn, attention_chunk_size=spec.attention_chunk_size)
+        return ours.ChunkedLocalAttentionSpec(**attn,
+                                              attention_chunk_size=spec.attention_chunk_size)
     if name == "RSWASpec":
         return ours.RSWASpec(**attn, rswa_window=spec.rswa_window)
     if name == "CircularBufferSpec":
         return ours.CircularBufferSpec(**attn)
     if name == "MambaSpec":
-        return ours.MambaSpec(block_size=spec.block_size, shapes=tuple(map(tuple, spec.shapes)),
-                              dtypes=tuple(_dtype(d) for d in spec.dtypes),
+        shapes = tuple(spec.shapes)
+        shapes = (shapes,) if shapes and isinstance(shapes[0], int) else tuple(map(tuple, shapes))
+        dtypes = spec.dtypes if isinstance(spec.dtypes, (tuple, list)) else (spec.dtypes,)
+        return ours.MambaSpec(block_size=spec.block_size, shapes=shapes,
+                              dtypes=tuple(_dtype(d) for d in dtypes),
                               page_size_padded=spec.page_size_padded,
                               mamba_type=str(spec.mamba_type),
                               mamba_cache_mode=spec.mamba_cache_mode,
@@ -115,28 +119,49 @@ def make_adapters() -> dict[str, Any]:
         """vLLM's ``BlockPool(num_gpu_blocks, enable_caching, hash_block_size, ...)``."""
 
         def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                     enable_kv_cache_events: bool = False, **kwargs: Any) -> None:
+                     enable_kv_cache_events: bool = False, *, num_groups: int = 1,
+                     enable_events: bool | None = None, **kwargs: Any) -> None:
+            # Built by a test (vLLM's signature) or by our coordinator (ours: the
+            # coordinator module's BlockPool is this class too, so a KVCacheManager's pool
+            # answers vLLM's method signatures).
             _touch()
             _refuse(kwargs, {"metrics_collector": None}, {"metrics_collector": "metrics collector"})
             super().__init__(num_gpu_blocks, enable_caching, hash_block_size,
-                             enable_events=enable_kv_cache_events)
+                             num_groups=num_groups,
+                             enable_events=enable_kv_cache_events or bool(enable_events))
 
-        def cache_full_blocks(self, request: Any, blocks: Any, num_cached_blocks: int,
-                              num_full_blocks: int, block_size: int, kv_cache_group_id: int,
-                              block_mask: Any = None) -> None:
+        def cache_full_blocks(self, request: Any, blocks: Any, *args: Any, **kw: Any) -> None:
+            if args and not isinstance(args[0], int):  # our core's call: hashes given
+                return super().cache_full_blocks(request, blocks, *args, **kw)
+            names = ("num_cached_blocks", "num_full_blocks", "block_size", "kv_cache_group_id",
+                     "block_mask")
+            a = dict(zip(names, args), **kw)
             # Ours takes the request's hashes already viewed at block_size.
-            hashes = our_stm.hash_view(request.block_hashes, self.hash_block_size, block_size)
-            super().cache_full_blocks(request, blocks, hashes, num_cached_blocks,
-                                      num_full_blocks, block_size, kv_cache_group_id,
-                                      block_mask)
+            hashes = our_stm.hash_view(request.block_hashes, self.hash_block_size,
+                                       a["block_size"])
+            return super().cache_full_blocks(request, blocks, hashes, a["num_cached_blocks"],
+                                             a["num_full_blocks"], a["block_size"],
+                                             a["kv_cache_group_id"], a.get("block_mask"))
+
+        def cache_partial_block(self, request: Any, block: Any, num_tokens: int,
+                                group_id: int | None = None, *,
+                                kv_cache_group_id: int | None = None) -> Any:
+            gid = group_id if group_id is not None else kv_cache_group_id
+            assert gid is not None
+            return super().cache_partial_block(request, block, num_tokens, gid)
+
+        def get_cached_block(self, block_hash: Any, group_ids: Any = None, *,
+                             kv_cache_group_ids: Any = None) -> Any:
+            return super().get_cached_block(
+                block_hash, group_ids if group_ids is not None else kv_cache_group_ids)
 
         def __getattr__(self, name: str) -> Any:
             if name in ("free_block_queue", "blocks", "cached_block_hash_to_block"):
                 raise NotRunnable(f"vLLM BlockPool internal {name}")
             raise AttributeError(name)
 
-    def manager_adapter(base: type) -> type:
-        class Adapted(base):  # type: ignore[misc, valid-type]
+    def manager_adapter(base: Any) -> type:
+        class Adapted(base):
             def __init__(self, kv_cache_spec: Any, block_pool: Any, enable_caching: bool,
                          kv_cache_group_id: int, scheduler_block_size: int,
                          **kwargs: Any) -> None:
@@ -253,7 +278,7 @@ def make_adapters() -> dict[str, Any]:
     return adapters
 
 
-class _TablesWithIds(dict):  # type: ignore[type-arg]
+class _TablesWithIds(dict):
     """``req_to_blocks`` for tests that assign a table directly (vLLM keeps no parallel id
     list; our managers do): an assignment also sets the ids."""
 
@@ -274,9 +299,16 @@ def _request_fields() -> None:
     def lora(attr: str) -> Any:
         return property(lambda self: getattr(self.lora_request, attr, None))
 
-    Request.lora_name = lora("lora_name")  # type: ignore[attr-defined]
-    Request.lora_path = lora("lora_path")  # type: ignore[attr-defined]
-    Request.lora_id = lora("lora_int_id")  # type: ignore[attr-defined]
+    Request.lora_name = lora("lora_name")
+    Request.lora_path = lora("lora_path")
+    Request.lora_id = lora("lora_int_id")
+
+    def mm_items(self: Any) -> Any:
+        if getattr(self, "mm_features", None):
+            raise NotRunnable("multimodal items on a vLLM Request (adapter maps none)")
+        return ()
+
+    Request.mm_items = property(mm_items)
 
 
 def install() -> None:
@@ -287,7 +319,11 @@ def install() -> None:
     import vllm.v1.core.single_type_kv_cache_manager as vstm  # noqa: PLC0415
 
     _request_fields()
-    for name, cls in make_adapters().items():
+    from cache_service.core import coordinator as our_coordinator  # noqa: PLC0415
+
+    adapters = make_adapters()
+    our_coordinator.BlockPool = adapters["BlockPool"]  # type: ignore[attr-defined]
+    for name, cls in adapters.items():
         for module in (vbp, vkm, vstm, vkc):
             if hasattr(module, name):
                 setattr(module, name, cls)
@@ -296,7 +332,7 @@ def install() -> None:
     for name in dir(vkc):
         if name.endswith("Coordinator") and name != "KVCacheCoordinator":
             setattr(vkc, name, _not_runnable(f"vLLM coordinator class {name}"))
-    setattr(vkc, "get_kv_cache_coordinator", _not_runnable("vLLM get_kv_cache_coordinator"))
+    vkc.get_kv_cache_coordinator = _not_runnable("vLLM get_kv_cache_coordinator")
 
 
 def _not_runnable(feature: str) -> Any:
