@@ -249,6 +249,11 @@ def make_adapters() -> dict[str, Any]:
                              num_hash_lookahead_tokens=num_hash_lookahead_tokens)
             self.block_pool = self.pool
             self.kv_cache_config = kv_cache_config
+            # vLLM's names for the coordinator's parts the tests read.
+            self.coordinator.single_type_managers = tuple(  # type: ignore[attr-defined]
+                self.coordinator.managers)
+            self.coordinator.enable_partial_hash_hits = (  # type: ignore[attr-defined]
+                self.coordinator.partial_hits)
 
         def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
             blocks, hit, boundary = super().get_computed_blocks(request, *args, **kwargs)
