@@ -244,6 +244,8 @@ def make_adapters() -> dict[str, Any]:
                              hash_block_size=hbs, max_in_flight_tokens=max_in_flight_tokens,
                              enable_caching=enable_caching, enable_events=enable_kv_cache_events,
                              watermark=watermark, use_eagle=use_eagle,
+                             prefix_cache_retention_interval=getattr(
+                                 kv_cache_config, "prefix_cache_retention_interval", None),
                              enable_mamba_shared_prefix_checkpoint=(
                                  enable_mamba_shared_prefix_checkpoint),
                              num_hash_lookahead_tokens=num_hash_lookahead_tokens)
